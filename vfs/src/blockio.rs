@@ -1,0 +1,220 @@
+//! Reading blocks through references (with full verification), staging writes into batches,
+//! and chains: blobs stored across linked blocks.
+
+use crate::device::{AlignedBuf, BlockDevice, IoOp};
+use crate::error::{BlockFault, Error, Result};
+use crate::format::header::{payload, seal, verify};
+use crate::format::records::chain_capacity;
+use crate::format::{BlockHeader, BlockKind, BlockRef, Expect, Owner, StreamTag, HEADER_LEN};
+use crate::format::codec::{Dec, Enc};
+
+/// A block read and verified: its buffer and header.
+pub struct BlockBuf {
+    buf: AlignedBuf,
+    header: BlockHeader,
+}
+
+impl BlockBuf {
+    pub fn header(&self) -> &BlockHeader {
+        &self.header
+    }
+    pub fn payload(&self) -> &[u8] {
+        payload(&self.buf, &self.header)
+    }
+    /// The whole block, header included.
+    pub fn raw(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
+    Error::Damaged { block, kind: expect.kind.name(), owner: expect.owner.to_string(), fault }
+}
+
+/// Reads one block and checks it against what its reference says.
+pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Result<BlockBuf> {
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    let res = dev.submit(&mut [IoOp::Read { block, buf: &mut buf }]).pop().expect("one result");
+    res.map_err(|source| Error::BlockIo { block, source })?;
+    let header = verify(&buf, expect).map_err(|f| damaged(block, expect, f))?;
+    Ok(BlockBuf { buf, header })
+}
+
+/// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
+/// verifies each. One result per request, in request order.
+pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<BlockBuf>> {
+    /// Longest coalesced read, in blocks.
+    const MAX_RUN: usize = 64;
+    let bs = dev.block_size();
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    order.sort_by_key(|&i| reqs[i].0);
+    order.dedup_by_key(|i| reqs[*i].0);
+    // Group sorted, distinct blocks into runs.
+    let mut runs: Vec<(u64, usize)> = Vec::new();
+    for &i in &order {
+        let b = reqs[i].0;
+        match runs.last_mut() {
+            Some((start, n)) if *start + *n as u64 == b && *n < MAX_RUN => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    let mut bufs: Vec<AlignedBuf> = runs.iter().map(|&(_, n)| AlignedBuf::zeroed(n * bs)).collect();
+    let io: Vec<std::io::Result<()>> = {
+        let mut ops: Vec<IoOp<'_>> =
+            runs.iter().zip(bufs.iter_mut()).map(|(&(block, _), buf)| IoOp::Read { block, buf }).collect();
+        dev.submit(&mut ops)
+    };
+    reqs.iter()
+        .map(|(block, expect)| {
+            let r = runs.partition_point(|&(start, n)| start + n as u64 <= *block);
+            let (start, _) = runs[r];
+            if let Err(e) = &io[r] {
+                return Err(Error::BlockIo { block: *block, source: std::io::Error::new(e.kind(), e.to_string()) });
+            }
+            let at = (*block - start) as usize * bs;
+            let mut buf = AlignedBuf::zeroed(bs);
+            buf.copy_from_slice(&bufs[r][at..at + bs]);
+            let header = verify(&buf, expect).map_err(|f| damaged(*block, expect, f))?;
+            Ok(BlockBuf { buf, header })
+        })
+        .collect()
+}
+
+/// Writes waiting to go to the device, gathered so that consecutive blocks go out as one
+/// operation and a batch goes out as one submission.
+pub struct WriteQueue {
+    block_size: usize,
+    capacity: usize,
+    buf: AlignedBuf,
+    addrs: Vec<u64>,
+}
+
+impl WriteQueue {
+    /// 1 MiB of 4 KiB blocks per batch.
+    pub const BATCH_BYTES: usize = 1 << 20;
+
+    pub fn new(block_size: usize) -> Self {
+        let capacity = (Self::BATCH_BYTES / block_size).max(1);
+        WriteQueue { block_size, capacity, buf: AlignedBuf::zeroed(capacity * block_size), addrs: Vec::new() }
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.addrs.len() == self.capacity
+    }
+
+    /// Seals a block into the queue and returns its CRC. The caller flushes when full.
+    pub fn push(&mut self, block: u64, header: &BlockHeader, data: &[u8]) -> u32 {
+        assert!(!self.is_full(), "write queue overflow");
+        let at = self.addrs.len() * self.block_size;
+        self.addrs.push(block);
+        seal(&mut self.buf[at..at + self.block_size], header, data)
+    }
+
+    /// Submits every queued write; on failure names the first block that failed.
+    pub fn flush(&mut self, dev: &dyn BlockDevice) -> Result<()> {
+        if self.addrs.is_empty() {
+            return Ok(());
+        }
+        let bs = self.block_size;
+        let mut spans: Vec<(u64, usize, usize)> = Vec::new(); // (device block, first slot, count)
+        for (slot, &b) in self.addrs.iter().enumerate() {
+            match spans.last_mut() {
+                Some((start, _, n)) if *start + *n as u64 == b => *n += 1,
+                _ => spans.push((b, slot, 1)),
+            }
+        }
+        let results = {
+            let mut ops: Vec<IoOp<'_>> = spans
+                .iter()
+                .map(|&(block, slot, n)| IoOp::Write { block, buf: &self.buf[slot * bs..(slot + n) * bs] })
+                .collect();
+            dev.submit(&mut ops)
+        };
+        self.addrs.clear();
+        for (res, &(block, _, _)) in results.into_iter().zip(&spans) {
+            res.map_err(|source| Error::BlockIo { block, source })?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a chain's blocks are and what their headers say.
+#[derive(Debug, Clone, Copy)]
+pub struct ChainId {
+    pub kind: BlockKind,
+    pub owner: Owner,
+}
+
+/// Number of blocks a blob of `len` bytes takes as a chain.
+pub fn chain_blocks(block_size: usize, len: usize) -> usize {
+    len.div_ceil(chain_capacity(block_size)).max(1)
+}
+
+/// Writes `blob` into the given blocks, back to front so each carries its successor's CRC.
+/// Returns the reference to the first block.
+pub fn write_chain(
+    queue: &mut WriteQueue,
+    dev: &dyn BlockDevice,
+    id: ChainId,
+    generation: u64,
+    blob: &[u8],
+    blocks: &[u64],
+) -> Result<BlockRef> {
+    let cap = chain_capacity(dev.block_size());
+    assert_eq!(blocks.len(), chain_blocks(dev.block_size(), blob.len()));
+    let mut next = BlockRef::default();
+    for (pos, &block) in blocks.iter().enumerate().rev() {
+        let piece = &blob[(pos * cap).min(blob.len())..((pos + 1) * cap).min(blob.len())];
+        let mut e = Enc(Vec::with_capacity(piece.len() + 16));
+        next.encode(&mut e);
+        e.bytes(piece);
+        let header = BlockHeader {
+            kind: id.kind,
+            stream: StreamTag::Meta,
+            owner: id.owner,
+            payload_len: e.0.len() as u32,
+            logical: pos as u64,
+            generation,
+        };
+        if queue.is_full() {
+            queue.flush(dev)?;
+        }
+        next = BlockRef { block, crc: queue.push(block, &header, &e.0) };
+    }
+    Ok(next)
+}
+
+/// Reads a chain from its first reference. Returns the blob and the blocks it occupies.
+pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generation: u64) -> Result<(Vec<u8>, Vec<u64>)> {
+    let total = dev.num_blocks();
+    let mut blob = Vec::new();
+    let mut blocks = Vec::new();
+    let mut at = first;
+    loop {
+        let expect = Expect {
+            kind: id.kind,
+            stream: StreamTag::Meta,
+            owner: id.owner,
+            logical: blocks.len() as u64,
+            crc: at.crc,
+            max_generation: generation,
+        };
+        if at.block < 2 || at.block >= total || blocks.len() as u64 >= total {
+            return Err(damaged(at.block, &expect, BlockFault::Malformed("chain link out of range".into())));
+        }
+        let b = read_verified(dev, at.block, &expect)?;
+        let mut d = Dec::new(b.payload(), "chain block");
+        let next = BlockRef::decode(&mut d).map_err(|f| damaged(at.block, &expect, f))?;
+        blob.extend_from_slice(&b.payload()[crate::format::REF_LEN..]);
+        blocks.push(at.block);
+        if next.block == 0 {
+            return Ok((blob, blocks));
+        }
+        at = next;
+    }
+}
+
+/// Largest payload one block carries.
+pub fn max_payload(block_size: usize) -> usize {
+    block_size - HEADER_LEN
+}

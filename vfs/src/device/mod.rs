@@ -1,0 +1,208 @@
+//! Block devices: one trait, three implementations (io_uring, pread/pwrite, in-memory with
+//! fault injection). Everything above this module sees only [`BlockDevice`].
+
+mod aligned;
+mod file;
+mod mem;
+mod uring;
+
+pub use aligned::{AlignedBuf, PAGE};
+pub use file::FileDevice;
+pub use mem::{CrashMode, FaultPlan, MemDevice};
+pub use uring::UringDevice;
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Smallest and largest block sizes a store may use. Blocks are whole pages so that every
+/// buffer is O_DIRECT-safe on 4Kn devices.
+pub const MIN_BLOCK_SIZE: usize = PAGE;
+pub const MAX_BLOCK_SIZE: usize = 64 * 1024;
+
+/// One operation of a batch. A buffer may cover several consecutive blocks (coalesced I/O);
+/// its length is a multiple of the block size and its address is page aligned.
+pub enum IoOp<'a> {
+    Read { block: u64, buf: &'a mut [u8] },
+    Write { block: u64, buf: &'a [u8] },
+}
+
+impl IoOp<'_> {
+    pub fn block(&self) -> u64 {
+        match self {
+            IoOp::Read { block, .. } | IoOp::Write { block, .. } => *block,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            IoOp::Read { buf, .. } => buf.len(),
+            IoOp::Write { buf, .. } => buf.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn addr(&self) -> usize {
+        match self {
+            IoOp::Read { buf, .. } => buf.as_ptr() as usize,
+            IoOp::Write { buf, .. } => buf.as_ptr() as usize,
+        }
+    }
+}
+
+/// Which implementation backs a store, and why, for `inspect`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub kind: &'static str,
+    pub path: String,
+    /// Why this device was chosen when it was not the one asked for.
+    pub note: Option<String>,
+    pub queue_depth: u32,
+}
+
+pub trait BlockDevice: Send + Sync {
+    fn block_size(&self) -> usize;
+    fn num_blocks(&self) -> u64;
+    fn info(&self) -> DeviceInfo;
+    /// Runs every operation of the batch and returns one result per operation, in order.
+    /// Operations of one batch may complete in any order; callers never put a read and a
+    /// write of the same block in one batch.
+    fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+}
+
+/// Rejects an operation that is out of range or not O_DIRECT-safe, before it reaches a device.
+pub(crate) fn check_op(op: &IoOp<'_>, block_size: usize, num_blocks: u64) -> io::Result<()> {
+    let len = op.len();
+    if len == 0 || len % block_size != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("I/O length {len} is not a positive multiple of the block size {block_size}"),
+        ));
+    }
+    if op.addr() % PAGE != 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "I/O buffer is not page aligned"));
+    }
+    let blocks = (len / block_size) as u64;
+    if op.block().checked_add(blocks).is_none_or(|end| end > num_blocks) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("blocks {}..{} lie beyond the device end ({num_blocks} blocks)", op.block(), op.block() + blocks),
+        ));
+    }
+    Ok(())
+}
+
+/// Which device to open a store path with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// io_uring, falling back to pread/pwrite when ring setup is refused.
+    #[default]
+    Auto,
+    Uring,
+    File,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "uring" => Ok(DeviceChoice::Uring),
+            "file" => Ok(DeviceChoice::File),
+            _ => Err(format!("unknown device {s:?} (expected auto, uring or file)")),
+        }
+    }
+}
+
+impl DeviceChoice {
+    /// `CTXFS_DEVICE=auto|uring|file` overrides the default, so that the whole test suite
+    /// and the CLI can be run on either real device.
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var("CTXFS_DEVICE") {
+            Ok(v) if !v.is_empty() => v.parse(),
+            _ => Ok(DeviceChoice::Auto),
+        }
+    }
+}
+
+/// Opens `path` (a regular file or a block device) with O_DIRECT.
+pub(crate) fn open_direct(path: &Path, create: bool) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(create)
+        .truncate(false)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    match file {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("{}: the file system does not support O_DIRECT", path.display()),
+        )),
+        other => other,
+    }
+}
+
+/// Size in bytes of a regular file or a block device.
+pub(crate) fn byte_len(file: &File) -> io::Result<u64> {
+    let meta = file.metadata()?;
+    if meta.file_type().is_block_device() {
+        // A block device reports length 0 in its metadata; seeking to the end gives its size.
+        let mut f = file;
+        f.seek(SeekFrom::End(0))
+    } else {
+        Ok(meta.len())
+    }
+}
+
+/// Opens a store path with the chosen real device.
+pub fn open_path(path: &Path, choice: DeviceChoice, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
+    let file = open_direct(path, false)?;
+    open_file(path, file, choice, block_size)
+}
+
+pub(crate) fn open_file(
+    path: &Path,
+    file: File,
+    choice: DeviceChoice,
+    block_size: usize,
+) -> io::Result<Box<dyn BlockDevice>> {
+    match choice {
+        DeviceChoice::File => Ok(Box::new(FileDevice::new(path, file, block_size, None)?)),
+        DeviceChoice::Uring => Ok(Box::new(UringDevice::new(path, file, block_size)?)),
+        DeviceChoice::Auto => {
+            let probe = file.try_clone()?;
+            match UringDevice::new(path, file, block_size) {
+                Ok(dev) => Ok(Box::new(dev)),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
+                    let note = format!("io_uring setup refused ({e}); using pread/pwrite with O_DIRECT");
+                    Ok(Box::new(FileDevice::new(path, probe, block_size, Some(note))?))
+                }
+                Err(e) => Err(e),
+            }
+        }
+    }
+}
+
+/// Reads the first `len` bytes of a path with O_DIRECT; used to find the superblocks before
+/// the block size is known.
+pub fn read_prefix(path: &Path, len: usize) -> io::Result<AlignedBuf> {
+    use std::os::unix::fs::FileExt;
+    let file = open_direct(path, false)?;
+    let mut buf = AlignedBuf::zeroed(len);
+    let mut done = 0;
+    while done < len {
+        let n = file.read_at(&mut buf[done..], done as u64)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(buf)
+}

@@ -1,0 +1,57 @@
+//! Error types. Every error that concerns a block names the block, so that a user (and fsck)
+//! can say exactly where the damage is.
+
+use std::io;
+
+/// What went wrong with one block when it was read back and checked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockFault {
+    #[error("bad magic {found:#010x}")]
+    BadMagic { found: u32 },
+    #[error("checksum mismatch: block holds {stored:#010x}, contents hash to {computed:#010x}")]
+    ChecksumMismatch { stored: u32, computed: u32 },
+    #[error("checksum {found:#010x} differs from {expected:#010x} recorded by its parent (lost or misdirected write)")]
+    ReferenceMismatch { expected: u32, found: u32 },
+    #[error("header says {field} = {found}, expected {expected} (misdirected write)")]
+    HeaderMismatch { field: &'static str, expected: u64, found: u64 },
+    #[error("malformed contents: {0}")]
+    Malformed(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("I/O error on block {block}: {source}")]
+    BlockIo { block: u64, source: io::Error },
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+    #[error("damaged {kind} block {block} (owner {owner}): {fault}")]
+    Damaged { block: u64, kind: &'static str, owner: String, fault: BlockFault },
+    #[error("not a ctxfs store: {0}")]
+    NotAStore(String),
+    #[error("unsupported format version {found} (this build reads version {supported}); {hint}")]
+    UnsupportedVersion { found: u32, supported: u32, hint: &'static str },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("no context named {0:?}")]
+    NoSuchContext(String),
+    #[error("a context named {0:?} already exists")]
+    ContextExists(String),
+    #[error("store is full: {needed} more blocks needed, {free} free")]
+    StoreFull { needed: u64, free: u64 },
+    #[error("store was poisoned by an earlier failed commit ({0}); reopen it to recover the last committed state")]
+    Poisoned(String),
+    #[error("device has crashed (simulated)")]
+    Crashed,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The block this error is about, where it is about one.
+    pub fn block(&self) -> Option<u64> {
+        match self {
+            Error::BlockIo { block, .. } | Error::Damaged { block, .. } => Some(*block),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! The two superblocks at blocks 0 and 1. Commit `g` writes slot `g % 2`; recovery takes the
+//! valid one with the higher generation.
+
+use super::codec::{Dec, Enc};
+use super::header::{seal, unseal, BlockHeader, BlockKind, BlockRef, Owner, StreamTag, HEADER_LEN};
+use crate::error::{BlockFault, Error};
+
+pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"ctxfs-sb";
+pub const FORMAT_VERSION: u32 = 1;
+pub const SUPERBLOCK_SLOTS: u64 = 2;
+const PAYLOAD_LEN: usize = 104;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Superblock {
+    pub block_size: u32,
+    pub total_blocks: u64,
+    pub generation: u64,
+    pub store_id: [u8; 16],
+    pub catalog: BlockRef,
+    pub alloc: BlockRef,
+    pub allocated_blocks: u64,
+    pub next_context_id: u32,
+    pub commit_unix_ms: u64,
+}
+
+impl Superblock {
+    pub fn slot(&self) -> u64 {
+        self.generation % SUPERBLOCK_SLOTS
+    }
+
+    pub fn encode_into(&self, block: &mut [u8]) -> u32 {
+        let mut e = Enc::default();
+        e.bytes(&SUPERBLOCK_MAGIC)
+            .u32(FORMAT_VERSION)
+            .u32(self.block_size)
+            .u64(self.total_blocks)
+            .u64(self.generation)
+            .bytes(&self.store_id);
+        self.catalog.encode(&mut e);
+        self.alloc.encode(&mut e);
+        e.u64(self.allocated_blocks).u32(self.next_context_id).u32(0).u64(self.commit_unix_ms);
+        debug_assert_eq!(e.0.len(), PAYLOAD_LEN);
+        let header = BlockHeader {
+            kind: BlockKind::Superblock,
+            stream: StreamTag::Meta,
+            owner: Owner::SYSTEM,
+            payload_len: PAYLOAD_LEN as u32,
+            logical: self.slot(),
+            generation: self.generation,
+        };
+        seal(block, &header, &e.0)
+    }
+
+    /// The block size a slot claims, read without checking anything, to know how much to read.
+    pub fn peek_block_size(prefix: &[u8]) -> Option<u32> {
+        let at = HEADER_LEN + 12;
+        let raw = prefix.get(at..at + 4)?;
+        Some(u32::from_le_bytes(raw.try_into().ok()?))
+    }
+
+    /// Decodes and checks one superblock slot (`block` is exactly one block).
+    pub fn decode(block: &[u8], slot: u64) -> Result<Superblock, Error> {
+        let damaged = |fault| Error::Damaged { block: slot, kind: "superblock", owner: "system".into(), fault };
+        // The magic and version are read before the checksum so that a store written by
+        // another format version is refused with a clear message rather than "bad checksum".
+        let mut d = Dec::new(block.get(HEADER_LEN..).unwrap_or(&[]), "superblock");
+        let magic = d.bytes(8).map_err(damaged)?;
+        if magic != SUPERBLOCK_MAGIC {
+            let (h, _) = unseal(block).map_err(damaged)?;
+            return Err(damaged(BlockFault::Malformed(format!("{:?} block where a superblock belongs", h.kind))));
+        }
+        let version = d.u32().map_err(damaged)?;
+        if version != FORMAT_VERSION {
+            return Err(Error::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+                hint: "use the ctxfs release that wrote this store, or export and re-import it",
+            });
+        }
+        let (h, _) = unseal(block).map_err(damaged)?;
+        if h.kind != BlockKind::Superblock || h.logical != slot || h.owner != Owner::SYSTEM {
+            return Err(damaged(BlockFault::Malformed(format!(
+                "header says {:?} slot {}, expected superblock slot {slot}",
+                h.kind, h.logical
+            ))));
+        }
+        let sb = Superblock {
+            block_size: d.u32().map_err(damaged)?,
+            total_blocks: d.u64().map_err(damaged)?,
+            generation: d.u64().map_err(damaged)?,
+            store_id: d.bytes(16).map_err(damaged)?.try_into().expect("16 bytes"),
+            catalog: BlockRef::decode(&mut d).map_err(damaged)?,
+            alloc: BlockRef::decode(&mut d).map_err(damaged)?,
+            allocated_blocks: d.u64().map_err(damaged)?,
+            next_context_id: d.u32().map_err(damaged)?,
+            commit_unix_ms: {
+                let _reserved = d.u32().map_err(damaged)?;
+                d.u64().map_err(damaged)?
+            },
+        };
+        let bad = |what: String| Err(damaged(BlockFault::Malformed(what)));
+        if sb.generation != h.generation || sb.slot() != slot {
+            return bad(format!("generation {} does not belong in slot {slot}", sb.generation));
+        }
+        if sb.block_size as usize != block.len() {
+            return bad(format!("block size {} but the slot was read as {} bytes", sb.block_size, block.len()));
+        }
+        if sb.total_blocks < 4 || sb.catalog.block >= sb.total_blocks || sb.alloc.block >= sb.total_blocks {
+            return bad("block counts or roots out of range".into());
+        }
+        if sb.catalog.block < SUPERBLOCK_SLOTS || sb.alloc.block < SUPERBLOCK_SLOTS {
+            return bad("a root points at a superblock slot".into());
+        }
+        Ok(sb)
+    }
+}

@@ -1,0 +1,499 @@
+//! A mounted store: recovery on open, immutable snapshots for readers, one writer at a time.
+
+use crate::alloc::{Allocator, Bitmap};
+use crate::blockio::{read_chain, read_many, read_verified, BlockBuf, ChainId};
+use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
+use crate::error::{BlockFault, Error, Result};
+use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot};
+use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
+use crate::stream::{StreamId, StreamMap};
+use crate::txn::Txn;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
+
+/// Which stream of a vector file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileStream {
+    Index,
+    Data,
+}
+
+impl FileStream {
+    pub fn tag(self) -> StreamTag {
+        match self {
+            FileStream::Index => StreamTag::Index,
+            FileStream::Data => StreamTag::Data,
+        }
+    }
+}
+
+/// Generations held by live snapshots, so freed blocks are not reused under a reader.
+#[derive(Default)]
+pub(crate) struct Readers(Mutex<BTreeMap<u64, usize>>);
+
+impl Readers {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, usize>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    pub fn oldest(&self) -> Option<u64> {
+        self.lock().keys().next().copied()
+    }
+    pub fn ticket(self: &Arc<Self>, generation: u64) -> ReaderTicket {
+        *self.lock().entry(generation).or_default() += 1;
+        ReaderTicket { readers: self.clone(), generation }
+    }
+}
+
+pub(crate) struct ReaderTicket {
+    readers: Arc<Readers>,
+    generation: u64,
+}
+
+impl Drop for ReaderTicket {
+    fn drop(&mut self) {
+        let mut map = self.readers.lock();
+        if let Some(n) = map.get_mut(&self.generation) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.generation);
+            }
+        }
+    }
+}
+
+/// A stream root whose extent map is read on first use.
+pub(crate) struct LazyStream {
+    pub id: StreamId,
+    pub root: StreamRoot,
+    map: OnceLock<Arc<StreamMap>>,
+}
+
+impl LazyStream {
+    pub fn new(id: StreamId, root: StreamRoot) -> Self {
+        LazyStream { id, root, map: OnceLock::new() }
+    }
+    pub fn with_map(id: StreamId, root: StreamRoot, map: StreamMap) -> Self {
+        let s = Self::new(id, root);
+        let _ = s.map.set(Arc::new(map));
+        s
+    }
+    pub fn map(&self, dev: &dyn BlockDevice, generation: u64) -> Result<Arc<StreamMap>> {
+        if let Some(m) = self.map.get() {
+            return Ok(m.clone());
+        }
+        // Errors are not cached: a transient I/O error must not stick.
+        let loaded = Arc::new(StreamMap::load(dev, self.id, &self.root, generation)?);
+        Ok(self.map.get_or_init(|| loaded).clone())
+    }
+}
+
+pub(crate) struct ContextMeta {
+    pub record: ContextRecord,
+    pub record_ref: BlockRef,
+    pub record_blocks: Vec<u64>,
+    pub tokens: LazyStream,
+    /// (index, data) per file, layer-major.
+    pub files: Vec<[LazyStream; 2]>,
+}
+
+impl ContextMeta {
+    pub fn from_record(record: ContextRecord, record_ref: BlockRef, record_blocks: Vec<u64>) -> Self {
+        let id = record.id;
+        let tokens = LazyStream::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }, record.tokens.clone());
+        let kv = record.shape.kv_heads as usize;
+        let files = record
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
+                [
+                    LazyStream::new(StreamId { owner, tag: StreamTag::Index }, f.index.clone()),
+                    LazyStream::new(StreamId { owner, tag: StreamTag::Data }, f.data.clone()),
+                ]
+            })
+            .collect();
+        ContextMeta { record, record_ref, record_blocks, tokens, files }
+    }
+
+    pub fn streams(&self) -> impl Iterator<Item = &LazyStream> {
+        std::iter::once(&self.tokens).chain(self.files.iter().flatten())
+    }
+}
+
+/// One committed state of the store. Readers hold it for as long as they read; the blocks it
+/// references are not reused until it is dropped.
+pub struct Snapshot {
+    pub(crate) dev: Arc<dyn BlockDevice>,
+    pub(crate) superblock: Superblock,
+    pub(crate) contexts: BTreeMap<String, Arc<ContextMeta>>,
+    pub(crate) catalog_blocks: Vec<u64>,
+    pub(crate) _ticket: Option<ReaderTicket>,
+}
+
+impl Snapshot {
+    pub fn generation(&self) -> u64 {
+        self.superblock.generation
+    }
+    pub fn superblock(&self) -> &Superblock {
+        &self.superblock
+    }
+    /// Committed contexts, by name.
+    pub fn contexts(&self) -> impl Iterator<Item = &ContextRecord> {
+        self.contexts.values().map(|c| &c.record)
+    }
+    pub fn context(&self, name: &str) -> Result<Context<'_>> {
+        let meta = self.contexts.get(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+        Ok(Context { snap: self, meta })
+    }
+    pub(crate) fn catalog_blocks(&self) -> &[u64] {
+        &self.catalog_blocks
+    }
+}
+
+/// A committed context, read through a snapshot.
+pub struct Context<'a> {
+    snap: &'a Snapshot,
+    meta: &'a ContextMeta,
+}
+
+impl<'a> Context<'a> {
+    pub fn record(&self) -> &'a ContextRecord {
+        &self.meta.record
+    }
+
+    pub fn token_count(&self) -> u64 {
+        self.meta.record.tokens.bytes / 4
+    }
+
+    pub fn tokens(&self) -> Result<Vec<u32>> {
+        let s = self.stream_of(&self.meta.tokens)?;
+        let mut out = Vec::with_capacity(self.token_count() as usize);
+        for block in s.read_range(0, s.blocks()) {
+            let block = block?;
+            out.extend(block.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))));
+        }
+        Ok(out)
+    }
+
+    pub fn stream(&self, layer: u16, head: u16, which: FileStream) -> Result<StreamReader<'a>> {
+        let shape = &self.meta.record.shape;
+        if layer >= shape.layers || head >= shape.kv_heads {
+            return Err(Error::InvalidArgument(format!(
+                "context {:?} has {} layers and {} kv heads; no layer {layer} head {head}",
+                self.meta.record.name, shape.layers, shape.kv_heads
+            )));
+        }
+        let file = &self.meta.files[layer as usize * shape.kv_heads as usize + head as usize];
+        self.stream_of(&file[which as usize])
+    }
+
+    fn stream_of(&self, lazy: &'a LazyStream) -> Result<StreamReader<'a>> {
+        let map = lazy.map(self.snap.dev.as_ref(), self.snap.generation())?;
+        Ok(StreamReader { dev: self.snap.dev.as_ref(), lazy, map, generation: self.snap.generation() })
+    }
+}
+
+/// Reads one stream's blocks; every block is verified against the CRC its extent recorded.
+pub struct StreamReader<'a> {
+    dev: &'a dyn BlockDevice,
+    lazy: &'a LazyStream,
+    map: Arc<StreamMap>,
+    generation: u64,
+}
+
+impl StreamReader<'_> {
+    pub fn id(&self) -> StreamId {
+        self.lazy.id
+    }
+    pub fn blocks(&self) -> u64 {
+        self.map.len()
+    }
+    pub fn bytes(&self) -> u64 {
+        self.lazy.root.bytes
+    }
+    pub fn map(&self) -> &StreamMap {
+        &self.map
+    }
+    /// Where logical block `logical` is, and what reading it must find.
+    pub fn locate(&self, logical: u64) -> Option<(u64, Expect)> {
+        let r = self.map.locate(logical)?;
+        Some((r.block, self.lazy.id.expect(logical, r.crc, self.generation)))
+    }
+
+    fn request(&self, logical: u64) -> Result<(u64, Expect)> {
+        self.locate(logical).ok_or_else(|| {
+            Error::InvalidArgument(format!("{} stream of {} has {} blocks; no block {logical}", self.lazy.id.tag.name(), self.lazy.id.owner, self.blocks()))
+        })
+    }
+
+    pub fn read(&self, logical: u64) -> Result<BlockBuf> {
+        let (block, expect) = self.request(logical)?;
+        read_verified(self.dev, block, &expect)
+    }
+
+    /// Reads a set of blocks in one batch; one result per requested block.
+    pub fn read_many(&self, logicals: &[u64]) -> Vec<Result<BlockBuf>> {
+        let mut reqs = Vec::with_capacity(logicals.len());
+        let mut errors = BTreeMap::new();
+        for (i, &l) in logicals.iter().enumerate() {
+            match self.request(l) {
+                Ok(r) => reqs.push(r),
+                Err(e) => {
+                    errors.insert(i, e);
+                }
+            }
+        }
+        let mut read = read_many(self.dev, &reqs).into_iter();
+        (0..logicals.len()).map(|i| errors.remove(&i).map_or_else(|| read.next().expect("one per request"), Err)).collect()
+    }
+
+    /// Reads `count` blocks from `first` in batches, yielding them in order.
+    pub fn read_range(&self, first: u64, count: u64) -> impl Iterator<Item = Result<BlockBuf>> + '_ {
+        const BATCH: u64 = 256;
+        let end = (first + count).min(self.blocks());
+        (first..end).step_by(BATCH as usize).flat_map(move |s| {
+            let logicals: Vec<u64> = (s..(s + BATCH).min(end)).collect();
+            self.read_many(&logicals)
+        })
+    }
+}
+
+/// What the writer owns: the allocator and where the committed allocator blocks are.
+pub(crate) struct WriterState {
+    pub alloc: Allocator,
+    pub chunk_refs: Vec<BlockRef>,
+    pub alloc_dir_blocks: Vec<u64>,
+    pub poisoned: Option<String>,
+}
+
+/// What `open` found in each superblock slot.
+#[derive(Debug, Clone)]
+pub struct SlotStatus {
+    pub slot: u64,
+    pub result: std::result::Result<Superblock, String>,
+}
+
+pub struct Store {
+    pub(crate) dev: Arc<dyn BlockDevice>,
+    pub(crate) current: RwLock<Arc<Snapshot>>,
+    pub(crate) writer: Mutex<WriterState>,
+    pub(crate) readers: Arc<Readers>,
+    pub(crate) slots: Vec<SlotStatus>,
+}
+
+/// How `open` gets the allocator's committed bitmap.
+pub(crate) enum AllocSource {
+    /// From the allocator blocks the superblock references.
+    Persisted,
+    /// Given by fsck's reachability walk (repair), or-ed with what is persisted if readable.
+    Rebuilt(Bitmap),
+}
+
+pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
+    let mut out = Vec::new();
+    for slot in 0..SUPERBLOCK_SLOTS {
+        let mut buf = device::AlignedBuf::zeroed(dev.block_size());
+        let io = dev.submit(&mut [device::IoOp::Read { block: slot, buf: &mut buf }]).pop().expect("one result");
+        let result = match io {
+            Err(source) => Err(Error::BlockIo { block: slot, source }.to_string()),
+            Ok(()) => match Superblock::decode(&buf, slot) {
+                Ok(sb) => Ok(sb),
+                Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        out.push(SlotStatus { slot, result });
+    }
+    Ok(out)
+}
+
+/// The newest valid superblock, and the other slot's if it is valid and older.
+pub(crate) fn pick(slots: &[SlotStatus]) -> Result<(Superblock, Option<Superblock>)> {
+    let mut valid: Vec<Superblock> = slots.iter().filter_map(|s| s.result.as_ref().ok().copied()).collect();
+    valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
+    match valid.as_slice() {
+        [] => Err(Error::NotAStore(format!(
+            "no valid superblock ({})",
+            slots.iter().map(|s| format!("slot {}: {}", s.slot, s.result.as_ref().err().map_or("ok", |e| e))).collect::<Vec<_>>().join("; ")
+        ))),
+        [only] => Ok((*only, None)),
+        [a, b, ..] => Ok((*a, (b.generation < a.generation && b.store_id == a.store_id).then_some(*b))),
+    }
+}
+
+pub(crate) const CATALOG_CHAIN: ChainId = ChainId { kind: BlockKind::Catalog, owner: Owner::SYSTEM };
+pub(crate) const ALLOC_CHAIN: ChainId = ChainId { kind: BlockKind::Alloc, owner: Owner::SYSTEM };
+
+pub(crate) fn record_chain(id: u32) -> ChainId {
+    ChainId { kind: BlockKind::Catalog, owner: Owner::context(id) }
+}
+
+pub(crate) fn chunk_expect(chunk: u64, crc: u32, generation: u64) -> Expect {
+    Expect { kind: BlockKind::Alloc, stream: StreamTag::Meta, owner: Owner::SYSTEM, logical: chunk, crc, max_generation: generation }
+}
+
+/// Reads the allocator bitmap a superblock references. Returns it with the chunk references
+/// and the directory chain's blocks.
+pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
+    let (blob, dir_blocks) = read_chain(dev, sb.alloc, ALLOC_CHAIN, sb.generation)?;
+    let bad = |what: String| Error::Damaged { block: sb.alloc.block, kind: "alloc", owner: "system".into(), fault: BlockFault::Malformed(what) };
+    let (total, chunks) = decode_alloc_dir(&blob).map_err(|f| bad(f.to_string()))?;
+    let bpc = bits_per_chunk(dev.block_size());
+    if total != sb.total_blocks || chunks.len() as u64 != total.div_ceil(bpc) {
+        return Err(bad(format!("directory describes {total} blocks in {} chunks", chunks.len())));
+    }
+    let mut bitmap = Bitmap::new(total);
+    let reqs: Vec<(u64, Expect)> = chunks.iter().enumerate().map(|(i, r)| (r.block, chunk_expect(i as u64, r.crc, sb.generation))).collect();
+    for (i, res) in read_many(dev, &reqs).into_iter().enumerate() {
+        let b = res?;
+        let start = i as u64 * bpc;
+        bitmap.load_bytes(start, bpc.min(total - start), b.payload());
+    }
+    Ok((bitmap, chunks, dir_blocks))
+}
+
+/// Reads the catalog and every context record a superblock references.
+pub(crate) fn load_catalog(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(BTreeMap<String, Arc<ContextMeta>>, Vec<u64>)> {
+    let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
+    let bad = |block, what: String| Error::Damaged { block, kind: "catalog", owner: "system".into(), fault: BlockFault::Malformed(what) };
+    let entries = decode_catalog(&blob).map_err(|f| bad(sb.catalog.block, f.to_string()))?;
+    let mut contexts = BTreeMap::new();
+    for entry in entries {
+        if entry.id == 0 || entry.id >= sb.next_context_id {
+            return Err(bad(sb.catalog.block, format!("context {:?} has id {} outside 1..{}", entry.name, entry.id, sb.next_context_id)));
+        }
+        let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
+        let record = ContextRecord::decode(&rblob).map_err(|f| Error::Damaged {
+            block: entry.record.block,
+            kind: "catalog",
+            owner: Owner::context(entry.id).to_string(),
+            fault: f,
+        })?;
+        if record.id != entry.id || record.name != entry.name {
+            return Err(bad(entry.record.block, format!("record {} {:?} listed as {} {:?}", record.id, record.name, entry.id, entry.name)));
+        }
+        let meta = ContextMeta::from_record(record, entry.record, rblocks);
+        if contexts.insert(entry.name.clone(), Arc::new(meta)).is_some() {
+            return Err(bad(sb.catalog.block, format!("context name {:?} listed twice", entry.name)));
+        }
+    }
+    Ok((contexts, blocks))
+}
+
+impl Store {
+    /// Opens a store: recovers from the newest valid superblock and reads the catalog and the
+    /// allocator. Damaged metadata is an error naming the block.
+    pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Store> {
+        Self::open_with(dev, AllocSource::Persisted)
+    }
+
+    /// Opens a store file or block device, finding its block size from the superblocks.
+    pub fn open_path(path: &Path, choice: DeviceChoice) -> Result<Store> {
+        let block_size = probe_block_size(path)?;
+        Self::open(Arc::from(device::open_path(path, choice, block_size)?))
+    }
+
+    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource) -> Result<Store> {
+        let slots = read_slots(dev.as_ref())?;
+        let (sb, fallback) = pick(&slots)?;
+        if sb.block_size as usize != dev.block_size() {
+            return Err(Error::InvalidArgument(format!("store block size is {} but the device was opened with {}", sb.block_size, dev.block_size())));
+        }
+        if sb.total_blocks > dev.num_blocks() {
+            return Err(Error::NotAStore(format!("superblock describes {} blocks but the device has {}", sb.total_blocks, dev.num_blocks())));
+        }
+        let (contexts, catalog_blocks) = load_catalog(dev.as_ref(), &sb)?;
+        let (committed, chunk_refs, alloc_dir_blocks) = match source {
+            AllocSource::Persisted => load_bitmap(dev.as_ref(), &sb)?,
+            AllocSource::Rebuilt(mut reachable) => {
+                let (persisted, chunks, dir) = load_bitmap(dev.as_ref(), &sb).unwrap_or_else(|_| (Bitmap::new(sb.total_blocks), Vec::new(), Vec::new()));
+                for b in persisted.iter_ones() {
+                    reachable.set(b, true);
+                }
+                (reachable, chunks, dir)
+            }
+        };
+        let mut alloc = Allocator::new(committed, bits_per_chunk(dev.block_size()));
+        if let Some(older) = fallback {
+            // The fallback state stays intact until the next commit overwrites its slot.
+            if let Ok((old_bitmap, _, _)) = load_bitmap(dev.as_ref(), &older) {
+                alloc.quarantine_from(&old_bitmap, sb.generation);
+            }
+        }
+        let readers = Arc::new(Readers::default());
+        let snapshot = Snapshot { dev: dev.clone(), superblock: sb, contexts, catalog_blocks, _ticket: Some(readers.ticket(sb.generation)) };
+        Ok(Store {
+            dev,
+            current: RwLock::new(Arc::new(snapshot)),
+            writer: Mutex::new(WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None }),
+            readers,
+            slots,
+        })
+    }
+
+    /// The newest committed state. Hold it to read consistently while others commit.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Starts the (single) write transaction; waits while another is open.
+    pub fn begin(&self) -> Result<Txn<'_>> {
+        Txn::begin(self)
+    }
+
+    pub fn device(&self) -> &Arc<dyn BlockDevice> {
+        &self.dev
+    }
+
+    pub fn device_info(&self) -> DeviceInfo {
+        self.dev.info()
+    }
+
+    /// What the superblock slots held when the store was opened.
+    pub fn slots(&self) -> &[SlotStatus] {
+        &self.slots
+    }
+
+    /// Blocks that can be allocated now, and blocks the committed state uses.
+    pub fn space(&self) -> (u64, u64) {
+        let w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        (w.alloc.available(), w.alloc.committed().count_ones())
+    }
+
+    pub(crate) fn lock_writer(&self) -> MutexGuard<'_, WriterState> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn publish(&self, snapshot: Snapshot) {
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(snapshot);
+    }
+}
+
+/// Finds a store's block size: slot 0 names it; if slot 0 is damaged, slot 1 is looked for at
+/// each possible block size.
+pub fn probe_block_size(path: &Path) -> Result<usize> {
+    let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)?;
+    let mut errors = Vec::new();
+    if let Some(bs) = Superblock::peek_block_size(&prefix).map(|b| b as usize) {
+        if (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&bs) && bs % MIN_BLOCK_SIZE == 0 {
+            match Superblock::decode(&prefix[..bs], 0) {
+                Ok(_) => return Ok(bs),
+                Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
+                Err(e) => errors.push(format!("slot 0: {e}")),
+            }
+        }
+    }
+    let mut bs = MIN_BLOCK_SIZE;
+    while bs <= MAX_BLOCK_SIZE {
+        match Superblock::decode(&prefix[bs..2 * bs], 1) {
+            Ok(_) => return Ok(bs),
+            Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
+            Err(e) if bs == MIN_BLOCK_SIZE => errors.push(format!("slot 1: {e}")),
+            Err(_) => {}
+        }
+        bs *= 2;
+    }
+    Err(Error::NotAStore(format!("{}: no valid superblock ({})", path.display(), errors.join("; "))))
+}

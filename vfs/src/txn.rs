@@ -1,0 +1,526 @@
+//! The write transaction. All writes go to blocks that neither the committed state, nor the
+//! fallback state, nor any live snapshot references (copy-on-write). Commit writes the new
+//! blocks, flushes, writes the superblock, and flushes: the commit happens atomically at the
+//! superblock write. Dropping a transaction without committing discards it.
+
+use crate::alloc::{Allocator, Bitmap};
+use crate::blockio::{chain_blocks, read_verified, write_chain, WriteQueue};
+use crate::device::{self, AlignedBuf, BlockDevice, IoOp};
+use crate::error::{Error, Result};
+use crate::format::records::{bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, MAX_NAME_LEN};
+use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, HEADER_LEN};
+use crate::store::{chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState, ALLOC_CHAIN, CATALOG_CHAIN};
+use crate::stream::{StreamDraft, StreamId, StreamMap};
+use std::collections::BTreeMap;
+use std::sync::{Arc, MutexGuard};
+
+enum Slot {
+    Clean(Arc<ContextMeta>),
+    Draft(Box<ContextDraft>),
+}
+
+struct ContextDraft {
+    record: ContextRecord,
+    /// The committed version this draft replaces, if any.
+    old: Option<Arc<ContextMeta>>,
+    tokens: StreamDraft,
+    /// Tokens not yet written: the partial last block, written at commit.
+    token_tail: Vec<u32>,
+    files: Vec<[StreamDraft; 2]>,
+}
+
+impl ContextDraft {
+    fn streams_mut(&mut self) -> impl Iterator<Item = &mut StreamDraft> {
+        std::iter::once(&mut self.tokens).chain(self.files.iter_mut().flatten())
+    }
+}
+
+pub struct Txn<'s> {
+    store: &'s Store,
+    w: MutexGuard<'s, WriterState>,
+    base: Arc<Snapshot>,
+    generation: u64,
+    contexts: BTreeMap<String, Slot>,
+    next_context_id: u32,
+    queue: WriteQueue,
+    /// Set when a write failed: the transaction can only be dropped.
+    failed: Option<String>,
+    done: bool,
+}
+
+fn tokens_per_block(block_size: usize) -> usize {
+    (block_size - HEADER_LEN) / 4
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(Error::InvalidArgument(format!("context name must be 1..={MAX_NAME_LEN} bytes, got {}", name.len())));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::InvalidArgument(format!("context name {name:?} contains control characters")));
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl<'s> Txn<'s> {
+    pub(crate) fn begin(store: &'s Store) -> Result<Txn<'s>> {
+        let mut w = store.lock_writer();
+        if let Some(why) = &w.poisoned {
+            return Err(Error::Poisoned(why.clone()));
+        }
+        let base = store.snapshot();
+        w.alloc.release(base.generation(), store.readers.oldest());
+        let contexts = base.contexts.iter().map(|(k, v)| (k.clone(), Slot::Clean(v.clone()))).collect();
+        Ok(Txn {
+            generation: base.generation() + 1,
+            next_context_id: base.superblock.next_context_id,
+            queue: WriteQueue::new(store.dev.block_size()),
+            store,
+            w,
+            base,
+            contexts,
+            failed: None,
+            done: false,
+        })
+    }
+
+    /// The generation this transaction will commit as.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn dev(&self) -> &'s dyn BlockDevice {
+        self.store.dev.as_ref()
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.failed {
+            Some(why) => Err(Error::Poisoned(format!("an earlier write of this transaction failed: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Records a failure: after a failed write the transaction cannot commit.
+    fn guard<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if matches!(e, Error::BlockIo { .. } | Error::Io(_)) {
+                self.failed = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    pub fn create_context(&mut self, name: &str, shape: ModelShape, tokens: &[u32]) -> Result<()> {
+        self.check()?;
+        validate_name(name)?;
+        shape.validate().map_err(Error::InvalidArgument)?;
+        if self.contexts.contains_key(name) {
+            return Err(Error::ContextExists(name.to_string()));
+        }
+        let id = self.next_context_id;
+        self.next_context_id = id.checked_add(1).ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
+        let kv = shape.kv_heads as usize;
+        let files = (0..shape.files())
+            .map(|i| {
+                let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
+                [StreamDraft::new(StreamId { owner, tag: StreamTag::Index }), StreamDraft::new(StreamId { owner, tag: StreamTag::Data })]
+            })
+            .collect();
+        let draft = ContextDraft {
+            record: ContextRecord {
+                id,
+                name: name.to_string(),
+                shape,
+                created_unix_ms: now_ms(),
+                tokens: Default::default(),
+                files: Vec::new(),
+            },
+            old: None,
+            tokens: StreamDraft::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }),
+            token_tail: Vec::new(),
+            files,
+        };
+        self.contexts.insert(name.to_string(), Slot::Draft(Box::new(draft)));
+        self.append_tokens(name, tokens)
+    }
+
+    pub fn append_tokens(&mut self, name: &str, tokens: &[u32]) -> Result<()> {
+        self.check()?;
+        let per_block = tokens_per_block(self.dev().block_size());
+        let dev = self.dev();
+        let generation = self.generation;
+        let base_generation = self.base.generation();
+        let r = (|| {
+            let d = draft_in(&mut self.contexts, dev, base_generation, name)?;
+            let alloc = &mut self.w.alloc;
+            let queue = &mut self.queue;
+            // A partial last block on disk is read back and rewritten with the new tokens.
+            if d.token_tail.is_empty() && d.tokens.bytes % (per_block as u64 * 4) != 0 {
+                let last = d.tokens.map.len() - 1;
+                let at = d.tokens.map.locate(last).expect("last block exists");
+                let b = read_verified(dev, at.block, &d.tokens.id.expect(last, at.crc, base_generation))?;
+                d.token_tail = b.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+                d.tokens.pop(alloc, b.payload().len() as u64);
+            }
+            d.token_tail.extend_from_slice(tokens);
+            while d.token_tail.len() >= per_block {
+                let block: Vec<u8> = d.token_tail.drain(..per_block).flat_map(u32::to_le_bytes).collect();
+                d.tokens.push(alloc, queue, dev, generation, &block)?;
+            }
+            Ok(())
+        })();
+        self.guard(r)
+    }
+
+    /// Appends one block to the index or data stream of vector file (layer, kv head).
+    /// Returns the block's logical index in that stream.
+    pub fn append_block(&mut self, name: &str, layer: u16, head: u16, which: FileStream, payload: &[u8]) -> Result<u64> {
+        self.check()?;
+        let dev = self.dev();
+        let generation = self.generation;
+        let base_generation = self.base.generation();
+        let r = (|| {
+            let d = draft_in(&mut self.contexts, dev, base_generation, name)?;
+            let shape = d.record.shape;
+            if layer >= shape.layers || head >= shape.kv_heads {
+                return Err(Error::InvalidArgument(format!(
+                    "context {name:?} has {} layers and {} kv heads; no layer {layer} head {head}",
+                    shape.layers, shape.kv_heads
+                )));
+            }
+            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize][which as usize];
+            stream.push(&mut self.w.alloc, &mut self.queue, dev, generation, payload)
+        })();
+        self.guard(r)
+    }
+
+    /// Deletes a context. Its blocks are freed by this commit and reused only after the next.
+    pub fn delete_context(&mut self, name: &str) -> Result<()> {
+        self.check()?;
+        let dev = self.dev();
+        let generation = self.base.generation();
+        match self.contexts.get(name) {
+            None => return Err(Error::NoSuchContext(name.to_string())),
+            Some(Slot::Clean(meta)) => {
+                // Read every extent map first, so a failure changes nothing.
+                let maps = meta.streams().map(|s| s.map(dev, generation)).collect::<Result<Vec<_>>>()?;
+                let alloc = &mut self.w.alloc;
+                for (s, map) in meta.streams().zip(&maps) {
+                    StreamDraft::free_all(map, &s.root, alloc);
+                }
+                for &b in &meta.record_blocks {
+                    alloc.free(b);
+                }
+            }
+            Some(Slot::Draft(_)) => {
+                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else { unreachable!() };
+                let alloc = &mut self.w.alloc;
+                for s in d.streams_mut() {
+                    s.unreserve(alloc);
+                    let root = s.root();
+                    StreamDraft::free_all(&s.map, &root, alloc);
+                }
+                if let Some(old) = &d.old {
+                    for &b in &old.record_blocks {
+                        alloc.free(b);
+                    }
+                }
+                return Ok(());
+            }
+        }
+        self.contexts.remove(name);
+        Ok(())
+    }
+
+    /// Drops a context from the catalog without freeing its blocks one by one: fsck's repair
+    /// replaces the whole allocation afterwards.
+    pub(crate) fn forget_context(&mut self, name: &str) {
+        self.contexts.remove(name);
+    }
+
+    /// Replaces the allocation of the state being built (fsck repair). Blocks dropped from it
+    /// are quarantined like any other freed block.
+    pub(crate) fn set_allocation(&mut self, wanted: &Bitmap) {
+        let alloc = &mut self.w.alloc;
+        for b in 0..wanted.len() {
+            match (alloc.is_allocated(b), wanted.get(b)) {
+                (true, false) => alloc.free(b),
+                (false, true) => {
+                    let got = alloc.alloc(b);
+                    debug_assert_eq!(got, Some(b));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Makes every change of this transaction durable and visible, atomically.
+    pub fn commit(mut self) -> Result<u64> {
+        self.check()?;
+        let r = self.write_commit();
+        let r = self.guard(r);
+        self.done = r.is_ok();
+        r
+    }
+
+    fn write_commit(&mut self) -> Result<u64> {
+        let dev = self.dev();
+        let generation = self.generation;
+        let bs = dev.block_size();
+        let per_block = tokens_per_block(bs);
+        let mut queue = std::mem::replace(&mut self.queue, WriteQueue::new(0x1000));
+        let alloc = &mut self.w.alloc;
+
+        // 1. Remaining tokens, extent blocks and records of every changed context.
+        let mut metas: BTreeMap<String, Arc<ContextMeta>> = BTreeMap::new();
+        for (name, slot) in std::mem::take(&mut self.contexts) {
+            let meta = match slot {
+                Slot::Clean(meta) => meta,
+                Slot::Draft(mut d) => {
+                    debug_assert!(d.token_tail.len() < per_block);
+                    if !d.token_tail.is_empty() {
+                        let block: Vec<u8> = d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
+                        d.tokens.push(alloc, &mut queue, dev, generation, &block)?;
+                    }
+                    for s in d.streams_mut() {
+                        s.unreserve(alloc);
+                        s.write_extents(alloc, &mut queue, dev, generation)?;
+                    }
+                    d.record.tokens = d.tokens.root();
+                    d.record.files = d.files.iter().map(|[i, dd]| FileRoots { index: i.root(), data: dd.root() }).collect();
+                    if let Some(old) = &d.old {
+                        for &b in &old.record_blocks {
+                            alloc.free(b);
+                        }
+                    }
+                    let blob = d.record.encode();
+                    let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
+                    let record_ref = write_chain(&mut queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
+                    let ContextDraft { record, tokens, files, .. } = *d;
+                    let mut meta = ContextMeta::from_record(record, record_ref, blocks);
+                    // The new snapshot starts with the maps already in memory.
+                    meta.tokens = LazyStream::with_map(tokens.id, tokens.root(), tokens.map);
+                    meta.files = files
+                        .into_iter()
+                        .map(|[i, dd]| [LazyStream::with_map(i.id, i.root(), i.map), LazyStream::with_map(dd.id, dd.root(), dd.map)])
+                        .collect();
+                    Arc::new(meta)
+                }
+            };
+            metas.insert(name, meta);
+        }
+
+        // 2. The catalog.
+        let entries: Vec<CatalogEntry> =
+            metas.values().map(|m| CatalogEntry { id: m.record.id, name: m.record.name.clone(), record: m.record_ref }).collect();
+        let blob = encode_catalog(&entries);
+        for &b in self.base.catalog_blocks() {
+            alloc.free(b);
+        }
+        let catalog_blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
+        let catalog = write_chain(&mut queue, dev, CATALOG_CHAIN, generation, &blob, &catalog_blocks)?;
+
+        // 3. The allocator: new copies of changed bitmap chunks and a new directory. Taking
+        // blocks for them changes the bitmap too, so repeat until every change has a block.
+        let total = alloc.total();
+        let bpc = bits_per_chunk(bs);
+        let chunks = total.div_ceil(bpc) as usize;
+        let old_chunks = std::mem::take(&mut self.w.chunk_refs);
+        let old_dir_blocks = std::mem::take(&mut self.w.alloc_dir_blocks);
+        let alloc = &mut self.w.alloc;
+        for b in old_dir_blocks {
+            alloc.free(b);
+        }
+        let dir_len = encode_alloc_dir(total, &vec![BlockRef::default(); chunks]).len();
+        let dir_blocks = alloc_blocks(alloc, chain_blocks(bs, dir_len))?;
+        let mut new_chunk: BTreeMap<u64, u64> = BTreeMap::new();
+        loop {
+            let pending: Vec<u64> = if old_chunks.len() != chunks {
+                (0..chunks as u64).filter(|c| !new_chunk.contains_key(c)).collect()
+            } else {
+                alloc.dirty_chunks().iter().copied().filter(|c| !new_chunk.contains_key(c)).collect()
+            };
+            if pending.is_empty() {
+                break;
+            }
+            for c in pending {
+                if let Some(old) = old_chunks.get(c as usize) {
+                    alloc.free(old.block);
+                }
+                new_chunk.insert(c, alloc_blocks(alloc, 1)?[0]);
+            }
+        }
+        let mut chunk_refs = old_chunks.clone();
+        chunk_refs.resize(chunks, BlockRef::default());
+        for (&c, &block) in &new_chunk {
+            let start = c * bpc;
+            let bits = alloc.next().to_bytes(start, bpc.min(total - start));
+            let header = BlockHeader {
+                kind: BlockKind::Alloc,
+                stream: StreamTag::Meta,
+                owner: Owner::SYSTEM,
+                payload_len: bits.len() as u32,
+                logical: c,
+                generation,
+            };
+            if queue.is_full() {
+                queue.flush(dev)?;
+            }
+            chunk_refs[c as usize] = BlockRef { block, crc: queue.push(block, &header, &bits) };
+        }
+        debug_assert!(chunk_refs.iter().enumerate().all(|(c, r)| chunk_expect(c as u64, r.crc, generation).kind == BlockKind::Alloc && r.block >= 2));
+        let alloc_root = write_chain(&mut queue, dev, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
+
+        // 4. Everything new is written and durable before the superblock points at it.
+        queue.flush(dev)?;
+        dev.flush()?;
+
+        // 5. The commit point.
+        let allocated = alloc.next().count_ones();
+        let sb = Superblock {
+            generation,
+            catalog,
+            alloc: alloc_root,
+            allocated_blocks: allocated,
+            next_context_id: self.next_context_id,
+            commit_unix_ms: now_ms(),
+            ..self.base.superblock
+        };
+        let mut buf = AlignedBuf::zeroed(bs);
+        sb.encode_into(&mut buf);
+        let written = dev.submit(&mut [IoOp::Write { block: sb.slot(), buf: &buf }]).pop().expect("one result");
+        let durable = written.and_then(|()| dev.flush());
+        if let Err(e) = durable {
+            // The superblock may or may not have reached the medium: only reopening can tell.
+            let why = format!("superblock write or flush of generation {generation} failed: {e}");
+            self.w.poisoned = Some(why.clone());
+            return Err(Error::Poisoned(why));
+        }
+
+        // 6. Publish.
+        let oldest = self.store.readers.oldest();
+        self.w.alloc.commit(generation, oldest.map(|g| g.min(self.base.generation())));
+        self.w.chunk_refs = chunk_refs;
+        self.w.alloc_dir_blocks = dir_blocks;
+        self.store.publish(Snapshot {
+            dev: self.store.dev.clone(),
+            superblock: sb,
+            contexts: metas,
+            catalog_blocks,
+            _ticket: Some(self.store.readers.ticket(generation)),
+        });
+        self.queue = queue;
+        Ok(generation)
+    }
+}
+
+/// Turns a committed context into a draft that can be appended to.
+fn draft_in<'a>(contexts: &'a mut BTreeMap<String, Slot>, dev: &dyn BlockDevice, generation: u64, name: &str) -> Result<&'a mut ContextDraft> {
+    let slot = contexts.get_mut(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+    if let Slot::Clean(meta) = slot {
+        let draft_of = |s: &LazyStream| -> Result<StreamDraft> { Ok(StreamDraft::from_committed(s.id, StreamMap::clone(&*s.map(dev, generation)?), &s.root)) };
+        let tokens = draft_of(&meta.tokens)?;
+        let files = meta.files.iter().map(|[i, d]| Ok([draft_of(i)?, draft_of(d)?])).collect::<Result<Vec<_>>>()?;
+        *slot = Slot::Draft(Box::new(ContextDraft { record: meta.record.clone(), old: Some(meta.clone()), tokens, token_tail: Vec::new(), files }));
+    }
+    match slot {
+        Slot::Draft(d) => Ok(d),
+        Slot::Clean(_) => unreachable!("converted above"),
+    }
+}
+
+fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {
+    let mut out = Vec::with_capacity(n);
+    let mut hint = 2;
+    for _ in 0..n {
+        let b = alloc.alloc(hint).ok_or(Error::StoreFull { needed: (n - out.len()) as u64, free: alloc.available() })?;
+        hint = b + 1;
+        out.push(b);
+    }
+    Ok(out)
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.w.alloc.abort();
+        }
+    }
+}
+
+/// Smallest store, in blocks: two superblocks plus room for the catalog and allocator of
+/// both states and some data.
+pub const MIN_STORE_BLOCKS: u64 = 64;
+
+/// Writes an empty store onto a device: generation 1, then an empty commit (generation 2), so
+/// that both superblock slots hold a valid state.
+pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
+    let bs = dev.block_size();
+    if !(device::MIN_BLOCK_SIZE..=device::MAX_BLOCK_SIZE).contains(&bs) || bs % device::PAGE != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "block size {bs} must be a multiple of {} from {} to {}",
+            device::PAGE,
+            device::MIN_BLOCK_SIZE,
+            device::MAX_BLOCK_SIZE
+        )));
+    }
+    let total = dev.num_blocks();
+    if total < MIN_STORE_BLOCKS {
+        return Err(Error::InvalidArgument(format!("device holds {total} blocks of {bs} bytes; a store needs at least {MIN_STORE_BLOCKS}")));
+    }
+    // Old superblocks must not outlive a half-finished mkfs.
+    let zero = AlignedBuf::zeroed(2 * bs);
+    dev.submit(&mut [IoOp::Write { block: 0, buf: &zero }]).pop().expect("one result").map_err(|source| Error::BlockIo { block: 0, source })?;
+    dev.flush()?;
+    let mut bitmap = Bitmap::new(total);
+    bitmap.set(0, true);
+    bitmap.set(1, true);
+    let mut store_id = [0u8; 16];
+    getrandom(&mut store_id);
+    let sb = Superblock {
+        block_size: bs as u32,
+        total_blocks: total,
+        generation: 0,
+        store_id,
+        catalog: BlockRef::default(),
+        alloc: BlockRef::default(),
+        allocated_blocks: 2,
+        next_context_id: 1,
+        commit_unix_ms: now_ms(),
+    };
+    let readers = Arc::new(Readers::default());
+    let store = Store {
+        current: std::sync::RwLock::new(Arc::new(Snapshot {
+            dev: dev.clone(),
+            superblock: sb,
+            contexts: BTreeMap::new(),
+            catalog_blocks: Vec::new(),
+            _ticket: None,
+        })),
+        writer: std::sync::Mutex::new(WriterState {
+            alloc: Allocator::new(bitmap, bits_per_chunk(bs)),
+            chunk_refs: Vec::new(),
+            alloc_dir_blocks: Vec::new(),
+            poisoned: None,
+        }),
+        readers,
+        slots: Vec::new(),
+        dev,
+    };
+    store.begin()?.commit()?;
+    store.begin()?.commit()?;
+    Ok(store)
+}
+
+/// A random store id from the kernel; a clock-derived id if that fails.
+fn getrandom(out: &mut [u8; 16]) {
+    use std::io::Read;
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(out)).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        *out = (t ^ std::process::id() as u128).to_le_bytes();
+    }
+}
