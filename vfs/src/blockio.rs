@@ -3,10 +3,11 @@
 
 use crate::device::{AlignedBuf, BlockDevice, IoOp};
 use crate::error::{BlockFault, Error, Result};
+use crate::format::codec::{Dec, Enc};
 use crate::format::header::{payload, seal, verify};
 use crate::format::records::chain_capacity;
 use crate::format::{BlockHeader, BlockKind, BlockRef, Expect, Owner, StreamTag, HEADER_LEN};
-use crate::format::codec::{Dec, Enc};
+use std::collections::BTreeMap;
 
 /// A block read and verified: its buffer and header.
 pub struct BlockBuf {
@@ -28,13 +29,25 @@ impl BlockBuf {
 }
 
 pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
-    Error::Damaged { block, kind: expect.kind.name(), owner: expect.owner.to_string(), fault }
+    Error::Damaged {
+        block,
+        kind: expect.kind.name(),
+        owner: expect.owner.to_string(),
+        fault,
+        expected: Some(Box::new(*expect)),
+    }
 }
 
 /// Reads one block and checks it against what its reference says.
 pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Result<BlockBuf> {
     let mut buf = AlignedBuf::zeroed(dev.block_size());
-    let res = dev.submit(&mut [IoOp::Read { block, buf: &mut buf }]).pop().expect("one result");
+    let res = dev
+        .submit(&mut [IoOp::Read {
+            block,
+            buf: &mut buf,
+        }])
+        .pop()
+        .expect("one result");
     res.map_err(|source| Error::BlockIo { block, source })?;
     let header = verify(&buf, expect).map_err(|f| damaged(block, expect, f))?;
     Ok(BlockBuf { buf, header })
@@ -43,39 +56,95 @@ pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Resu
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
 /// verifies each. One result per request, in request order.
 pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<BlockBuf>> {
+    let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
+    read_raw_many(dev, &blocks)
+        .into_iter()
+        .zip(reqs)
+        .map(|(raw, (block, expect))| {
+            let buf = raw?;
+            let header = verify(&buf, expect).map_err(|f| damaged(*block, expect, f))?;
+            Ok(BlockBuf { buf, header })
+        })
+        .collect()
+}
+
+/// Reads many blocks in one submission, coalescing runs of consecutive device blocks, without
+/// checking them. One result per requested block, in request order.
+pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<AlignedBuf>> {
     /// Longest coalesced read, in blocks.
     const MAX_RUN: usize = 64;
     let bs = dev.block_size();
-    let mut order: Vec<usize> = (0..reqs.len()).collect();
-    order.sort_by_key(|&i| reqs[i].0);
-    order.dedup_by_key(|i| reqs[*i].0);
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
     // Group sorted, distinct blocks into runs.
     let mut runs: Vec<(u64, usize)> = Vec::new();
-    for &i in &order {
-        let b = reqs[i].0;
+    for b in sorted {
         match runs.last_mut() {
             Some((start, n)) if *start + *n as u64 == b && *n < MAX_RUN => *n += 1,
             _ => runs.push((b, 1)),
         }
     }
-    let mut bufs: Vec<AlignedBuf> = runs.iter().map(|&(_, n)| AlignedBuf::zeroed(n * bs)).collect();
-    let io: Vec<std::io::Result<()>> = {
-        let mut ops: Vec<IoOp<'_>> =
-            runs.iter().zip(bufs.iter_mut()).map(|(&(block, _), buf)| IoOp::Read { block, buf }).collect();
+    let mut bufs: Vec<AlignedBuf> = runs
+        .iter()
+        .map(|&(_, n)| AlignedBuf::zeroed(n * bs))
+        .collect();
+    let mut io: Vec<std::io::Result<()>> = {
+        let mut ops: Vec<IoOp<'_>> = runs
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(block, _), buf)| IoOp::Read { block, buf })
+            .collect();
         dev.submit(&mut ops)
     };
-    reqs.iter()
-        .map(|(block, expect)| {
-            let r = runs.partition_point(|&(start, n)| start + n as u64 <= *block);
+    // A failed coalesced read is retried block by block, so one bad block fails alone.
+    let failed: Vec<usize> = (0..runs.len())
+        .filter(|&r| io[r].is_err() && runs[r].1 > 1)
+        .collect();
+    let mut split: BTreeMap<u64, std::io::Result<AlignedBuf>> = BTreeMap::new();
+    for r in failed {
+        let (start, n) = runs[r];
+        let mut single: Vec<AlignedBuf> = (0..n).map(|_| AlignedBuf::zeroed(bs)).collect();
+        let res = {
+            let mut ops: Vec<IoOp<'_>> = single
+                .iter_mut()
+                .enumerate()
+                .map(|(i, buf)| IoOp::Read {
+                    block: start + i as u64,
+                    buf,
+                })
+                .collect();
+            dev.submit(&mut ops)
+        };
+        for (i, (res, buf)) in res.into_iter().zip(single).enumerate() {
+            split.insert(start + i as u64, res.map(|()| buf));
+        }
+        io[r] = Ok(());
+    }
+    blocks
+        .iter()
+        .map(|&block| {
+            if let Some(res) = split.get(&block) {
+                return match res {
+                    Ok(buf) => Ok(buf.clone()),
+                    Err(e) => Err(Error::BlockIo {
+                        block,
+                        source: std::io::Error::new(e.kind(), e.to_string()),
+                    }),
+                };
+            }
+            let r = runs.partition_point(|&(start, n)| start + n as u64 <= block);
             let (start, _) = runs[r];
             if let Err(e) = &io[r] {
-                return Err(Error::BlockIo { block: *block, source: std::io::Error::new(e.kind(), e.to_string()) });
+                return Err(Error::BlockIo {
+                    block,
+                    source: std::io::Error::new(e.kind(), e.to_string()),
+                });
             }
-            let at = (*block - start) as usize * bs;
+            let at = (block - start) as usize * bs;
             let mut buf = AlignedBuf::zeroed(bs);
             buf.copy_from_slice(&bufs[r][at..at + bs]);
-            let header = verify(&buf, expect).map_err(|f| damaged(*block, expect, f))?;
-            Ok(BlockBuf { buf, header })
+            Ok(buf)
         })
         .collect()
 }
@@ -95,7 +164,12 @@ impl WriteQueue {
 
     pub fn new(block_size: usize) -> Self {
         let capacity = (Self::BATCH_BYTES / block_size).max(1);
-        WriteQueue { block_size, capacity, buf: AlignedBuf::zeroed(capacity * block_size), addrs: Vec::new() }
+        WriteQueue {
+            block_size,
+            capacity,
+            buf: AlignedBuf::zeroed(capacity * block_size),
+            addrs: Vec::new(),
+        }
     }
 
     pub fn is_full(&self) -> bool {
@@ -126,7 +200,10 @@ impl WriteQueue {
         let results = {
             let mut ops: Vec<IoOp<'_>> = spans
                 .iter()
-                .map(|&(block, slot, n)| IoOp::Write { block, buf: &self.buf[slot * bs..(slot + n) * bs] })
+                .map(|&(block, slot, n)| IoOp::Write {
+                    block,
+                    buf: &self.buf[slot * bs..(slot + n) * bs],
+                })
                 .collect();
             dev.submit(&mut ops)
         };
@@ -179,13 +256,21 @@ pub fn write_chain(
         if queue.is_full() {
             queue.flush(dev)?;
         }
-        next = BlockRef { block, crc: queue.push(block, &header, &e.0) };
+        next = BlockRef {
+            block,
+            crc: queue.push(block, &header, &e.0),
+        };
     }
     Ok(next)
 }
 
 /// Reads a chain from its first reference. Returns the blob and the blocks it occupies.
-pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generation: u64) -> Result<(Vec<u8>, Vec<u64>)> {
+pub fn read_chain(
+    dev: &dyn BlockDevice,
+    first: BlockRef,
+    id: ChainId,
+    generation: u64,
+) -> Result<(Vec<u8>, Vec<u64>)> {
     let total = dev.num_blocks();
     let mut blob = Vec::new();
     let mut blocks = Vec::new();
@@ -200,7 +285,11 @@ pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generatio
             max_generation: generation,
         };
         if at.block < 2 || at.block >= total || blocks.len() as u64 >= total {
-            return Err(damaged(at.block, &expect, BlockFault::Malformed("chain link out of range".into())));
+            return Err(damaged(
+                at.block,
+                &expect,
+                BlockFault::Malformed("chain link out of range".into()),
+            ));
         }
         let b = read_verified(dev, at.block, &expect)?;
         let mut d = Dec::new(b.payload(), "chain block");

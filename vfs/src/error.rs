@@ -1,6 +1,7 @@
 //! Error types. Every error that concerns a block names the block, so that a user (and fsck)
 //! can say exactly where the damage is.
 
+use crate::format::Expect;
 use std::io;
 
 /// What went wrong with one block when it was read back and checked.
@@ -13,7 +14,11 @@ pub enum BlockFault {
     #[error("checksum {found:#010x} differs from {expected:#010x} recorded by its parent (lost or misdirected write)")]
     ReferenceMismatch { expected: u32, found: u32 },
     #[error("header says {field} = {found}, expected {expected} (misdirected write)")]
-    HeaderMismatch { field: &'static str, expected: u64, found: u64 },
+    HeaderMismatch {
+        field: &'static str,
+        expected: u64,
+        found: u64,
+    },
     #[error("malformed contents: {0}")]
     Malformed(String),
 }
@@ -25,11 +30,22 @@ pub enum Error {
     #[error("I/O error: {0}")]
     Io(#[from] io::Error),
     #[error("damaged {kind} block {block} (owner {owner}): {fault}")]
-    Damaged { block: u64, kind: &'static str, owner: String, fault: BlockFault },
+    Damaged {
+        block: u64,
+        kind: &'static str,
+        owner: String,
+        fault: BlockFault,
+        /// What the reference that led here expected, when a reference did.
+        expected: Option<Box<Expect>>,
+    },
     #[error("not a ctxfs store: {0}")]
     NotAStore(String),
     #[error("unsupported format version {found} (this build reads version {supported}); {hint}")]
-    UnsupportedVersion { found: u32, supported: u32, hint: &'static str },
+    UnsupportedVersion {
+        found: u32,
+        supported: u32,
+        hint: &'static str,
+    },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("no context named {0:?}")]
@@ -47,6 +63,22 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Damage found without a reference to compare against (structure checks).
+    pub fn damaged(
+        block: u64,
+        kind: &'static str,
+        owner: impl Into<String>,
+        fault: BlockFault,
+    ) -> Error {
+        Error::Damaged {
+            block,
+            kind,
+            owner: owner.into(),
+            fault,
+            expected: None,
+        }
+    }
+
     /// The block this error is about, where it is about one.
     pub fn block(&self) -> Option<u64> {
         match self {

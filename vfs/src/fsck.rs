@@ -1,1 +1,725 @@
-pub fn placeholder() {}
+//! Checking and repairing a store. `check` reads every block the newest valid superblock
+//! reaches and verifies it through its reference; it compares what is reachable with what the
+//! allocator says. `repair` does only safe things: free leaked blocks, mark referenced blocks
+//! allocated, rebuild an unreadable allocator, rewrite a damaged fallback superblock, fall back
+//! to the older state when the newest one's metadata is unreadable, and (only when asked)
+//! drop contexts whose blocks are unreadable.
+
+use crate::alloc::Bitmap;
+use crate::blockio::{read_chain, read_many, read_raw_many};
+use crate::device::{AlignedBuf, BlockDevice, IoOp};
+use crate::error::{Error, Result};
+use crate::format::header::unseal;
+use crate::format::records::{decode_catalog, ContextRecord, StreamRoot};
+use crate::format::{BlockKind, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
+use crate::store::{
+    load_bitmap, pick, read_slots, record_chain, AllocSource, Store, CATALOG_CHAIN,
+};
+use crate::stream::{StreamId, StreamMap};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// What repair would do about a problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fix {
+    /// Nothing safe can be done.
+    None,
+    FreeLeaked,
+    MarkAllocated,
+    RebuildAllocator,
+    RewriteFallbackSuperblock,
+    FallBackToOlderState,
+    /// Only with `--drop-damaged`.
+    DropContext,
+}
+
+impl Fix {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fix::None => "none",
+            Fix::FreeLeaked => "free-leaked",
+            Fix::MarkAllocated => "mark-allocated",
+            Fix::RebuildAllocator => "rebuild-allocator",
+            Fix::RewriteFallbackSuperblock => "rewrite-fallback-superblock",
+            Fix::FallBackToOlderState => "fall-back-to-older-state",
+            Fix::DropContext => "drop-context (--drop-damaged)",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Problem {
+    /// The device block, where the problem is about one.
+    pub block: Option<u64>,
+    pub kind: String,
+    pub owner: String,
+    /// The context's name, where the problem belongs to one.
+    pub context: Option<String>,
+    pub message: String,
+    pub fix: Fix,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub active_generation: Option<u64>,
+    pub fallback_generation: Option<u64>,
+    pub contexts: usize,
+    pub blocks_checked: u64,
+    pub problems: Vec<Problem>,
+    /// What repair did.
+    pub repaired: Vec<String>,
+}
+
+/// e2fsck's exit codes.
+pub const EXIT_CLEAN: i32 = 0;
+pub const EXIT_CORRECTED: i32 = 1;
+pub const EXIT_UNCORRECTED: i32 = 4;
+pub const EXIT_OPERATIONAL: i32 = 8;
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+    pub fn exit_code(&self) -> i32 {
+        match (self.problems.is_empty(), self.repaired.is_empty()) {
+            (true, true) => EXIT_CLEAN,
+            (true, false) => EXIT_CORRECTED,
+            (false, _) => EXIT_UNCORRECTED,
+        }
+    }
+    /// Every block named by a problem.
+    pub fn damaged_blocks(&self) -> BTreeSet<u64> {
+        self.problems.iter().filter_map(|p| p.block).collect()
+    }
+}
+
+/// The result of walking one state from its superblock.
+struct Walk {
+    problems: Vec<Problem>,
+    reach: Bitmap,
+    /// False when unreadable metadata hides references, so leaks cannot be judged.
+    reach_complete: bool,
+    /// Metadata of the state itself (catalog) unreadable.
+    catalog_damaged: bool,
+    /// Contexts with any damage, with the blocks they were seen to use.
+    damaged: BTreeMap<String, Vec<u64>>,
+    /// Contexts whose record itself is unreadable.
+    record_damaged: BTreeSet<String>,
+    persisted: Option<Bitmap>,
+    /// References that found the wrong block: where the block they expected was wanted.
+    failed: Vec<(u64, Expect)>,
+    contexts: usize,
+    blocks_checked: u64,
+}
+
+impl Walk {
+    fn problem(&mut self, e: &Error, context: Option<&str>, fix: Fix) {
+        let (block, kind, owner, message) = match e {
+            Error::Damaged {
+                block,
+                kind,
+                owner,
+                fault,
+                expected,
+            } => {
+                if let Some(expect) = expected {
+                    self.failed.push((*block, **expect));
+                }
+                (
+                    Some(*block),
+                    kind.to_string(),
+                    owner.clone(),
+                    fault.to_string(),
+                )
+            }
+            Error::BlockIo { block, source } => (
+                Some(*block),
+                "unknown".into(),
+                "unknown".into(),
+                format!("I/O error: {source}"),
+            ),
+            other => (
+                other.block(),
+                "unknown".into(),
+                "unknown".into(),
+                other.to_string(),
+            ),
+        };
+        self.problems.push(Problem {
+            block,
+            kind,
+            owner,
+            context: context.map(str::to_string),
+            message,
+            fix,
+        });
+    }
+
+    fn note(
+        &mut self,
+        block: Option<u64>,
+        kind: &str,
+        owner: String,
+        context: Option<&str>,
+        message: String,
+        fix: Fix,
+    ) {
+        self.problems.push(Problem {
+            block,
+            kind: kind.into(),
+            owner,
+            context: context.map(str::to_string),
+            message,
+            fix,
+        });
+    }
+
+    /// Marks a block reachable; a second claim is a block used twice.
+    fn claim(
+        &mut self,
+        block: u64,
+        kind: &str,
+        owner: Owner,
+        context: Option<&str>,
+        seen: &mut Vec<u64>,
+    ) {
+        seen.push(block);
+        if block >= self.reach.len() {
+            self.note(
+                Some(block),
+                kind,
+                owner.to_string(),
+                context,
+                "referenced block lies beyond the device".into(),
+                Fix::None,
+            );
+        } else if self.reach.get(block) {
+            self.note(
+                Some(block),
+                kind,
+                owner.to_string(),
+                context,
+                "block is referenced twice".into(),
+                Fix::None,
+            );
+        } else {
+            self.reach.set(block, true);
+        }
+    }
+}
+
+fn walk(dev: &dyn BlockDevice, sb: &Superblock) -> Walk {
+    let mut w = Walk {
+        problems: Vec::new(),
+        reach: Bitmap::new(sb.total_blocks),
+        reach_complete: true,
+        catalog_damaged: false,
+        damaged: BTreeMap::new(),
+        record_damaged: BTreeSet::new(),
+        persisted: None,
+        failed: Vec::new(),
+        contexts: 0,
+        blocks_checked: 2,
+    };
+    w.reach.set(0, true);
+    w.reach.set(1, true);
+    let mut sink = Vec::new();
+    let g = sb.generation;
+
+    match read_chain(dev, sb.catalog, CATALOG_CHAIN, g) {
+        Err(e) => {
+            w.problem(&e, None, Fix::FallBackToOlderState);
+            w.reach_complete = false;
+            w.catalog_damaged = true;
+        }
+        Ok((blob, blocks)) => {
+            w.blocks_checked += blocks.len() as u64;
+            for b in blocks {
+                w.claim(b, "catalog", Owner::SYSTEM, None, &mut sink);
+            }
+            match decode_catalog(&blob) {
+                Err(f) => {
+                    w.note(
+                        Some(sb.catalog.block),
+                        "catalog",
+                        "system".into(),
+                        None,
+                        f.to_string(),
+                        Fix::FallBackToOlderState,
+                    );
+                    w.reach_complete = false;
+                    w.catalog_damaged = true;
+                }
+                Ok(entries) => {
+                    w.contexts = entries.len();
+                    let mut names = BTreeSet::new();
+                    let mut ids = BTreeSet::new();
+                    for entry in entries {
+                        let owner = Owner::context(entry.id).to_string();
+                        if !names.insert(entry.name.clone())
+                            || !ids.insert(entry.id)
+                            || entry.id == 0
+                            || entry.id >= sb.next_context_id
+                        {
+                            w.note(
+                                Some(sb.catalog.block),
+                                "catalog",
+                                owner,
+                                Some(&entry.name),
+                                format!(
+                                    "context id {} or name repeats or is out of range",
+                                    entry.id
+                                ),
+                                Fix::None,
+                            );
+                            w.catalog_damaged = true;
+                            continue;
+                        }
+                        walk_context(dev, sb, &mut w, entry.id, &entry.name, entry.record);
+                    }
+                }
+            }
+        }
+    }
+
+    match load_bitmap(dev, sb) {
+        Err(e) => w.problem(&e, None, Fix::RebuildAllocator),
+        Ok((bitmap, chunks, dir)) => {
+            w.blocks_checked += (chunks.len() + dir.len()) as u64;
+            for c in &chunks {
+                w.claim(c.block, "alloc", Owner::SYSTEM, None, &mut sink);
+            }
+            for b in dir {
+                w.claim(b, "alloc", Owner::SYSTEM, None, &mut sink);
+            }
+            if bitmap.count_ones() != sb.allocated_blocks {
+                w.note(
+                    Some(sb.slot()),
+                    "superblock",
+                    "system".into(),
+                    None,
+                    format!(
+                        "superblock counts {} allocated blocks, the bitmap {}",
+                        sb.allocated_blocks,
+                        bitmap.count_ones()
+                    ),
+                    Fix::RebuildAllocator,
+                );
+            }
+            w.persisted = Some(bitmap);
+        }
+    }
+
+    if let (true, Some(persisted)) = (w.reach_complete, w.persisted.clone()) {
+        for b in 0..sb.total_blocks {
+            match (persisted.get(b), w.reach.get(b)) {
+                (true, false) => w.note(
+                    Some(b),
+                    "leaked",
+                    "none".into(),
+                    None,
+                    "allocated but not referenced (leaked)".into(),
+                    Fix::FreeLeaked,
+                ),
+                (false, true) => w.note(
+                    Some(b),
+                    "unallocated",
+                    "unknown".into(),
+                    None,
+                    "referenced but marked free".into(),
+                    Fix::MarkAllocated,
+                ),
+                _ => {}
+            }
+        }
+    }
+    if !w.reach_complete {
+        scan_unreached(dev, sb, &mut w);
+    }
+    w
+}
+
+/// When unreadable metadata hides part of the tree, the blocks it hides are still checked:
+/// each must pass its own checksum, and a block that is exactly what a failed reference
+/// expected (its CRC and header match) sits in the wrong place: a misdirected or swapped write.
+fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
+    let candidates: Vec<u64> = match &w.persisted {
+        Some(p) => p.iter_ones().filter(|&b| !w.reach.get(b)).collect(),
+        // Without the bitmap free blocks cannot be told apart, so only misplaced blocks count.
+        None => (SUPERBLOCK_SLOTS..sb.total_blocks)
+            .filter(|&b| !w.reach.get(b))
+            .collect(),
+    };
+    let wanted: BTreeMap<u32, (u64, Expect)> = w
+        .failed
+        .iter()
+        .map(|&(block, e)| (e.crc, (block, e)))
+        .collect();
+    for chunk in candidates.chunks(256) {
+        w.blocks_checked += chunk.len() as u64;
+        for (&block, raw) in chunk.iter().zip(read_raw_many(dev, chunk)) {
+            let buf = match raw {
+                Ok(buf) => buf,
+                Err(e) => {
+                    w.problem(&e, None, Fix::None);
+                    continue;
+                }
+            };
+            match unseal(&buf) {
+                Err(fault) if w.persisted.is_some() => w.note(Some(block), "unknown", "unknown".into(), None, format!("allocated block under unreadable metadata fails its own check: {fault}"), Fix::None),
+                // A zeroed block may be free space that was never written.
+                Err(fault) if buf.iter().any(|&b| b != 0) => w.note(Some(block), "unknown", "unknown".into(), None, format!("block fails its own check (the allocator is unreadable, so it may be free space): {fault}"), Fix::None),
+                Err(_) => {}
+                Ok((h, crc)) => match wanted.get(&crc) {
+                    Some(&(home, e)) if home != block && h.kind == e.kind && h.owner == e.owner && h.logical == e.logical && h.stream == e.stream => {
+                        w.note(Some(block), h.kind.name(), h.owner.to_string(), None, format!("holds the {} block that belongs at block {home} (misdirected or swapped write)", h.kind.name()), Fix::None)
+                    }
+                    _ if h.kind == BlockKind::Superblock => w.note(Some(block), "superblock", "system".into(), None, "superblock outside the superblock slots".into(), Fix::None),
+                    _ => {}
+                },
+            }
+        }
+    }
+}
+
+fn walk_context(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+    w: &mut Walk,
+    id: u32,
+    name: &str,
+    record_ref: crate::format::BlockRef,
+) {
+    let before = w.problems.len();
+    let mut seen = Vec::new();
+    let record = match read_chain(dev, record_ref, record_chain(id), sb.generation) {
+        Err(e) => {
+            w.problem(&e, Some(name), Fix::DropContext);
+            None
+        }
+        Ok((blob, blocks)) => {
+            w.blocks_checked += blocks.len() as u64;
+            for b in blocks {
+                w.claim(b, "catalog", Owner::context(id), Some(name), &mut seen);
+            }
+            match ContextRecord::decode(&blob) {
+                Err(f) => {
+                    w.note(
+                        Some(record_ref.block),
+                        "catalog",
+                        Owner::context(id).to_string(),
+                        Some(name),
+                        f.to_string(),
+                        Fix::DropContext,
+                    );
+                    None
+                }
+                Ok(r) if r.id != id || r.name != name => {
+                    w.note(
+                        Some(record_ref.block),
+                        "catalog",
+                        Owner::context(id).to_string(),
+                        Some(name),
+                        format!("record says {} {:?}", r.id, r.name),
+                        Fix::DropContext,
+                    );
+                    None
+                }
+                Ok(r) => Some(r),
+            }
+        }
+    };
+    match record {
+        None => {
+            w.reach_complete = false;
+            w.record_damaged.insert(name.to_string());
+        }
+        Some(record) => {
+            let kv = record.shape.kv_heads as usize;
+            let mut streams = vec![(
+                StreamId {
+                    owner: Owner::context(id),
+                    tag: StreamTag::Tokens,
+                },
+                &record.tokens,
+            )];
+            for (i, f) in record.files.iter().enumerate() {
+                let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
+                streams.push((
+                    StreamId {
+                        owner,
+                        tag: StreamTag::Index,
+                    },
+                    &f.index,
+                ));
+                streams.push((
+                    StreamId {
+                        owner,
+                        tag: StreamTag::Data,
+                    },
+                    &f.data,
+                ));
+            }
+            for (sid, root) in streams {
+                walk_stream(dev, sb, w, sid, root, name, &mut seen);
+            }
+        }
+    }
+    if w.problems.len() > before {
+        w.damaged.insert(name.to_string(), seen);
+    }
+}
+
+fn walk_stream(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+    w: &mut Walk,
+    id: StreamId,
+    root: &StreamRoot,
+    name: &str,
+    seen: &mut Vec<u64>,
+) {
+    for r in &root.extents {
+        w.claim(r.block, "extent", id.owner, Some(name), seen);
+    }
+    w.blocks_checked += root.extents.len() as u64;
+    let map = match StreamMap::load(dev, id, root, sb.generation) {
+        Ok(map) => map,
+        Err(e) => {
+            // Without the extent map, the stream's blocks cannot be found.
+            w.problem(&e, Some(name), Fix::DropContext);
+            w.reach_complete = false;
+            return;
+        }
+    };
+    let kind = id.kind().name();
+    for b in map.device_blocks() {
+        w.claim(b, kind, id.owner, Some(name), seen);
+    }
+    const BATCH: u64 = 256;
+    let mut bytes = 0u64;
+    for start in (0..map.len()).step_by(BATCH as usize) {
+        let reqs: Vec<_> = (start..(start + BATCH).min(map.len()))
+            .map(|l| {
+                let at = map.locate(l).expect("within map");
+                (at.block, id.expect(l, at.crc, sb.generation))
+            })
+            .collect();
+        w.blocks_checked += reqs.len() as u64;
+        for res in read_many(dev, &reqs) {
+            match res {
+                Ok(b) => bytes += b.payload().len() as u64,
+                Err(e) => w.problem(&e, Some(name), Fix::DropContext),
+            }
+        }
+    }
+    let complete = !w
+        .problems
+        .iter()
+        .any(|p| p.context.as_deref() == Some(name));
+    if complete && bytes != root.bytes {
+        w.note(
+            root.extents.first().map(|r| r.block),
+            "extent",
+            id.owner.to_string(),
+            Some(name),
+            format!(
+                "{} stream holds {bytes} bytes, the record says {}",
+                id.tag.name(),
+                root.bytes
+            ),
+            Fix::DropContext,
+        );
+    }
+    if id.tag == StreamTag::Tokens && root.bytes % 4 != 0 {
+        w.note(
+            None,
+            "catalog",
+            id.owner.to_string(),
+            Some(name),
+            format!("token stream of {} bytes is not whole u32 ids", root.bytes),
+            Fix::DropContext,
+        );
+    }
+}
+
+fn read_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    dev.submit(&mut [IoOp::Read {
+        block,
+        buf: &mut buf,
+    }])
+    .pop()
+    .expect("one result")?;
+    Ok(buf)
+}
+
+struct Checked {
+    report: Report,
+    active: Option<(Superblock, Walk)>,
+    fallback: Option<Superblock>,
+}
+
+fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
+    let slots = read_slots(dev)?;
+    let mut report = Report::default();
+    let (active, fallback) = match pick(&slots) {
+        Ok(pair) => pair,
+        Err(e) => {
+            for s in &slots {
+                if let Err(msg) = &s.result {
+                    report.problems.push(Problem {
+                        block: Some(s.slot),
+                        kind: "superblock".into(),
+                        owner: "system".into(),
+                        context: None,
+                        message: msg.clone(),
+                        fix: Fix::None,
+                    });
+                }
+            }
+            report.problems.push(Problem {
+                block: None,
+                kind: "superblock".into(),
+                owner: "system".into(),
+                context: None,
+                message: e.to_string(),
+                fix: Fix::None,
+            });
+            return Ok(Checked {
+                report,
+                active: None,
+                fallback: None,
+            });
+        }
+    };
+    report.active_generation = Some(active.generation);
+    report.fallback_generation = fallback.map(|f| f.generation);
+    for s in &slots {
+        if let Err(msg) = &s.result {
+            report.problems.push(Problem {
+                block: Some(s.slot),
+                kind: "superblock".into(),
+                owner: "system".into(),
+                context: None,
+                message: format!("fallback superblock unreadable: {msg}"),
+                fix: Fix::RewriteFallbackSuperblock,
+            });
+        }
+    }
+    let w = walk(dev, &active);
+    report.contexts = w.contexts;
+    report.blocks_checked = w.blocks_checked;
+    report.problems.extend(w.problems.iter().cloned());
+    Ok(Checked {
+        report,
+        active: Some((active, w)),
+        fallback,
+    })
+}
+
+/// Checks a store without changing it.
+pub fn check(dev: &dyn BlockDevice) -> Result<Report> {
+    Ok(check_inner(dev)?.report)
+}
+
+/// Repairs what can be repaired safely, then checks again. The returned report lists what
+/// was done and what is left.
+pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
+    let first = check_inner(dev.as_ref())?;
+    if first.report.is_clean() {
+        return Ok(first.report);
+    }
+    let Some((active, walk)) = first.active else {
+        return Ok(first.report);
+    };
+    let mut repaired = Vec::new();
+
+    // The newest state's metadata is unreadable but the older one is intact: make the older
+    // one newest again, writing over the damaged slot so the intact one is never at risk.
+    if walk.catalog_damaged || (!walk.record_damaged.is_empty() && !drop_damaged) {
+        if let Some(older) = first.fallback {
+            let older_walk = self::walk(dev.as_ref(), &older);
+            if older_walk.problems.is_empty() {
+                let revived = Superblock {
+                    generation: active.generation + 2,
+                    ..older
+                };
+                debug_assert_eq!(revived.slot(), active.slot());
+                let mut buf = AlignedBuf::zeroed(dev.block_size());
+                revived.encode_into(&mut buf);
+                dev.submit(&mut [IoOp::Write {
+                    block: revived.slot(),
+                    buf: &buf,
+                }])
+                .pop()
+                .expect("one result")
+                .map_err(|source| Error::BlockIo {
+                    block: revived.slot(),
+                    source,
+                })?;
+                dev.flush()?;
+                repaired.push(format!(
+                    "fell back to generation {} (as generation {}): generation {} had unreadable metadata",
+                    older.generation, revived.generation, active.generation
+                ));
+                let mut after = check(dev.as_ref())?;
+                after.repaired = repaired;
+                return Ok(after);
+            }
+        }
+        let mut report = first.report;
+        report.repaired = repaired;
+        return Ok(report);
+    }
+
+    let dropping: BTreeSet<String> = if drop_damaged {
+        walk.damaged.keys().cloned().collect()
+    } else {
+        BTreeSet::new()
+    };
+    let mut wanted = walk.reach.clone();
+    for name in &dropping {
+        for &b in &walk.damaged[name] {
+            if b < wanted.len() {
+                wanted.set(b, false);
+            }
+        }
+    }
+    let can_rebuild =
+        walk.reach_complete || walk.record_damaged.iter().all(|n| dropping.contains(n));
+    if !can_rebuild {
+        return Ok(first.report);
+    }
+    let store = Store::open_with(
+        dev.clone(),
+        AllocSource::Rebuilt(walk.reach.clone()),
+        &dropping,
+    )?;
+    let mut txn = store.begin()?;
+    for name in &dropping {
+        txn.forget_context(name);
+        repaired.push(format!("dropped damaged context {name:?}"));
+    }
+    txn.set_allocation(&wanted);
+    txn.commit()?;
+    let fixes: BTreeSet<&str> = first
+        .report
+        .problems
+        .iter()
+        .filter(|p| p.fix != Fix::None && p.fix != Fix::DropContext)
+        .map(|p| p.fix.name())
+        .collect();
+    for f in fixes {
+        repaired.push(format!("applied {f}"));
+    }
+    drop(store);
+    let mut after = check(dev.as_ref())?;
+    after.repaired = repaired;
+    Ok(after)
+}
+
+/// Reads a block's raw bytes for inspection (no verification).
+pub fn raw_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
+    read_block(dev, block)
+}

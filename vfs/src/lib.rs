@@ -11,6 +11,7 @@ pub mod device;
 mod error;
 pub mod format;
 pub mod fsck;
+pub mod inspect;
 mod rng;
 mod store;
 mod stream;

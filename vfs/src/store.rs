@@ -4,11 +4,13 @@ use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{read_chain, read_many, read_verified, BlockBuf, ChainId};
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
-use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot};
+use crate::format::records::{
+    bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot,
+};
 use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
 use crate::stream::{StreamId, StreamMap};
 use crate::txn::Txn;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
@@ -41,7 +43,10 @@ impl Readers {
     }
     pub fn ticket(self: &Arc<Self>, generation: u64) -> ReaderTicket {
         *self.lock().entry(generation).or_default() += 1;
-        ReaderTicket { readers: self.clone(), generation }
+        ReaderTicket {
+            readers: self.clone(),
+            generation,
+        }
     }
 }
 
@@ -71,7 +76,11 @@ pub(crate) struct LazyStream {
 
 impl LazyStream {
     pub fn new(id: StreamId, root: StreamRoot) -> Self {
-        LazyStream { id, root, map: OnceLock::new() }
+        LazyStream {
+            id,
+            root,
+            map: OnceLock::new(),
+        }
     }
     pub fn with_map(id: StreamId, root: StreamRoot, map: StreamMap) -> Self {
         let s = Self::new(id, root);
@@ -98,9 +107,19 @@ pub(crate) struct ContextMeta {
 }
 
 impl ContextMeta {
-    pub fn from_record(record: ContextRecord, record_ref: BlockRef, record_blocks: Vec<u64>) -> Self {
+    pub fn from_record(
+        record: ContextRecord,
+        record_ref: BlockRef,
+        record_blocks: Vec<u64>,
+    ) -> Self {
         let id = record.id;
-        let tokens = LazyStream::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }, record.tokens.clone());
+        let tokens = LazyStream::new(
+            StreamId {
+                owner: Owner::context(id),
+                tag: StreamTag::Tokens,
+            },
+            record.tokens.clone(),
+        );
         let kv = record.shape.kv_heads as usize;
         let files = record
             .files
@@ -109,12 +128,30 @@ impl ContextMeta {
             .map(|(i, f)| {
                 let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
                 [
-                    LazyStream::new(StreamId { owner, tag: StreamTag::Index }, f.index.clone()),
-                    LazyStream::new(StreamId { owner, tag: StreamTag::Data }, f.data.clone()),
+                    LazyStream::new(
+                        StreamId {
+                            owner,
+                            tag: StreamTag::Index,
+                        },
+                        f.index.clone(),
+                    ),
+                    LazyStream::new(
+                        StreamId {
+                            owner,
+                            tag: StreamTag::Data,
+                        },
+                        f.data.clone(),
+                    ),
                 ]
             })
             .collect();
-        ContextMeta { record, record_ref, record_blocks, tokens, files }
+        ContextMeta {
+            record,
+            record_ref,
+            record_blocks,
+            tokens,
+            files,
+        }
     }
 
     pub fn streams(&self) -> impl Iterator<Item = &LazyStream> {
@@ -144,7 +181,10 @@ impl Snapshot {
         self.contexts.values().map(|c| &c.record)
     }
     pub fn context(&self, name: &str) -> Result<Context<'_>> {
-        let meta = self.contexts.get(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+        let meta = self
+            .contexts
+            .get(name)
+            .ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
         Ok(Context { snap: self, meta })
     }
     pub(crate) fn catalog_blocks(&self) -> &[u64] {
@@ -172,7 +212,12 @@ impl<'a> Context<'a> {
         let mut out = Vec::with_capacity(self.token_count() as usize);
         for block in s.read_range(0, s.blocks()) {
             let block = block?;
-            out.extend(block.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))));
+            out.extend(
+                block
+                    .payload()
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))),
+            );
         }
         Ok(out)
     }
@@ -191,7 +236,12 @@ impl<'a> Context<'a> {
 
     fn stream_of(&self, lazy: &'a LazyStream) -> Result<StreamReader<'a>> {
         let map = lazy.map(self.snap.dev.as_ref(), self.snap.generation())?;
-        Ok(StreamReader { dev: self.snap.dev.as_ref(), lazy, map, generation: self.snap.generation() })
+        Ok(StreamReader {
+            dev: self.snap.dev.as_ref(),
+            lazy,
+            map,
+            generation: self.snap.generation(),
+        })
     }
 }
 
@@ -219,12 +269,20 @@ impl StreamReader<'_> {
     /// Where logical block `logical` is, and what reading it must find.
     pub fn locate(&self, logical: u64) -> Option<(u64, Expect)> {
         let r = self.map.locate(logical)?;
-        Some((r.block, self.lazy.id.expect(logical, r.crc, self.generation)))
+        Some((
+            r.block,
+            self.lazy.id.expect(logical, r.crc, self.generation),
+        ))
     }
 
     fn request(&self, logical: u64) -> Result<(u64, Expect)> {
         self.locate(logical).ok_or_else(|| {
-            Error::InvalidArgument(format!("{} stream of {} has {} blocks; no block {logical}", self.lazy.id.tag.name(), self.lazy.id.owner, self.blocks()))
+            Error::InvalidArgument(format!(
+                "{} stream of {} has {} blocks; no block {logical}",
+                self.lazy.id.tag.name(),
+                self.lazy.id.owner,
+                self.blocks()
+            ))
         })
     }
 
@@ -246,11 +304,21 @@ impl StreamReader<'_> {
             }
         }
         let mut read = read_many(self.dev, &reqs).into_iter();
-        (0..logicals.len()).map(|i| errors.remove(&i).map_or_else(|| read.next().expect("one per request"), Err)).collect()
+        (0..logicals.len())
+            .map(|i| {
+                errors
+                    .remove(&i)
+                    .map_or_else(|| read.next().expect("one per request"), Err)
+            })
+            .collect()
     }
 
     /// Reads `count` blocks from `first` in batches, yielding them in order.
-    pub fn read_range(&self, first: u64, count: u64) -> impl Iterator<Item = Result<BlockBuf>> + '_ {
+    pub fn read_range(
+        &self,
+        first: u64,
+        count: u64,
+    ) -> impl Iterator<Item = Result<BlockBuf>> + '_ {
         const BATCH: u64 = 256;
         let end = (first + count).min(self.blocks());
         (first..end).step_by(BATCH as usize).flat_map(move |s| {
@@ -295,9 +363,19 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
     let mut out = Vec::new();
     for slot in 0..SUPERBLOCK_SLOTS {
         let mut buf = device::AlignedBuf::zeroed(dev.block_size());
-        let io = dev.submit(&mut [device::IoOp::Read { block: slot, buf: &mut buf }]).pop().expect("one result");
+        let io = dev
+            .submit(&mut [device::IoOp::Read {
+                block: slot,
+                buf: &mut buf,
+            }])
+            .pop()
+            .expect("one result");
         let result = match io {
-            Err(source) => Err(Error::BlockIo { block: slot, source }.to_string()),
+            Err(source) => Err(Error::BlockIo {
+                block: slot,
+                source,
+            }
+            .to_string()),
             Ok(()) => match Superblock::decode(&buf, slot) {
                 Ok(sb) => Ok(sb),
                 Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
@@ -311,41 +389,88 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
 
 /// The newest valid superblock, and the other slot's if it is valid and older.
 pub(crate) fn pick(slots: &[SlotStatus]) -> Result<(Superblock, Option<Superblock>)> {
-    let mut valid: Vec<Superblock> = slots.iter().filter_map(|s| s.result.as_ref().ok().copied()).collect();
+    let mut valid: Vec<Superblock> = slots
+        .iter()
+        .filter_map(|s| s.result.as_ref().ok().copied())
+        .collect();
     valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
     match valid.as_slice() {
         [] => Err(Error::NotAStore(format!(
             "no valid superblock ({})",
-            slots.iter().map(|s| format!("slot {}: {}", s.slot, s.result.as_ref().err().map_or("ok", |e| e))).collect::<Vec<_>>().join("; ")
+            slots
+                .iter()
+                .map(|s| format!(
+                    "slot {}: {}",
+                    s.slot,
+                    s.result.as_ref().err().map_or("ok", |e| e)
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
         ))),
         [only] => Ok((*only, None)),
-        [a, b, ..] => Ok((*a, (b.generation < a.generation && b.store_id == a.store_id).then_some(*b))),
+        [a, b, ..] => Ok((
+            *a,
+            (b.generation < a.generation && b.store_id == a.store_id).then_some(*b),
+        )),
     }
 }
 
-pub(crate) const CATALOG_CHAIN: ChainId = ChainId { kind: BlockKind::Catalog, owner: Owner::SYSTEM };
-pub(crate) const ALLOC_CHAIN: ChainId = ChainId { kind: BlockKind::Alloc, owner: Owner::SYSTEM };
+pub(crate) const CATALOG_CHAIN: ChainId = ChainId {
+    kind: BlockKind::Catalog,
+    owner: Owner::SYSTEM,
+};
+pub(crate) const ALLOC_CHAIN: ChainId = ChainId {
+    kind: BlockKind::Alloc,
+    owner: Owner::SYSTEM,
+};
 
 pub(crate) fn record_chain(id: u32) -> ChainId {
-    ChainId { kind: BlockKind::Catalog, owner: Owner::context(id) }
+    ChainId {
+        kind: BlockKind::Catalog,
+        owner: Owner::context(id),
+    }
 }
 
 pub(crate) fn chunk_expect(chunk: u64, crc: u32, generation: u64) -> Expect {
-    Expect { kind: BlockKind::Alloc, stream: StreamTag::Meta, owner: Owner::SYSTEM, logical: chunk, crc, max_generation: generation }
+    Expect {
+        kind: BlockKind::Alloc,
+        stream: StreamTag::Meta,
+        owner: Owner::SYSTEM,
+        logical: chunk,
+        crc,
+        max_generation: generation,
+    }
 }
 
 /// Reads the allocator bitmap a superblock references. Returns it with the chunk references
 /// and the directory chain's blocks.
-pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
+pub(crate) fn load_bitmap(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
     let (blob, dir_blocks) = read_chain(dev, sb.alloc, ALLOC_CHAIN, sb.generation)?;
-    let bad = |what: String| Error::Damaged { block: sb.alloc.block, kind: "alloc", owner: "system".into(), fault: BlockFault::Malformed(what) };
+    let bad = |what: String| {
+        Error::damaged(
+            sb.alloc.block,
+            "alloc",
+            "system",
+            BlockFault::Malformed(what),
+        )
+    };
     let (total, chunks) = decode_alloc_dir(&blob).map_err(|f| bad(f.to_string()))?;
     let bpc = bits_per_chunk(dev.block_size());
     if total != sb.total_blocks || chunks.len() as u64 != total.div_ceil(bpc) {
-        return Err(bad(format!("directory describes {total} blocks in {} chunks", chunks.len())));
+        return Err(bad(format!(
+            "directory describes {total} blocks in {} chunks",
+            chunks.len()
+        )));
     }
     let mut bitmap = Bitmap::new(total);
-    let reqs: Vec<(u64, Expect)> = chunks.iter().enumerate().map(|(i, r)| (r.block, chunk_expect(i as u64, r.crc, sb.generation))).collect();
+    let reqs: Vec<(u64, Expect)> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.block, chunk_expect(i as u64, r.crc, sb.generation)))
+        .collect();
     for (i, res) in read_many(dev, &reqs).into_iter().enumerate() {
         let b = res?;
         let start = i as u64 * bpc;
@@ -355,28 +480,56 @@ pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bit
 }
 
 /// Reads the catalog and every context record a superblock references.
-pub(crate) fn load_catalog(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(BTreeMap<String, Arc<ContextMeta>>, Vec<u64>)> {
+pub(crate) fn load_catalog(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+    skip: &BTreeSet<String>,
+) -> Result<(BTreeMap<String, Arc<ContextMeta>>, Vec<u64>)> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
-    let bad = |block, what: String| Error::Damaged { block, kind: "catalog", owner: "system".into(), fault: BlockFault::Malformed(what) };
+    let bad = |block, what: String| {
+        Error::damaged(block, "catalog", "system", BlockFault::Malformed(what))
+    };
     let entries = decode_catalog(&blob).map_err(|f| bad(sb.catalog.block, f.to_string()))?;
     let mut contexts = BTreeMap::new();
-    for entry in entries {
-        if entry.id == 0 || entry.id >= sb.next_context_id {
-            return Err(bad(sb.catalog.block, format!("context {:?} has id {} outside 1..{}", entry.name, entry.id, sb.next_context_id)));
+    let mut ids = BTreeSet::new();
+    for entry in entries.into_iter().filter(|e| !skip.contains(&e.name)) {
+        if entry.id == 0 || entry.id >= sb.next_context_id || !ids.insert(entry.id) {
+            return Err(bad(
+                sb.catalog.block,
+                format!(
+                    "context {:?} has id {}: repeated or outside 1..{}",
+                    entry.name, entry.id, sb.next_context_id
+                ),
+            ));
         }
-        let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
-        let record = ContextRecord::decode(&rblob).map_err(|f| Error::Damaged {
-            block: entry.record.block,
-            kind: "catalog",
-            owner: Owner::context(entry.id).to_string(),
-            fault: f,
+        let (rblob, rblocks) =
+            read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
+        let record = ContextRecord::decode(&rblob).map_err(|f| {
+            Error::damaged(
+                entry.record.block,
+                "catalog",
+                Owner::context(entry.id).to_string(),
+                f,
+            )
         })?;
         if record.id != entry.id || record.name != entry.name {
-            return Err(bad(entry.record.block, format!("record {} {:?} listed as {} {:?}", record.id, record.name, entry.id, entry.name)));
+            return Err(bad(
+                entry.record.block,
+                format!(
+                    "record {} {:?} listed as {} {:?}",
+                    record.id, record.name, entry.id, entry.name
+                ),
+            ));
         }
         let meta = ContextMeta::from_record(record, entry.record, rblocks);
-        if contexts.insert(entry.name.clone(), Arc::new(meta)).is_some() {
-            return Err(bad(sb.catalog.block, format!("context name {:?} listed twice", entry.name)));
+        if contexts
+            .insert(entry.name.clone(), Arc::new(meta))
+            .is_some()
+        {
+            return Err(bad(
+                sb.catalog.block,
+                format!("context name {:?} listed twice", entry.name),
+            ));
         }
     }
     Ok((contexts, blocks))
@@ -386,7 +539,7 @@ impl Store {
     /// Opens a store: recovers from the newest valid superblock and reads the catalog and the
     /// allocator. Damaged metadata is an error naming the block.
     pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Store> {
-        Self::open_with(dev, AllocSource::Persisted)
+        Self::open_with(dev, AllocSource::Persisted, &BTreeSet::new())
     }
 
     /// Opens a store file or block device, finding its block size from the superblocks.
@@ -395,20 +548,34 @@ impl Store {
         Self::open(Arc::from(device::open_path(path, choice, block_size)?))
     }
 
-    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource) -> Result<Store> {
+    /// `skip` names contexts left out of the catalog (fsck dropping damaged ones).
+    pub(crate) fn open_with(
+        dev: Arc<dyn BlockDevice>,
+        source: AllocSource,
+        skip: &BTreeSet<String>,
+    ) -> Result<Store> {
         let slots = read_slots(dev.as_ref())?;
         let (sb, fallback) = pick(&slots)?;
         if sb.block_size as usize != dev.block_size() {
-            return Err(Error::InvalidArgument(format!("store block size is {} but the device was opened with {}", sb.block_size, dev.block_size())));
+            return Err(Error::InvalidArgument(format!(
+                "store block size is {} but the device was opened with {}",
+                sb.block_size,
+                dev.block_size()
+            )));
         }
         if sb.total_blocks > dev.num_blocks() {
-            return Err(Error::NotAStore(format!("superblock describes {} blocks but the device has {}", sb.total_blocks, dev.num_blocks())));
+            return Err(Error::NotAStore(format!(
+                "superblock describes {} blocks but the device has {}",
+                sb.total_blocks,
+                dev.num_blocks()
+            )));
         }
-        let (contexts, catalog_blocks) = load_catalog(dev.as_ref(), &sb)?;
+        let (contexts, catalog_blocks) = load_catalog(dev.as_ref(), &sb, skip)?;
         let (committed, chunk_refs, alloc_dir_blocks) = match source {
             AllocSource::Persisted => load_bitmap(dev.as_ref(), &sb)?,
             AllocSource::Rebuilt(mut reachable) => {
-                let (persisted, chunks, dir) = load_bitmap(dev.as_ref(), &sb).unwrap_or_else(|_| (Bitmap::new(sb.total_blocks), Vec::new(), Vec::new()));
+                let (persisted, chunks, dir) = load_bitmap(dev.as_ref(), &sb)
+                    .unwrap_or_else(|_| (Bitmap::new(sb.total_blocks), Vec::new(), Vec::new()));
                 for b in persisted.iter_ones() {
                     reachable.set(b, true);
                 }
@@ -423,11 +590,22 @@ impl Store {
             }
         }
         let readers = Arc::new(Readers::default());
-        let snapshot = Snapshot { dev: dev.clone(), superblock: sb, contexts, catalog_blocks, _ticket: Some(readers.ticket(sb.generation)) };
+        let snapshot = Snapshot {
+            dev: dev.clone(),
+            superblock: sb,
+            contexts,
+            catalog_blocks,
+            _ticket: Some(readers.ticket(sb.generation)),
+        };
         Ok(Store {
             dev,
             current: RwLock::new(Arc::new(snapshot)),
-            writer: Mutex::new(WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None }),
+            writer: Mutex::new(WriterState {
+                alloc,
+                chunk_refs,
+                alloc_dir_blocks,
+                poisoned: None,
+            }),
             readers,
             slots,
         })
@@ -435,7 +613,10 @@ impl Store {
 
     /// The newest committed state. Hold it to read consistently while others commit.
     pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Starts the (single) write transaction; waits while another is open.
@@ -477,7 +658,7 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
     let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)?;
     let mut errors = Vec::new();
     if let Some(bs) = Superblock::peek_block_size(&prefix).map(|b| b as usize) {
-        if (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&bs) && bs % MIN_BLOCK_SIZE == 0 {
+        if (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&bs) && bs.is_power_of_two() {
             match Superblock::decode(&prefix[..bs], 0) {
                 Ok(_) => return Ok(bs),
                 Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
@@ -495,5 +676,9 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
         }
         bs *= 2;
     }
-    Err(Error::NotAStore(format!("{}: no valid superblock ({})", path.display(), errors.join("; "))))
+    Err(Error::NotAStore(format!(
+        "{}: no valid superblock ({})",
+        path.display(),
+        errors.join("; ")
+    )))
 }

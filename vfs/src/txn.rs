@@ -7,9 +7,15 @@ use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{chain_blocks, read_verified, write_chain, WriteQueue};
 use crate::device::{self, AlignedBuf, BlockDevice, IoOp};
 use crate::error::{Error, Result};
-use crate::format::records::{bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, MAX_NAME_LEN};
+use crate::format::records::{
+    bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots,
+    ModelShape, MAX_NAME_LEN,
+};
 use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, HEADER_LEN};
-use crate::store::{chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState, ALLOC_CHAIN, CATALOG_CHAIN};
+use crate::store::{
+    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store,
+    WriterState, ALLOC_CHAIN, CATALOG_CHAIN,
+};
 use crate::stream::{StreamDraft, StreamId, StreamMap};
 use std::collections::BTreeMap;
 use std::sync::{Arc, MutexGuard};
@@ -54,16 +60,23 @@ fn tokens_per_block(block_size: usize) -> usize {
 
 fn validate_name(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > MAX_NAME_LEN {
-        return Err(Error::InvalidArgument(format!("context name must be 1..={MAX_NAME_LEN} bytes, got {}", name.len())));
+        return Err(Error::InvalidArgument(format!(
+            "context name must be 1..={MAX_NAME_LEN} bytes, got {}",
+            name.len()
+        )));
     }
     if name.chars().any(char::is_control) {
-        return Err(Error::InvalidArgument(format!("context name {name:?} contains control characters")));
+        return Err(Error::InvalidArgument(format!(
+            "context name {name:?} contains control characters"
+        )));
     }
     Ok(())
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl<'s> Txn<'s> {
@@ -74,7 +87,11 @@ impl<'s> Txn<'s> {
         }
         let base = store.snapshot();
         w.alloc.release(base.generation(), store.readers.oldest());
-        let contexts = base.contexts.iter().map(|(k, v)| (k.clone(), Slot::Clean(v.clone()))).collect();
+        let contexts = base
+            .contexts
+            .iter()
+            .map(|(k, v)| (k.clone(), Slot::Clean(v.clone())))
+            .collect();
         Ok(Txn {
             generation: base.generation() + 1,
             next_context_id: base.superblock.next_context_id,
@@ -99,7 +116,9 @@ impl<'s> Txn<'s> {
 
     fn check(&self) -> Result<()> {
         match &self.failed {
-            Some(why) => Err(Error::Poisoned(format!("an earlier write of this transaction failed: {why}"))),
+            Some(why) => Err(Error::Poisoned(format!(
+                "an earlier write of this transaction failed: {why}"
+            ))),
             None => Ok(()),
         }
     }
@@ -122,12 +141,23 @@ impl<'s> Txn<'s> {
             return Err(Error::ContextExists(name.to_string()));
         }
         let id = self.next_context_id;
-        self.next_context_id = id.checked_add(1).ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
+        self.next_context_id = id
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
         let kv = shape.kv_heads as usize;
         let files = (0..shape.files())
             .map(|i| {
                 let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
-                [StreamDraft::new(StreamId { owner, tag: StreamTag::Index }), StreamDraft::new(StreamId { owner, tag: StreamTag::Data })]
+                [
+                    StreamDraft::new(StreamId {
+                        owner,
+                        tag: StreamTag::Index,
+                    }),
+                    StreamDraft::new(StreamId {
+                        owner,
+                        tag: StreamTag::Data,
+                    }),
+                ]
             })
             .collect();
         let draft = ContextDraft {
@@ -140,11 +170,15 @@ impl<'s> Txn<'s> {
                 files: Vec::new(),
             },
             old: None,
-            tokens: StreamDraft::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }),
+            tokens: StreamDraft::new(StreamId {
+                owner: Owner::context(id),
+                tag: StreamTag::Tokens,
+            }),
             token_tail: Vec::new(),
             files,
         };
-        self.contexts.insert(name.to_string(), Slot::Draft(Box::new(draft)));
+        self.contexts
+            .insert(name.to_string(), Slot::Draft(Box::new(draft)));
         self.append_tokens(name, tokens)
     }
 
@@ -162,13 +196,25 @@ impl<'s> Txn<'s> {
             if d.token_tail.is_empty() && d.tokens.bytes % (per_block as u64 * 4) != 0 {
                 let last = d.tokens.map.len() - 1;
                 let at = d.tokens.map.locate(last).expect("last block exists");
-                let b = read_verified(dev, at.block, &d.tokens.id.expect(last, at.crc, base_generation))?;
-                d.token_tail = b.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+                let b = read_verified(
+                    dev,
+                    at.block,
+                    &d.tokens.id.expect(last, at.crc, base_generation),
+                )?;
+                d.token_tail = b
+                    .payload()
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect();
                 d.tokens.pop(alloc, b.payload().len() as u64);
             }
             d.token_tail.extend_from_slice(tokens);
             while d.token_tail.len() >= per_block {
-                let block: Vec<u8> = d.token_tail.drain(..per_block).flat_map(u32::to_le_bytes).collect();
+                let block: Vec<u8> = d
+                    .token_tail
+                    .drain(..per_block)
+                    .flat_map(u32::to_le_bytes)
+                    .collect();
                 d.tokens.push(alloc, queue, dev, generation, &block)?;
             }
             Ok(())
@@ -178,7 +224,14 @@ impl<'s> Txn<'s> {
 
     /// Appends one block to the index or data stream of vector file (layer, kv head).
     /// Returns the block's logical index in that stream.
-    pub fn append_block(&mut self, name: &str, layer: u16, head: u16, which: FileStream, payload: &[u8]) -> Result<u64> {
+    pub fn append_block(
+        &mut self,
+        name: &str,
+        layer: u16,
+        head: u16,
+        which: FileStream,
+        payload: &[u8],
+    ) -> Result<u64> {
         self.check()?;
         let dev = self.dev();
         let generation = self.generation;
@@ -192,7 +245,8 @@ impl<'s> Txn<'s> {
                     shape.layers, shape.kv_heads
                 )));
             }
-            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize][which as usize];
+            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize]
+                [which as usize];
             stream.push(&mut self.w.alloc, &mut self.queue, dev, generation, payload)
         })();
         self.guard(r)
@@ -207,7 +261,10 @@ impl<'s> Txn<'s> {
             None => return Err(Error::NoSuchContext(name.to_string())),
             Some(Slot::Clean(meta)) => {
                 // Read every extent map first, so a failure changes nothing.
-                let maps = meta.streams().map(|s| s.map(dev, generation)).collect::<Result<Vec<_>>>()?;
+                let maps = meta
+                    .streams()
+                    .map(|s| s.map(dev, generation))
+                    .collect::<Result<Vec<_>>>()?;
                 let alloc = &mut self.w.alloc;
                 for (s, map) in meta.streams().zip(&maps) {
                     StreamDraft::free_all(map, &s.root, alloc);
@@ -217,7 +274,9 @@ impl<'s> Txn<'s> {
                 }
             }
             Some(Slot::Draft(_)) => {
-                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else { unreachable!() };
+                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else {
+                    unreachable!()
+                };
                 let alloc = &mut self.w.alloc;
                 for s in d.streams_mut() {
                     s.unreserve(alloc);
@@ -283,7 +342,8 @@ impl<'s> Txn<'s> {
                 Slot::Draft(mut d) => {
                     debug_assert!(d.token_tail.len() < per_block);
                     if !d.token_tail.is_empty() {
-                        let block: Vec<u8> = d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
+                        let block: Vec<u8> =
+                            d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
                         d.tokens.push(alloc, &mut queue, dev, generation, &block)?;
                     }
                     for s in d.streams_mut() {
@@ -291,7 +351,14 @@ impl<'s> Txn<'s> {
                         s.write_extents(alloc, &mut queue, dev, generation)?;
                     }
                     d.record.tokens = d.tokens.root();
-                    d.record.files = d.files.iter().map(|[i, dd]| FileRoots { index: i.root(), data: dd.root() }).collect();
+                    d.record.files = d
+                        .files
+                        .iter()
+                        .map(|[i, dd]| FileRoots {
+                            index: i.root(),
+                            data: dd.root(),
+                        })
+                        .collect();
                     if let Some(old) = &d.old {
                         for &b in &old.record_blocks {
                             alloc.free(b);
@@ -299,14 +366,31 @@ impl<'s> Txn<'s> {
                     }
                     let blob = d.record.encode();
                     let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-                    let record_ref = write_chain(&mut queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
-                    let ContextDraft { record, tokens, files, .. } = *d;
+                    let record_ref = write_chain(
+                        &mut queue,
+                        dev,
+                        record_chain(d.record.id),
+                        generation,
+                        &blob,
+                        &blocks,
+                    )?;
+                    let ContextDraft {
+                        record,
+                        tokens,
+                        files,
+                        ..
+                    } = *d;
                     let mut meta = ContextMeta::from_record(record, record_ref, blocks);
                     // The new snapshot starts with the maps already in memory.
                     meta.tokens = LazyStream::with_map(tokens.id, tokens.root(), tokens.map);
                     meta.files = files
                         .into_iter()
-                        .map(|[i, dd]| [LazyStream::with_map(i.id, i.root(), i.map), LazyStream::with_map(dd.id, dd.root(), dd.map)])
+                        .map(|[i, dd]| {
+                            [
+                                LazyStream::with_map(i.id, i.root(), i.map),
+                                LazyStream::with_map(dd.id, dd.root(), dd.map),
+                            ]
+                        })
                         .collect();
                     Arc::new(meta)
                 }
@@ -315,22 +399,36 @@ impl<'s> Txn<'s> {
         }
 
         // 2. The catalog.
-        let entries: Vec<CatalogEntry> =
-            metas.values().map(|m| CatalogEntry { id: m.record.id, name: m.record.name.clone(), record: m.record_ref }).collect();
+        let entries: Vec<CatalogEntry> = metas
+            .values()
+            .map(|m| CatalogEntry {
+                id: m.record.id,
+                name: m.record.name.clone(),
+                record: m.record_ref,
+            })
+            .collect();
         let blob = encode_catalog(&entries);
         for &b in self.base.catalog_blocks() {
             alloc.free(b);
         }
         let catalog_blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-        let catalog = write_chain(&mut queue, dev, CATALOG_CHAIN, generation, &blob, &catalog_blocks)?;
+        let catalog = write_chain(
+            &mut queue,
+            dev,
+            CATALOG_CHAIN,
+            generation,
+            &blob,
+            &catalog_blocks,
+        )?;
 
         // 3. The allocator: new copies of changed bitmap chunks and a new directory. Taking
         // blocks for them changes the bitmap too, so repeat until every change has a block.
         let total = alloc.total();
         let bpc = bits_per_chunk(bs);
         let chunks = total.div_ceil(bpc) as usize;
-        let old_chunks = std::mem::take(&mut self.w.chunk_refs);
-        let old_dir_blocks = std::mem::take(&mut self.w.alloc_dir_blocks);
+        // Cloned, not taken: a commit that fails must leave them describing the committed state.
+        let old_chunks = self.w.chunk_refs.clone();
+        let old_dir_blocks = self.w.alloc_dir_blocks.clone();
         let alloc = &mut self.w.alloc;
         for b in old_dir_blocks {
             alloc.free(b);
@@ -340,9 +438,16 @@ impl<'s> Txn<'s> {
         let mut new_chunk: BTreeMap<u64, u64> = BTreeMap::new();
         loop {
             let pending: Vec<u64> = if old_chunks.len() != chunks {
-                (0..chunks as u64).filter(|c| !new_chunk.contains_key(c)).collect()
+                (0..chunks as u64)
+                    .filter(|c| !new_chunk.contains_key(c))
+                    .collect()
             } else {
-                alloc.dirty_chunks().iter().copied().filter(|c| !new_chunk.contains_key(c)).collect()
+                alloc
+                    .dirty_chunks()
+                    .iter()
+                    .copied()
+                    .filter(|c| !new_chunk.contains_key(c))
+                    .collect()
             };
             if pending.is_empty() {
                 break;
@@ -370,10 +475,25 @@ impl<'s> Txn<'s> {
             if queue.is_full() {
                 queue.flush(dev)?;
             }
-            chunk_refs[c as usize] = BlockRef { block, crc: queue.push(block, &header, &bits) };
+            chunk_refs[c as usize] = BlockRef {
+                block,
+                crc: queue.push(block, &header, &bits),
+            };
         }
-        debug_assert!(chunk_refs.iter().enumerate().all(|(c, r)| chunk_expect(c as u64, r.crc, generation).kind == BlockKind::Alloc && r.block >= 2));
-        let alloc_root = write_chain(&mut queue, dev, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
+        debug_assert!(chunk_refs.iter().enumerate().all(|(c, r)| chunk_expect(
+            c as u64, r.crc, generation
+        )
+        .kind
+            == BlockKind::Alloc
+            && r.block >= 2));
+        let alloc_root = write_chain(
+            &mut queue,
+            dev,
+            ALLOC_CHAIN,
+            generation,
+            &encode_alloc_dir(total, &chunk_refs),
+            &dir_blocks,
+        )?;
 
         // 4. Everything new is written and durable before the superblock points at it.
         queue.flush(dev)?;
@@ -392,7 +512,13 @@ impl<'s> Txn<'s> {
         };
         let mut buf = AlignedBuf::zeroed(bs);
         sb.encode_into(&mut buf);
-        let written = dev.submit(&mut [IoOp::Write { block: sb.slot(), buf: &buf }]).pop().expect("one result");
+        let written = dev
+            .submit(&mut [IoOp::Write {
+                block: sb.slot(),
+                buf: &buf,
+            }])
+            .pop()
+            .expect("one result");
         let durable = written.and_then(|()| dev.flush());
         if let Err(e) = durable {
             // The superblock may or may not have reached the medium: only reopening can tell.
@@ -403,7 +529,9 @@ impl<'s> Txn<'s> {
 
         // 6. Publish.
         let oldest = self.store.readers.oldest();
-        self.w.alloc.commit(generation, oldest.map(|g| g.min(self.base.generation())));
+        self.w
+            .alloc
+            .commit(generation, oldest.map(|g| g.min(self.base.generation())));
         self.w.chunk_refs = chunk_refs;
         self.w.alloc_dir_blocks = dir_blocks;
         self.store.publish(Snapshot {
@@ -419,13 +547,36 @@ impl<'s> Txn<'s> {
 }
 
 /// Turns a committed context into a draft that can be appended to.
-fn draft_in<'a>(contexts: &'a mut BTreeMap<String, Slot>, dev: &dyn BlockDevice, generation: u64, name: &str) -> Result<&'a mut ContextDraft> {
-    let slot = contexts.get_mut(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+fn draft_in<'a>(
+    contexts: &'a mut BTreeMap<String, Slot>,
+    dev: &dyn BlockDevice,
+    generation: u64,
+    name: &str,
+) -> Result<&'a mut ContextDraft> {
+    let slot = contexts
+        .get_mut(name)
+        .ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
     if let Slot::Clean(meta) = slot {
-        let draft_of = |s: &LazyStream| -> Result<StreamDraft> { Ok(StreamDraft::from_committed(s.id, StreamMap::clone(&*s.map(dev, generation)?), &s.root)) };
+        let draft_of = |s: &LazyStream| -> Result<StreamDraft> {
+            Ok(StreamDraft::from_committed(
+                s.id,
+                StreamMap::clone(&*s.map(dev, generation)?),
+                &s.root,
+            ))
+        };
         let tokens = draft_of(&meta.tokens)?;
-        let files = meta.files.iter().map(|[i, d]| Ok([draft_of(i)?, draft_of(d)?])).collect::<Result<Vec<_>>>()?;
-        *slot = Slot::Draft(Box::new(ContextDraft { record: meta.record.clone(), old: Some(meta.clone()), tokens, token_tail: Vec::new(), files }));
+        let files = meta
+            .files
+            .iter()
+            .map(|[i, d]| Ok([draft_of(i)?, draft_of(d)?]))
+            .collect::<Result<Vec<_>>>()?;
+        *slot = Slot::Draft(Box::new(ContextDraft {
+            record: meta.record.clone(),
+            old: Some(meta.clone()),
+            tokens,
+            token_tail: Vec::new(),
+            files,
+        }));
     }
     match slot {
         Slot::Draft(d) => Ok(d),
@@ -437,7 +588,10 @@ fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {
     let mut out = Vec::with_capacity(n);
     let mut hint = 2;
     for _ in 0..n {
-        let b = alloc.alloc(hint).ok_or(Error::StoreFull { needed: (n - out.len()) as u64, free: alloc.available() })?;
+        let b = alloc.alloc(hint).ok_or(Error::StoreFull {
+            needed: (n - out.len()) as u64,
+            free: alloc.available(),
+        })?;
         hint = b + 1;
         out.push(b);
     }
@@ -460,21 +614,28 @@ pub const MIN_STORE_BLOCKS: u64 = 64;
 /// that both superblock slots hold a valid state.
 pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
     let bs = dev.block_size();
-    if !(device::MIN_BLOCK_SIZE..=device::MAX_BLOCK_SIZE).contains(&bs) || bs % device::PAGE != 0 {
+    if !(device::MIN_BLOCK_SIZE..=device::MAX_BLOCK_SIZE).contains(&bs) || !bs.is_power_of_two() {
         return Err(Error::InvalidArgument(format!(
-            "block size {bs} must be a multiple of {} from {} to {}",
-            device::PAGE,
+            "block size {bs} must be a power of two from {} to {}",
             device::MIN_BLOCK_SIZE,
             device::MAX_BLOCK_SIZE
         )));
     }
     let total = dev.num_blocks();
     if total < MIN_STORE_BLOCKS {
-        return Err(Error::InvalidArgument(format!("device holds {total} blocks of {bs} bytes; a store needs at least {MIN_STORE_BLOCKS}")));
+        return Err(Error::InvalidArgument(format!(
+            "device holds {total} blocks of {bs} bytes; a store needs at least {MIN_STORE_BLOCKS}"
+        )));
     }
     // Old superblocks must not outlive a half-finished mkfs.
     let zero = AlignedBuf::zeroed(2 * bs);
-    dev.submit(&mut [IoOp::Write { block: 0, buf: &zero }]).pop().expect("one result").map_err(|source| Error::BlockIo { block: 0, source })?;
+    dev.submit(&mut [IoOp::Write {
+        block: 0,
+        buf: &zero,
+    }])
+    .pop()
+    .expect("one result")
+    .map_err(|source| Error::BlockIo { block: 0, source })?;
     dev.flush()?;
     let mut bitmap = Bitmap::new(total);
     bitmap.set(0, true);
@@ -519,8 +680,13 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
 /// A random store id from the kernel; a clock-derived id if that fails.
 fn getrandom(out: &mut [u8; 16]) {
     use std::io::Read;
-    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(out)).is_err() {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(out))
+        .is_err()
+    {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
         *out = (t ^ std::process::id() as u128).to_le_bytes();
     }
 }

@@ -17,8 +17,13 @@ pub struct AlignedBuf {
 impl AlignedBuf {
     /// A buffer of `len` bytes; `len` must be a multiple of [`PAGE`].
     pub fn zeroed(len: usize) -> Self {
-        assert!(len % PAGE == 0, "aligned buffer length {len} is not a multiple of {PAGE}");
-        AlignedBuf { pages: vec![Page([0; PAGE]); len / PAGE] }
+        assert!(
+            len % PAGE == 0,
+            "aligned buffer length {len} is not a multiple of {PAGE}"
+        );
+        AlignedBuf {
+            pages: vec![Page([0; PAGE]); len / PAGE],
+        }
     }
 
     pub fn len(&self) -> usize {

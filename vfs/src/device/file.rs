@@ -16,9 +16,20 @@ pub struct FileDevice {
 }
 
 impl FileDevice {
-    pub(crate) fn new(path: &Path, file: File, block_size: usize, note: Option<String>) -> io::Result<Self> {
+    pub(crate) fn new(
+        path: &Path,
+        file: File,
+        block_size: usize,
+        note: Option<String>,
+    ) -> io::Result<Self> {
         let num_blocks = byte_len(&file)? / block_size as u64;
-        Ok(FileDevice { file, path: path.display().to_string(), block_size, num_blocks, note })
+        Ok(FileDevice {
+            file,
+            path: path.display().to_string(),
+            block_size,
+            num_blocks,
+            note,
+        })
     }
 
     fn run(&self, op: &mut IoOp<'_>) -> io::Result<()> {
@@ -39,7 +50,12 @@ impl BlockDevice for FileDevice {
         self.num_blocks
     }
     fn info(&self) -> DeviceInfo {
-        DeviceInfo { kind: "file", path: self.path.clone(), note: self.note.clone(), queue_depth: 1 }
+        DeviceInfo {
+            kind: "file",
+            path: self.path.clone(),
+            note: self.note.clone(),
+            queue_depth: 1,
+        }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
         ops.iter_mut().map(|op| self.run(op)).collect()

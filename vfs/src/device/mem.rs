@@ -148,7 +148,9 @@ impl MemDevice {
         s.ops += 1;
         let roll = s.rng.next_f64();
         if s.plan.bad_write_blocks.contains(&block) || roll < s.plan.write_error_rate {
-            return Err(io::Error::other(format!("injected write error on block {block}")));
+            return Err(io::Error::other(format!(
+                "injected write error on block {block}"
+            )));
         }
         let target = match s.plan.misdirected_write {
             Some((at, to)) if at == op => to,
@@ -188,7 +190,9 @@ impl MemDevice {
                     let block = first + i as u64;
                     let roll = s.rng.next_f64();
                     if s.plan.bad_read_blocks.contains(&block) || roll < s.plan.read_error_rate {
-                        return Err(io::Error::other(format!("injected read error on block {block}")));
+                        return Err(io::Error::other(format!(
+                            "injected read error on block {block}"
+                        )));
                     }
                     chunk.copy_from_slice(&self.cached_block(s, block));
                 }
@@ -241,7 +245,12 @@ impl BlockDevice for MemDevice {
         self.num_blocks
     }
     fn info(&self) -> DeviceInfo {
-        DeviceInfo { kind: "mem", path: "(memory)".into(), note: None, queue_depth: 1 }
+        DeviceInfo {
+            kind: "mem",
+            path: "(memory)".into(),
+            note: None,
+            queue_depth: 1,
+        }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
         let mut s = self.state();

@@ -86,13 +86,24 @@ pub(crate) fn check_op(op: &IoOp<'_>, block_size: usize, num_blocks: u64) -> io:
         ));
     }
     if op.addr() % PAGE != 0 {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "I/O buffer is not page aligned"));
-    }
-    let blocks = (len / block_size) as u64;
-    if op.block().checked_add(blocks).is_none_or(|end| end > num_blocks) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("blocks {}..{} lie beyond the device end ({num_blocks} blocks)", op.block(), op.block() + blocks),
+            "I/O buffer is not page aligned",
+        ));
+    }
+    let blocks = (len / block_size) as u64;
+    if op
+        .block()
+        .checked_add(blocks)
+        .is_none_or(|end| end > num_blocks)
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "blocks {}..{} lie beyond the device end ({num_blocks} blocks)",
+                op.block(),
+                op.block() + blocks
+            ),
         ));
     }
     Ok(())
@@ -115,7 +126,9 @@ impl std::str::FromStr for DeviceChoice {
             "auto" => Ok(DeviceChoice::Auto),
             "uring" => Ok(DeviceChoice::Uring),
             "file" => Ok(DeviceChoice::File),
-            _ => Err(format!("unknown device {s:?} (expected auto, uring or file)")),
+            _ => Err(format!(
+                "unknown device {s:?} (expected auto, uring or file)"
+            )),
         }
     }
 }
@@ -143,7 +156,10 @@ pub(crate) fn open_direct(path: &Path, create: bool) -> io::Result<File> {
     match file {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
             io::ErrorKind::Unsupported,
-            format!("{}: the file system does not support O_DIRECT", path.display()),
+            format!(
+                "{}: the file system does not support O_DIRECT",
+                path.display()
+            ),
         )),
         other => other,
     }
@@ -162,7 +178,11 @@ pub(crate) fn byte_len(file: &File) -> io::Result<u64> {
 }
 
 /// Opens a store path with the chosen real device.
-pub fn open_path(path: &Path, choice: DeviceChoice, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
+pub fn open_path(
+    path: &Path,
+    choice: DeviceChoice,
+    block_size: usize,
+) -> io::Result<Box<dyn BlockDevice>> {
     let file = open_direct(path, false)?;
     open_file(path, file, choice, block_size)
 }
@@ -181,8 +201,14 @@ pub(crate) fn open_file(
             match UringDevice::new(path, file, block_size) {
                 Ok(dev) => Ok(Box::new(dev)),
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
-                    let note = format!("io_uring setup refused ({e}); using pread/pwrite with O_DIRECT");
-                    Ok(Box::new(FileDevice::new(path, probe, block_size, Some(note))?))
+                    let note =
+                        format!("io_uring setup refused ({e}); using pread/pwrite with O_DIRECT");
+                    Ok(Box::new(FileDevice::new(
+                        path,
+                        probe,
+                        block_size,
+                        Some(note),
+                    )?))
                 }
                 Err(e) => Err(e),
             }

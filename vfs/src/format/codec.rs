@@ -29,7 +29,7 @@ impl Enc {
     }
     /// A string as u16 length then UTF-8 bytes.
     pub fn str(&mut self, v: &str) -> &mut Self {
-        let len = u16::try_from(v.len()).expect("names are at most 255 bytes");
+        let len = u16::try_from(v.len()).expect("names are validated to at most 255 bytes");
         self.u16(len).bytes(v.as_bytes())
     }
 }
@@ -76,30 +76,55 @@ impl<'a> Dec<'a> {
     pub fn u64(&mut self) -> Result<u64, BlockFault> {
         Ok(u64::from_le_bytes(self.array()?))
     }
+    /// A name: 1..=255 bytes of UTF-8 without control characters.
     pub fn str(&mut self) -> Result<String, BlockFault> {
         let len = self.u16()? as usize;
+        if len == 0 || len > crate::format::records::MAX_NAME_LEN {
+            return Err(BlockFault::Malformed(format!(
+                "{}: name of {len} bytes",
+                self.what
+            )));
+        }
         let raw = self.bytes(len)?;
-        String::from_utf8(raw.to_vec()).map_err(|_| BlockFault::Malformed(format!("{}: name is not UTF-8", self.what)))
+        let name = String::from_utf8(raw.to_vec())
+            .map_err(|_| BlockFault::Malformed(format!("{}: name is not UTF-8", self.what)))?;
+        if name.chars().any(char::is_control) {
+            return Err(BlockFault::Malformed(format!(
+                "{}: name has control characters",
+                self.what
+            )));
+        }
+        Ok(name)
     }
     /// A count of items each at least `min_item` bytes long, checked against what is left so
     /// that a damaged count cannot make a reader allocate without bound.
     pub fn count(&mut self, min_item: usize) -> Result<usize, BlockFault> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_item) > self.remaining() {
-            return Err(BlockFault::Malformed(format!("{}: count {n} exceeds the bytes left", self.what)));
+            return Err(BlockFault::Malformed(format!(
+                "{}: count {n} exceeds the bytes left",
+                self.what
+            )));
         }
         Ok(n)
     }
     pub fn expect_magic(&mut self, magic: &[u8; 4]) -> Result<(), BlockFault> {
         let found = self.array::<4>()?;
         if &found != magic {
-            return Err(BlockFault::Malformed(format!("{}: magic {:?}, expected {:?}", self.what, found, magic)));
+            return Err(BlockFault::Malformed(format!(
+                "{}: magic {:?}, expected {:?}",
+                self.what, found, magic
+            )));
         }
         Ok(())
     }
     pub fn finish(&self) -> Result<(), BlockFault> {
         if self.remaining() != 0 {
-            return Err(BlockFault::Malformed(format!("{}: {} trailing bytes", self.what, self.remaining())));
+            return Err(BlockFault::Malformed(format!(
+                "{}: {} trailing bytes",
+                self.what,
+                self.remaining()
+            )));
         }
         Ok(())
     }

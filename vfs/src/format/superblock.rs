@@ -2,7 +2,9 @@
 //! valid one with the higher generation.
 
 use super::codec::{Dec, Enc};
-use super::header::{seal, unseal, BlockHeader, BlockKind, BlockRef, Owner, StreamTag, HEADER_LEN};
+use super::header::{
+    payload, seal, unseal, BlockHeader, BlockKind, BlockRef, Owner, StreamTag, HEADER_LEN,
+};
 use crate::error::{BlockFault, Error};
 
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"ctxfs-sb";
@@ -38,7 +40,10 @@ impl Superblock {
             .bytes(&self.store_id);
         self.catalog.encode(&mut e);
         self.alloc.encode(&mut e);
-        e.u64(self.allocated_blocks).u32(self.next_context_id).u32(0).u64(self.commit_unix_ms);
+        e.u64(self.allocated_blocks)
+            .u32(self.next_context_id)
+            .u32(0)
+            .u64(self.commit_unix_ms);
         debug_assert_eq!(e.0.len(), PAYLOAD_LEN);
         let header = BlockHeader {
             kind: BlockKind::Superblock,
@@ -58,16 +63,18 @@ impl Superblock {
         Some(u32::from_le_bytes(raw.try_into().ok()?))
     }
 
-    /// Decodes and checks one superblock slot (`block` is exactly one block).
+    /// Decodes and checks one superblock slot (`block` is exactly one block). The 40-byte
+    /// header and its CRC rule are the same in every format version, so the checksum is
+    /// checked first; a store of another version is then refused with a clear message.
     pub fn decode(block: &[u8], slot: u64) -> Result<Superblock, Error> {
-        let damaged = |fault| Error::Damaged { block: slot, kind: "superblock", owner: "system".into(), fault };
-        // The magic and version are read before the checksum so that a store written by
-        // another format version is refused with a clear message rather than "bad checksum".
-        let mut d = Dec::new(block.get(HEADER_LEN..).unwrap_or(&[]), "superblock");
-        let magic = d.bytes(8).map_err(damaged)?;
-        if magic != SUPERBLOCK_MAGIC {
-            let (h, _) = unseal(block).map_err(damaged)?;
-            return Err(damaged(BlockFault::Malformed(format!("{:?} block where a superblock belongs", h.kind))));
+        let damaged = |fault| Error::damaged(slot, "superblock", "system", fault);
+        let (h, _) = unseal(block).map_err(damaged)?;
+        let mut d = Dec::new(payload(block, &h), "superblock");
+        if d.bytes(8).map_err(damaged)? != SUPERBLOCK_MAGIC || h.kind != BlockKind::Superblock {
+            return Err(damaged(BlockFault::Malformed(format!(
+                "{} block where a superblock belongs",
+                h.kind.name()
+            ))));
         }
         let version = d.u32().map_err(damaged)?;
         if version != FORMAT_VERSION {
@@ -77,11 +84,17 @@ impl Superblock {
                 hint: "use the ctxfs release that wrote this store, or export and re-import it",
             });
         }
-        let (h, _) = unseal(block).map_err(damaged)?;
-        if h.kind != BlockKind::Superblock || h.logical != slot || h.owner != Owner::SYSTEM {
+        if h.logical != slot
+            || h.owner != Owner::SYSTEM
+            || h.stream != StreamTag::Meta
+            || h.payload_len as usize != PAYLOAD_LEN
+        {
             return Err(damaged(BlockFault::Malformed(format!(
-                "header says {:?} slot {}, expected superblock slot {slot}",
-                h.kind, h.logical
+                "header says slot {} owner {} stream {} payload {} bytes; expected slot {slot}, system, meta, {PAYLOAD_LEN}",
+                h.logical,
+                h.owner,
+                h.stream.name(),
+                h.payload_len
             ))));
         }
         let sb = Superblock {
@@ -100,12 +113,22 @@ impl Superblock {
         };
         let bad = |what: String| Err(damaged(BlockFault::Malformed(what)));
         if sb.generation != h.generation || sb.slot() != slot {
-            return bad(format!("generation {} does not belong in slot {slot}", sb.generation));
+            return bad(format!(
+                "generation {} does not belong in slot {slot}",
+                sb.generation
+            ));
         }
         if sb.block_size as usize != block.len() {
-            return bad(format!("block size {} but the slot was read as {} bytes", sb.block_size, block.len()));
+            return bad(format!(
+                "block size {} but the slot was read as {} bytes",
+                sb.block_size,
+                block.len()
+            ));
         }
-        if sb.total_blocks < 4 || sb.catalog.block >= sb.total_blocks || sb.alloc.block >= sb.total_blocks {
+        if sb.total_blocks < crate::txn::MIN_STORE_BLOCKS
+            || sb.catalog.block >= sb.total_blocks
+            || sb.alloc.block >= sb.total_blocks
+        {
             return bad("block counts or roots out of range".into());
         }
         if sb.catalog.block < SUPERBLOCK_SLOTS || sb.alloc.block < SUPERBLOCK_SLOTS {

@@ -1,0 +1,235 @@
+//! Injected I/O faults: read and write errors, failed flushes, torn and misdirected writes.
+//! They surface as errors naming the block, never as panics or wrong bytes, and a failed
+//! commit leaves the previous state intact.
+
+mod common;
+use common::*;
+use ctxfs_vfs::device::{FaultPlan, MemDevice};
+use ctxfs_vfs::{fsck, Error, Store};
+use std::sync::Arc;
+
+fn reopen(mem: &MemDevice) -> (Arc<MemDevice>, Store) {
+    let dev = Arc::new(MemDevice::from_image(mem.current_image(), BS));
+    let store = Store::open(dev.clone()).unwrap();
+    (dev, store)
+}
+
+#[test]
+fn write_errors_fail_the_commit_and_keep_the_previous_state() {
+    let mut failures = 0;
+    for seed in 0..40 {
+        let (mem, store) = mem_store(1024);
+        mem.set_faults(FaultPlan {
+            seed,
+            write_error_rate: 0.02,
+            ..Default::default()
+        });
+        let (committed, _, err) = match workload(&store, seed, |_| {}) {
+            Ok(_) => continue,
+            Err(e) => e,
+        };
+        failures += 1;
+        assert!(
+            matches!(err, Error::BlockIo { .. } | Error::Poisoned(_)),
+            "seed {seed}: {err}"
+        );
+        mem.set_faults(FaultPlan::default());
+        if !matches!(err, Error::Poisoned(_)) {
+            // Same process: the store still serves the last commit and takes new ones.
+            assert_matches(&store, &committed);
+            let mut txn = store.begin().unwrap();
+            txn.create_context("after", shape(1, 1), &[7]).unwrap();
+            txn.commit().unwrap();
+        }
+        drop(store);
+        let (dev, store) = reopen(&mem);
+        let snap = store.snapshot();
+        for (name, _) in &committed {
+            assert!(
+                snap.context(name).is_ok(),
+                "seed {seed}: committed context {name} lost"
+            );
+        }
+        drop(snap);
+        let report = fsck::check(dev.as_ref()).unwrap();
+        assert!(report.is_clean(), "seed {seed}: {:?}", report.problems);
+    }
+    assert!(failures >= 20, "only {failures} seeds hit a write error");
+}
+
+#[test]
+fn a_failed_flush_poisons_the_store_until_it_is_reopened() {
+    let (mem, store) = mem_store(1024);
+    let committed = workload(&store, 1, |_| {}).unwrap();
+    // Flushes fail from now on: the commit fails before or at its superblock.
+    mem.set_faults(FaultPlan {
+        fail_flush_from_op: Some(0),
+        ..Default::default()
+    });
+    let mut txn = store.begin().unwrap();
+    txn.create_context("doomed", shape(1, 1), &[1]).unwrap();
+    let err = txn.commit().unwrap_err();
+    assert!(matches!(err, Error::Io(_)), "{err}");
+    assert_matches(&store, &committed);
+    mem.set_faults(FaultPlan::default());
+    let (_, store) = reopen(&mem);
+    assert!(store.snapshot().context("doomed").is_err());
+}
+
+#[test]
+fn a_failed_superblock_flush_is_reported_and_recovery_decides() {
+    let (mem, store) = mem_store(1024);
+    let committed = workload(&store, 2, |_| {}).unwrap();
+    let mut txn = store.begin().unwrap();
+    txn.create_context("maybe", shape(1, 1), &[1]).unwrap();
+    // Op 0.. are block writes; fail only the last flush (after the superblock write).
+    mem.set_faults(FaultPlan::default());
+    let before = mem.ops();
+    drop(txn);
+    let _ = before;
+    let probe_ops = {
+        let (probe, pstore) = mem_store(1024);
+        workload(&pstore, 2, |_| {}).unwrap();
+        probe.set_faults(FaultPlan::default());
+        let mut t = pstore.begin().unwrap();
+        t.create_context("maybe", shape(1, 1), &[1]).unwrap();
+        t.commit().unwrap();
+        probe.ops()
+    };
+    mem.set_faults(FaultPlan {
+        fail_flush_from_op: Some(probe_ops - 1),
+        ..Default::default()
+    });
+    let mut txn = store.begin().unwrap();
+    txn.create_context("maybe", shape(1, 1), &[1]).unwrap();
+    let err = txn.commit().unwrap_err();
+    assert!(matches!(err, Error::Poisoned(_)), "{err}");
+    assert!(
+        matches!(store.begin().err(), Some(Error::Poisoned(_))),
+        "no writes after an unknown outcome"
+    );
+    assert_matches(&store, &committed); // readers keep the last known state
+    mem.set_faults(FaultPlan::default());
+    let (dev, store) = reopen(&mem);
+    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
+    for name in committed.keys() {
+        assert!(store.snapshot().context(name).is_ok());
+    }
+}
+
+#[test]
+fn read_errors_name_the_block_and_fsck_reports_them() {
+    let (mem, store) = mem_store(1024);
+    workload(&store, 3, |_| {}).unwrap();
+    let snap = store.snapshot();
+    let ctx = snap.context("gamma").unwrap();
+    let stream = ctx.stream(0, 1, ctxfs_vfs::FileStream::Data).unwrap();
+    let (bad, _) = stream.locate(1).unwrap();
+    mem.set_faults(FaultPlan {
+        bad_read_blocks: [bad].into(),
+        ..Default::default()
+    });
+    match stream.read(1) {
+        Err(Error::BlockIo { block, .. }) => assert_eq!(block, bad),
+        other => panic!(
+            "expected an I/O error on block {bad}, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let results = stream.read_many(&[0, 1, 2]);
+    assert!(
+        results[0].is_ok() && results[2].is_ok(),
+        "a read error spoils only its own block"
+    );
+    assert_eq!(results[1].as_ref().err().and_then(Error::block), Some(bad));
+    let report = fsck::check(mem.as_ref()).unwrap();
+    assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED);
+    assert!(report.damaged_blocks().contains(&bad));
+}
+
+#[test]
+fn random_read_errors_never_give_wrong_bytes() {
+    let (mem, store) = mem_store(1024);
+    let model = workload(&store, 4, |_| {}).unwrap();
+    mem.set_faults(FaultPlan {
+        seed: 5,
+        read_error_rate: 0.1,
+        ..Default::default()
+    });
+    let snap = store.snapshot();
+    let (mut ok, mut failed) = (0, 0);
+    for (name, want) in &model {
+        let ctx = snap.context(name).unwrap();
+        for ((layer, head, s), blocks) in &want.streams {
+            let which = if *s == 0 {
+                ctxfs_vfs::FileStream::Index
+            } else {
+                ctxfs_vfs::FileStream::Data
+            };
+            let Ok(stream) = ctx.stream(*layer, *head, which) else {
+                continue;
+            };
+            for (l, want) in blocks.iter().enumerate() {
+                match stream.read(l as u64) {
+                    Ok(b) => {
+                        assert_eq!(b.payload(), &want[..]);
+                        ok += 1;
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, Error::BlockIo { .. }), "{e}");
+                        failed += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(ok > 0 && failed > 0, "{ok} ok, {failed} failed");
+}
+
+#[test]
+fn torn_and_misdirected_writes_are_caught_by_checksums() {
+    let (last_commit_start, total) = {
+        let (mem, store) = mem_store(1024);
+        mem.set_faults(FaultPlan::default());
+        let mut after_each = Vec::new();
+        workload(&store, 6, |_| after_each.push(mem.ops())).unwrap();
+        (after_each[after_each.len() - 2], mem.ops())
+    };
+    // The last operations are: ..., last allocator write, flush, superblock write, flush.
+    // Every write of the last commit lands in the final state, so damage to it must show.
+    let writes = last_commit_start..total - 3;
+    assert!(writes.end - writes.start >= 10);
+    let mut cases = Vec::new();
+    for op in writes.step_by(3) {
+        cases.push((
+            format!("torn write at op {op}"),
+            FaultPlan {
+                torn_write: Some((op, 20)),
+                ..Default::default()
+            },
+        ));
+        cases.push((
+            format!("misdirected write at op {op}"),
+            FaultPlan {
+                misdirected_write: Some((op, 1000)),
+                ..Default::default()
+            },
+        ));
+    }
+    for (name, plan) in cases {
+        let (mem, store) = mem_store(1024);
+        mem.set_faults(plan);
+        // The device reports success: the damage is silent until something reads it.
+        workload(&store, 6, |_| {}).unwrap();
+        mem.set_faults(FaultPlan::default());
+        drop(store);
+        let image = Arc::new(MemDevice::from_image(mem.current_image(), BS));
+        let report = fsck::check(image.as_ref()).unwrap();
+        assert_eq!(
+            report.exit_code(),
+            fsck::EXIT_UNCORRECTED,
+            "{name}: {:?}",
+            report.problems
+        );
+    }
+}
