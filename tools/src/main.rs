@@ -1,1 +1,81 @@
-fn main() {}
+//! The `ctxfs` command.
+
+mod bench_io;
+mod demo;
+mod fsck_cmd;
+mod inspect;
+mod mkfs;
+mod progress;
+mod raw_uring;
+mod units;
+
+use clap::{Parser, Subcommand};
+use ctxfs_vfs::DeviceChoice;
+
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ctxfs",
+    version,
+    about = "A persistent vector file system for the KV caches of long LLM prompts"
+)]
+struct Cli {
+    /// Block device implementation: auto (io_uring, falling back to pread/pwrite when the
+    /// kernel refuses io_uring), uring, or file. Defaults to $CTXFS_DEVICE or auto.
+    #[arg(long, global = true)]
+    device: Option<DeviceChoice>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create an empty store on a file (created if missing) or a block device.
+    Mkfs(mkfs::Args),
+    /// Show a store: superblocks, device, space, contexts and vector files.
+    Inspect(inspect::Args),
+    /// Check every block and structure; optionally repair what is safe to repair.
+    Fsck(fsck_cmd::Args),
+    /// Measure the store against raw O_DIRECT io_uring loops.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+    /// Run the end-to-end demonstration on an embedded default store.
+    Demo(demo::Args),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Sequential write, sequential read and 4 KiB random read (queue depth 32) through the
+    /// store, side by side with a raw io_uring loop over a scratch file beside it.
+    Io(bench_io::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let device = match cli.device.map(Ok).unwrap_or_else(DeviceChoice::from_env) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("ctxfs: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match cli.command {
+        Command::Mkfs(args) => mkfs::run(args, device),
+        Command::Inspect(args) => inspect::run(args, device),
+        Command::Fsck(args) => return fsck_cmd::run(args, device),
+        Command::Bench {
+            which: BenchCommand::Io(args),
+        } => bench_io::run(args, device),
+        Command::Demo(args) => demo::run(args, device),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ctxfs: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

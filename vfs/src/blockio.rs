@@ -8,10 +8,26 @@ use crate::format::header::{payload, seal, verify};
 use crate::format::records::chain_capacity;
 use crate::format::{BlockHeader, BlockKind, BlockRef, Expect, Owner, StreamTag, HEADER_LEN};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-/// A block read and verified: its buffer and header.
+/// One block inside a (possibly multi-block) read buffer. Blocks of one coalesced read share
+/// the buffer, so splitting a read into blocks copies nothing.
+#[derive(Clone)]
+pub struct RawBlock {
+    buf: Arc<AlignedBuf>,
+    at: usize,
+    len: usize,
+}
+
+impl RawBlock {
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.at..self.at + self.len]
+    }
+}
+
+/// A block read and verified: its bytes and header.
 pub struct BlockBuf {
-    buf: AlignedBuf,
+    raw: RawBlock,
     header: BlockHeader,
 }
 
@@ -20,11 +36,11 @@ impl BlockBuf {
         &self.header
     }
     pub fn payload(&self) -> &[u8] {
-        payload(&self.buf, &self.header)
+        payload(self.raw.bytes(), &self.header)
     }
     /// The whole block, header included.
     pub fn raw(&self) -> &[u8] {
-        &self.buf
+        self.raw.bytes()
     }
 }
 
@@ -40,39 +56,54 @@ pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
 
 /// Reads one block and checks it against what its reference says.
 pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Result<BlockBuf> {
-    let mut buf = AlignedBuf::zeroed(dev.block_size());
-    let res = dev
-        .submit(&mut [IoOp::Read {
-            block,
-            buf: &mut buf,
-        }])
+    read_many(dev, &[(block, *expect)])
         .pop()
-        .expect("one result");
-    res.map_err(|source| Error::BlockIo { block, source })?;
-    let header = verify(&buf, expect).map_err(|f| damaged(block, expect, f))?;
-    Ok(BlockBuf { buf, header })
+        .expect("one result")
 }
 
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
 /// verifies each. One result per request, in request order.
 pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<BlockBuf>> {
+    read_many_pooled(dev, reqs, &mut Vec::new())
+}
+
+/// [`read_many`] with buffers from a [`ReadPool`].
+pub fn read_many_pooled(
+    dev: &dyn BlockDevice,
+    reqs: &[(u64, Expect)],
+    pool: &mut ReadPool,
+) -> Vec<Result<BlockBuf>> {
     let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
-    read_raw_many(dev, &blocks)
+    read_raw_many_pooled(dev, &blocks, pool)
         .into_iter()
         .zip(reqs)
         .map(|(raw, (block, expect))| {
-            let buf = raw?;
-            let header = verify(&buf, expect).map_err(|f| damaged(*block, expect, f))?;
-            Ok(BlockBuf { buf, header })
+            let raw = raw?;
+            let header = verify(raw.bytes(), expect).map_err(|f| damaged(*block, expect, f))?;
+            Ok(BlockBuf { raw, header })
         })
         .collect()
 }
 
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, without
 /// checking them. One result per requested block, in request order.
-pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<AlignedBuf>> {
-    /// Longest coalesced read, in blocks.
-    const MAX_RUN: usize = 64;
+pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<RawBlock>> {
+    read_raw_many_pooled(dev, blocks, &mut Vec::new())
+}
+
+/// Read buffers kept for reuse by a sequential reader: a buffer goes back into service once
+/// every block handed out from it has been dropped. Fresh buffers would make each O_DIRECT
+/// read fault in and zero new pages.
+pub type ReadPool = Vec<Arc<AlignedBuf>>;
+
+/// [`read_raw_many`], taking its buffers from `pool` where it can and leaving them there.
+pub fn read_raw_many_pooled(
+    dev: &dyn BlockDevice,
+    blocks: &[u64],
+    pool: &mut ReadPool,
+) -> Vec<Result<RawBlock>> {
+    /// Longest coalesced read: 1 MiB of 4 KiB blocks.
+    const MAX_RUN: usize = 256;
     let bs = dev.block_size();
     let mut sorted = blocks.to_vec();
     sorted.sort_unstable();
@@ -85,9 +116,18 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<Aligne
             _ => runs.push((b, 1)),
         }
     }
+    let mut spare: Vec<AlignedBuf> = pool
+        .drain(..)
+        .filter_map(|b| Arc::try_unwrap(b).ok())
+        .collect();
     let mut bufs: Vec<AlignedBuf> = runs
         .iter()
-        .map(|&(_, n)| AlignedBuf::zeroed(n * bs))
+        .map(
+            |&(_, n)| match spare.iter().position(|b| b.len() == n * bs) {
+                Some(i) => spare.swap_remove(i),
+                None => AlignedBuf::zeroed(n * bs),
+            },
+        )
         .collect();
     let mut io: Vec<std::io::Result<()>> = {
         let mut ops: Vec<IoOp<'_>> = runs
@@ -101,7 +141,7 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<Aligne
     let failed: Vec<usize> = (0..runs.len())
         .filter(|&r| io[r].is_err() && runs[r].1 > 1)
         .collect();
-    let mut split: BTreeMap<u64, std::io::Result<AlignedBuf>> = BTreeMap::new();
+    let mut split: BTreeMap<u64, std::io::Result<RawBlock>> = BTreeMap::new();
     for r in failed {
         let (start, n) = runs[r];
         let mut single: Vec<AlignedBuf> = (0..n).map(|_| AlignedBuf::zeroed(bs)).collect();
@@ -117,10 +157,19 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<Aligne
             dev.submit(&mut ops)
         };
         for (i, (res, buf)) in res.into_iter().zip(single).enumerate() {
-            split.insert(start + i as u64, res.map(|()| buf));
+            split.insert(
+                start + i as u64,
+                res.map(|()| RawBlock {
+                    buf: Arc::new(buf),
+                    at: 0,
+                    len: bs,
+                }),
+            );
         }
         io[r] = Ok(());
     }
+    let bufs: Vec<Arc<AlignedBuf>> = bufs.into_iter().map(Arc::new).collect();
+    pool.extend(bufs.iter().cloned());
     blocks
         .iter()
         .map(|&block| {
@@ -141,10 +190,11 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<Aligne
                     source: std::io::Error::new(e.kind(), e.to_string()),
                 });
             }
-            let at = (block - start) as usize * bs;
-            let mut buf = AlignedBuf::zeroed(bs);
-            buf.copy_from_slice(&bufs[r][at..at + bs]);
-            Ok(buf)
+            Ok(RawBlock {
+                buf: bufs[r].clone(),
+                at: (block - start) as usize * bs,
+                len: bs,
+            })
         })
         .collect()
 }

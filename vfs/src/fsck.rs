@@ -365,7 +365,8 @@ fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
                     continue;
                 }
             };
-            match unseal(&buf) {
+            let buf = buf.bytes();
+            match unseal(buf) {
                 Err(fault) if w.persisted.is_some() => w.note(Some(block), "unknown", "unknown".into(), None, format!("allocated block under unreadable metadata fails its own check: {fault}"), Fix::None),
                 // A zeroed block may be free space that was never written.
                 Err(fault) if buf.iter().any(|&b| b != 0) => w.note(Some(block), "unknown", "unknown".into(), None, format!("block fails its own check (the allocator is unreadable, so it may be free space): {fault}"), Fix::None),

@@ -1,7 +1,9 @@
 //! A mounted store: recovery on open, immutable snapshots for readers, one writer at a time.
 
 use crate::alloc::{Allocator, Bitmap};
-use crate::blockio::{read_chain, read_many, read_verified, BlockBuf, ChainId};
+use crate::blockio::{
+    read_chain, read_many, read_many_pooled, read_verified, BlockBuf, ChainId, ReadPool,
+};
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
 use crate::format::records::{
@@ -164,7 +166,7 @@ impl ContextMeta {
 pub struct Snapshot {
     pub(crate) dev: Arc<dyn BlockDevice>,
     pub(crate) superblock: Superblock,
-    pub(crate) contexts: BTreeMap<String, Arc<ContextMeta>>,
+    pub(crate) contexts: Contexts,
     pub(crate) catalog_blocks: Vec<u64>,
     pub(crate) _ticket: Option<ReaderTicket>,
 }
@@ -314,17 +316,44 @@ impl StreamReader<'_> {
     }
 
     /// Reads `count` blocks from `first` in batches, yielding them in order.
-    pub fn read_range(
-        &self,
-        first: u64,
-        count: u64,
-    ) -> impl Iterator<Item = Result<BlockBuf>> + '_ {
-        const BATCH: u64 = 256;
-        let end = (first + count).min(self.blocks());
-        (first..end).step_by(BATCH as usize).flat_map(move |s| {
-            let logicals: Vec<u64> = (s..(s + BATCH).min(end)).collect();
-            self.read_many(&logicals)
-        })
+    pub fn read_range(&self, first: u64, count: u64) -> RangeReader<'_> {
+        RangeReader {
+            stream: self,
+            next: first,
+            end: (first + count).min(self.blocks()),
+            pool: Vec::new(),
+            batch: Vec::new().into_iter(),
+        }
+    }
+}
+
+/// Sequential reads of a stream in large batches, reusing its read buffers.
+pub struct RangeReader<'a> {
+    stream: &'a StreamReader<'a>,
+    next: u64,
+    end: u64,
+    pool: ReadPool,
+    batch: std::vec::IntoIter<Result<BlockBuf>>,
+}
+
+impl Iterator for RangeReader<'_> {
+    type Item = Result<BlockBuf>;
+    fn next(&mut self) -> Option<Result<BlockBuf>> {
+        /// 8 MiB of 4 KiB blocks, read as 1 MiB operations: enough in flight to stream.
+        const BATCH: u64 = 2048;
+        if let Some(b) = self.batch.next() {
+            return Some(b);
+        }
+        if self.next >= self.end {
+            return None;
+        }
+        let last = (self.next + BATCH).min(self.end);
+        let reqs: Vec<(u64, Expect)> = (self.next..last)
+            .map(|l| self.stream.locate(l).expect("within the stream"))
+            .collect();
+        self.next = last;
+        self.batch = read_many_pooled(self.stream.dev, &reqs, &mut self.pool).into_iter();
+        self.batch.next()
     }
 }
 
@@ -479,12 +508,15 @@ pub(crate) fn load_bitmap(
     Ok((bitmap, chunks, dir_blocks))
 }
 
+/// Committed contexts by name.
+pub(crate) type Contexts = BTreeMap<String, Arc<ContextMeta>>;
+
 /// Reads the catalog and every context record a superblock references.
 pub(crate) fn load_catalog(
     dev: &dyn BlockDevice,
     sb: &Superblock,
     skip: &BTreeSet<String>,
-) -> Result<(BTreeMap<String, Arc<ContextMeta>>, Vec<u64>)> {
+) -> Result<(Contexts, Vec<u64>)> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
     let bad = |block, what: String| {
         Error::damaged(block, "catalog", "system", BlockFault::Malformed(what))

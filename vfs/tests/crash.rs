@@ -25,7 +25,7 @@ fn crash_at(
     });
     let (committed, attempted) = match workload(&store, seed, |_| {}) {
         Ok(_) => return None, // the workload finished before the crash point
-        Err((committed, attempted, _)) => (committed, attempted),
+        Err(stop) => (stop.committed, stop.attempted),
     };
     mem.crash();
     drop(store);

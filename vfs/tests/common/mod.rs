@@ -100,13 +100,21 @@ pub fn append(
     Ok(())
 }
 
+/// Where a workload stopped: the last committed model, the one being committed, and why.
+#[derive(Debug)]
+pub struct Interrupted {
+    pub committed: Model,
+    pub attempted: Model,
+    pub error: Error,
+}
+
 /// A workload of commits: creates, appends and deletes. `on_commit` sees the model after each
 /// successful commit. Returns the first error (a crash or an injected fault) or the final model.
 pub fn workload(
     store: &Store,
     seed: u64,
     mut on_commit: impl FnMut(&Model),
-) -> Result<Model, (Model, Model, Error)> {
+) -> Result<Model, Box<Interrupted>> {
     let mut rng = SplitMix64::new(seed);
     let mut model = Model::new();
     type Step = fn(&mut Txn<'_>, &mut Model, &mut SplitMix64) -> Result<(), Error>;
@@ -137,7 +145,13 @@ pub fn workload(
                 model = attempt;
                 on_commit(&model);
             }
-            Err(e) => return Err((model, attempt, e)),
+            Err(error) => {
+                return Err(Box::new(Interrupted {
+                    committed: model,
+                    attempted: attempt,
+                    error,
+                }))
+            }
         }
     }
     Ok(model)

@@ -1,0 +1,210 @@
+use crate::progress;
+use crate::raw_uring::{Dir, RawFile};
+use anyhow::{bail, Result};
+use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    store: PathBuf,
+    /// Scratch data written and read, in MiB.
+    #[arg(long, default_value_t = 256)]
+    mib: u64,
+    /// Random 4 KiB reads to time, in batches of the queue depth.
+    #[arg(long, default_value_t = 32768)]
+    random_reads: u64,
+    #[arg(long)]
+    json: bool,
+}
+
+const QUEUE_DEPTH: usize = 32;
+const SEQ_OP: usize = 1 << 20;
+const SEQ_DEPTH: usize = 4;
+
+struct Figures {
+    seq_write_mib_s: f64,
+    seq_read_mib_s: f64,
+    random_read_iops: f64,
+}
+
+pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
+    let store = Store::open_path(&args.store, choice)?;
+    let bs = store.device().block_size();
+    let blocks = (args.mib << 20) / bs as u64;
+    if blocks == 0 || args.random_reads == 0 {
+        bail!("--mib and --random-reads must be positive");
+    }
+    let (free, _) = store.space();
+    if free < blocks + 64 {
+        bail!(
+            "the store has {free} free blocks; the benchmark needs {} (lower --mib)",
+            blocks + 64
+        );
+    }
+    let name = format!("bench-io-{}", std::process::id());
+    let bar = progress::bar(4 * blocks * bs as u64, "bench io");
+    let ours = measure_store(&store, &name, blocks, args.random_reads, &bar);
+    // Whatever happened, the scratch context goes.
+    let cleanup = store
+        .begin()
+        .and_then(|mut t| t.delete_context(&name).and_then(|()| t.commit()));
+    let ours = ours?;
+    if let Err(e) = cleanup {
+        if !matches!(e, ctxfs_vfs::Error::NoSuchContext(_)) {
+            return Err(e.into());
+        }
+    }
+    let raw_path = args.store.with_extension("bench-raw");
+    let raw = measure_raw(&raw_path, blocks * bs as u64, bs, args.random_reads, &bar);
+    let _ = std::fs::remove_file(&raw_path);
+    let raw = raw?;
+    bar.finish_and_clear();
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    let ratios = json!({
+        "seq_write_vs_raw": ratio(ours.seq_write_mib_s, raw.seq_write_mib_s),
+        "seq_read_vs_raw": ratio(ours.seq_read_mib_s, raw.seq_read_mib_s),
+        "random_read_vs_raw": ratio(ours.random_read_iops, raw.random_read_iops),
+    });
+    let info = store.device_info();
+    if args.json {
+        let fig = |f: &Figures| json!({"seq_write_mib_s": f.seq_write_mib_s, "seq_read_mib_s": f.seq_read_mib_s, "random_read_iops": f.random_read_iops});
+        let v = json!({
+            "ratios": ratios, "ctxfs": fig(&ours), "raw": fig(&raw), "mib": args.mib, "block_size": bs,
+            "random_reads": args.random_reads, "queue_depth": QUEUE_DEPTH, "device": info.kind,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "bench io: {} MiB, {}-byte blocks, device {}; raw = O_DIRECT io_uring loop over {}",
+        args.mib,
+        bs,
+        info.kind,
+        raw_path.display()
+    );
+    println!("{:<28} {:>12} {:>12} {:>8}", "", "ctxfs", "raw", "ratio");
+    let row = |what: &str, a: f64, b: f64, unit: &str| {
+        println!(
+            "{:<28} {:>9.0} {unit} {:>9.0} {unit} {:>8.2}",
+            what,
+            a,
+            b,
+            ratio(a, b)
+        )
+    };
+    row(
+        "sequential write (MiB/s)",
+        ours.seq_write_mib_s,
+        raw.seq_write_mib_s,
+        "  ",
+    );
+    row(
+        "sequential read (MiB/s)",
+        ours.seq_read_mib_s,
+        raw.seq_read_mib_s,
+        "  ",
+    );
+    row(
+        &format!("4 KiB random read, QD{QUEUE_DEPTH} (IOPS)"),
+        ours.random_read_iops,
+        raw.random_read_iops,
+        "  ",
+    );
+    Ok(())
+}
+
+fn mib_s(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / (1 << 20) as f64 / secs
+}
+
+fn measure_store(
+    store: &Store,
+    name: &str,
+    blocks: u64,
+    reads: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Figures> {
+    let bs = store.device().block_size();
+    let payload: Vec<u8> = (0..max_payload(bs)).map(|i| i as u8).collect();
+    let shape = ModelShape {
+        layers: 1,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 128,
+        dtype: DType::F16,
+    };
+    let t = Instant::now();
+    let mut txn = store.begin()?;
+    txn.create_context(name, shape, &[])?;
+    for _ in 0..blocks {
+        txn.append_block(name, 0, 0, FileStream::Data, &payload)?;
+        bar.inc(bs as u64);
+    }
+    txn.commit()?;
+    let seq_write = mib_s(blocks * bs as u64, t.elapsed().as_secs_f64());
+
+    let snap = store.snapshot();
+    let ctx = snap.context(name)?;
+    let stream = ctx.stream(0, 0, FileStream::Data)?;
+    let t = Instant::now();
+    for block in stream.read_range(0, blocks) {
+        anyhow::ensure!(block?.payload().len() == payload.len(), "short block");
+        bar.inc(bs as u64);
+    }
+    let seq_read = mib_s(blocks * bs as u64, t.elapsed().as_secs_f64());
+
+    let mut rng = SplitMix64::new(42);
+    let t = Instant::now();
+    let mut done = 0;
+    while done < reads {
+        let batch: Vec<u64> = (0..QUEUE_DEPTH.min((reads - done) as usize))
+            .map(|_| rng.below(blocks))
+            .collect();
+        for r in stream.read_many(&batch) {
+            r?;
+        }
+        done += batch.len() as u64;
+        bar.inc(blocks * bs as u64 / reads * batch.len() as u64);
+    }
+    let random = reads as f64 / t.elapsed().as_secs_f64();
+    Ok(Figures {
+        seq_write_mib_s: seq_write,
+        seq_read_mib_s: seq_read,
+        random_read_iops: random,
+    })
+}
+
+fn measure_raw(
+    path: &std::path::Path,
+    bytes: u64,
+    bs: usize,
+    reads: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Figures> {
+    let mut raw = RawFile::create(path, bytes)?;
+    let seq_ops: Vec<u64> = (0..bytes / SEQ_OP as u64)
+        .map(|i| i * SEQ_OP as u64)
+        .collect();
+    let t = Instant::now();
+    raw.run(Dir::Write, &seq_ops, SEQ_OP, SEQ_DEPTH)?;
+    raw.sync()?;
+    let seq_write = mib_s(bytes, t.elapsed().as_secs_f64());
+    bar.inc(bytes);
+    let t = Instant::now();
+    raw.run(Dir::Read, &seq_ops, SEQ_OP, SEQ_DEPTH)?;
+    let seq_read = mib_s(bytes, t.elapsed().as_secs_f64());
+    bar.inc(bytes);
+    let mut rng = SplitMix64::new(42);
+    let blocks = bytes / bs as u64;
+    let random_ops: Vec<u64> = (0..reads).map(|_| rng.below(blocks) * bs as u64).collect();
+    let t = Instant::now();
+    raw.run(Dir::Read, &random_ops, bs, QUEUE_DEPTH)?;
+    let random = reads as f64 / t.elapsed().as_secs_f64();
+    Ok(Figures {
+        seq_write_mib_s: seq_write,
+        seq_read_mib_s: seq_read,
+        random_read_iops: random,
+    })
+}

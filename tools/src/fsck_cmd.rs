@@ -1,0 +1,111 @@
+use ctxfs_vfs::fsck::{self, Report, EXIT_OPERATIONAL};
+use ctxfs_vfs::{device, probe_block_size, BlockDevice, DeviceChoice, Error};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct Args {
+    store: PathBuf,
+    /// Repair what is safe: free leaked blocks, mark referenced blocks allocated, rebuild the
+    /// allocator, rewrite a damaged fallback superblock, fall back to the older state.
+    #[arg(long)]
+    repair: bool,
+    /// With --repair: also drop contexts whose blocks are unreadable.
+    #[arg(long, requires = "repair")]
+    drop_damaged: bool,
+    #[arg(long)]
+    json: bool,
+}
+
+/// Exit codes follow e2fsck: 0 clean, 1 corrected, 4 left uncorrected, 8 operational error.
+pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
+    match check(&args, choice) {
+        Ok(report) => {
+            print(&args, &report);
+            ExitCode::from(report.exit_code() as u8)
+        }
+        Err(e) => {
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"exit_code": EXIT_OPERATIONAL, "error": e.to_string()})
+                );
+            }
+            eprintln!("ctxfs fsck: {e}");
+            ExitCode::from(EXIT_OPERATIONAL as u8)
+        }
+    }
+}
+
+fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
+    // With both superblocks damaged the block size is unknown; 4096 (the default) lets
+    // fsck still read the device and report what it finds.
+    let block_size = match probe_block_size(&args.store) {
+        Ok(bs) => bs,
+        Err(Error::NotAStore(_)) => 4096,
+        Err(e) => return Err(e),
+    };
+    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&args.store, choice, block_size)?);
+    if args.repair {
+        fsck::repair(dev, args.drop_damaged)
+    } else {
+        fsck::check(dev.as_ref())
+    }
+}
+
+fn print(args: &Args, r: &Report) {
+    if args.json {
+        let problems: Vec<_> = r
+            .problems
+            .iter()
+            .map(|p| json!({"block": p.block, "kind": p.kind, "owner": p.owner, "context": p.context, "message": p.message, "fix": p.fix.name()}))
+            .collect();
+        let v = json!({
+            "clean": r.is_clean(), "exit_code": r.exit_code(), "generation": r.active_generation,
+            "fallback_generation": r.fallback_generation, "contexts": r.contexts, "blocks_checked": r.blocks_checked,
+            "problems": problems, "repaired": r.repaired,
+        });
+        println!("{v}");
+        return;
+    }
+    for action in &r.repaired {
+        println!("repaired: {action}");
+    }
+    for p in &r.problems {
+        let at = p
+            .block
+            .map(|b| format!("block {b}"))
+            .unwrap_or_else(|| "store".into());
+        let ctx = p
+            .context
+            .as_ref()
+            .map(|c| format!(", context {c:?}"))
+            .unwrap_or_default();
+        let fix = if p.fix == fsck::Fix::None {
+            String::new()
+        } else {
+            format!(" [repair: {}]", p.fix.name())
+        };
+        println!(
+            "{at}: {} (owner {}{ctx}): {}{fix}",
+            p.kind, p.owner, p.message
+        );
+    }
+    let generation = r
+        .active_generation
+        .map(|g| format!("generation {g}"))
+        .unwrap_or_else(|| "no valid superblock".into());
+    let verdict = match r.exit_code() {
+        fsck::EXIT_CLEAN => "clean".to_string(),
+        fsck::EXIT_CORRECTED => "errors corrected".to_string(),
+        _ => format!("{} problems left uncorrected", r.problems.len()),
+    };
+    println!(
+        "{}: {generation}, {} contexts, {} blocks checked: {verdict}",
+        args.store.display(),
+        r.contexts,
+        r.blocks_checked
+    );
+}

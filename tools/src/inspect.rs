@@ -1,0 +1,256 @@
+use crate::units::human_bytes;
+use anyhow::{bail, Result};
+use ctxfs_vfs::format::records::StreamRoot;
+use ctxfs_vfs::{inspect::live_blocks, ContextRecord, DeviceChoice, FileStream, Store};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    store: PathBuf,
+    /// Describe one vector file of this context (with --layer and --head).
+    context: Option<String>,
+    #[arg(long, requires = "context")]
+    layer: Option<u16>,
+    #[arg(long, requires = "context")]
+    head: Option<u16>,
+    /// List every live block with its kind and owner.
+    #[arg(long, conflicts_with = "context")]
+    blocks: bool,
+    #[arg(long)]
+    json: bool,
+}
+
+impl Args {
+    /// `inspect STORE` with no other options.
+    pub fn summary_of(store: PathBuf) -> Args {
+        Args {
+            store,
+            context: None,
+            layer: None,
+            head: None,
+            blocks: false,
+            json: false,
+        }
+    }
+}
+
+pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
+    let store = Store::open_path(&args.store, choice)?;
+    if args.blocks {
+        return list_blocks(&store, args.json);
+    }
+    match (&args.context, args.layer, args.head) {
+        (Some(name), Some(layer), Some(head)) => vector_file(&store, name, layer, head, args.json),
+        (Some(_), _, _) => bail!("describing a vector file needs both --layer and --head"),
+        _ => summary(&store, &args.store, args.json),
+    }
+}
+
+fn stream_json(s: &StreamRoot) -> Value {
+    json!({"blocks": s.blocks, "bytes": s.bytes, "extent_blocks": s.extents.len()})
+}
+
+fn context_blocks(c: &ContextRecord) -> (u64, u64) {
+    let streams =
+        std::iter::once(&c.tokens).chain(c.files.iter().flat_map(|f| [&f.index, &f.data]));
+    streams.fold((0, 0), |(b, n), s| {
+        (b + s.blocks + s.extents.len() as u64, n + s.bytes)
+    })
+}
+
+fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
+    let snap = store.snapshot();
+    let sb = *snap.superblock();
+    let info = store.device_info();
+    let (available, used) = store.space();
+    let bs = sb.block_size as u64;
+    let slots: Vec<Value> = store
+        .slots()
+        .iter()
+        .map(|s| match &s.result {
+            Ok(sb) => json!({"slot": s.slot, "valid": true, "generation": sb.generation}),
+            Err(e) => json!({"slot": s.slot, "valid": false, "error": e}),
+        })
+        .collect();
+    let contexts: Vec<Value> = snap
+        .contexts()
+        .map(|c| {
+            let (blocks, bytes) = context_blocks(c);
+            let kv = c.shape.kv_heads as usize;
+            json!({
+                "name": c.name, "id": c.id,
+                "shape": {"layers": c.shape.layers, "q_heads": c.shape.q_heads, "kv_heads": c.shape.kv_heads, "head_dim": c.shape.head_dim, "dtype": c.shape.dtype.name()},
+                "tokens": c.tokens.bytes / 4, "blocks": blocks, "bytes": bytes, "created_unix_ms": c.created_unix_ms,
+                "files": c.files.iter().enumerate().map(|(i, f)| json!({
+                    "layer": i / kv, "head": i % kv, "index": stream_json(&f.index), "data": stream_json(&f.data),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    if json {
+        let v = json!({
+            "store": path,
+            "format_version": ctxfs_vfs::format::FORMAT_VERSION,
+            "superblock": {
+                "generation": sb.generation, "slot": sb.slot(), "block_size": sb.block_size, "blocks": sb.total_blocks,
+                "store_id": hex(&sb.store_id), "commit_unix_ms": sb.commit_unix_ms, "next_context_id": sb.next_context_id,
+            },
+            "slots": slots,
+            "device": {"kind": info.kind, "path": info.path, "queue_depth": info.queue_depth, "note": info.note},
+            "space": {"blocks": sb.total_blocks, "used_blocks": used, "free_blocks": available, "free_bytes": available * bs, "used_bytes": used * bs},
+            "contexts": contexts,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("store       {}", path.display());
+    println!(
+        "format      v{}, block size {} B, {} blocks ({})",
+        ctxfs_vfs::format::FORMAT_VERSION,
+        sb.block_size,
+        sb.total_blocks,
+        human_bytes(sb.total_blocks * bs)
+    );
+    println!(
+        "superblock  generation {} in slot {}, store id {}",
+        sb.generation,
+        sb.slot(),
+        hex(&sb.store_id)
+    );
+    for s in store.slots() {
+        match &s.result {
+            Ok(o) => println!("  slot {}    valid, generation {}", s.slot, o.generation),
+            Err(e) => println!("  slot {}    INVALID: {e}", s.slot),
+        }
+    }
+    println!(
+        "device      {} (queue depth {}){}",
+        info.kind,
+        info.queue_depth,
+        info.note.map(|n| format!(" — {n}")).unwrap_or_default()
+    );
+    println!(
+        "space       {} used, {} free ({} free blocks)",
+        human_bytes(used * bs),
+        human_bytes(available * bs),
+        available
+    );
+    println!("contexts    {}", snap.contexts().count());
+    for c in snap.contexts() {
+        let (blocks, bytes) = context_blocks(c);
+        let sh = &c.shape;
+        println!(
+            "\n  {:?} (id {}): {} tokens, {} layers × {} kv heads ({} q heads), head dim {}, {}; {} blocks, {}",
+            c.name,
+            c.id,
+            c.tokens.bytes / 4,
+            sh.layers,
+            sh.kv_heads,
+            sh.q_heads,
+            sh.head_dim,
+            sh.dtype.name(),
+            blocks,
+            human_bytes(bytes)
+        );
+        println!("    vector files (index blocks / data blocks):");
+        let kv = sh.kv_heads as usize;
+        for (layer, files) in c.files.chunks(kv).enumerate() {
+            let cells: Vec<String> = files
+                .iter()
+                .map(|f| format!("{}/{}", f.index.blocks, f.data.blocks))
+                .collect();
+            println!("      layer {layer:>3}: {}", cells.join("  "));
+        }
+    }
+    Ok(())
+}
+
+fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> Result<()> {
+    let snap = store.snapshot();
+    let ctx = snap.context(name)?;
+    let mut parts = Vec::new();
+    for which in [FileStream::Index, FileStream::Data] {
+        let s = ctx.stream(layer, head, which)?;
+        let runs: Vec<Value> = s
+            .map()
+            .runs()
+            .map(|(logical, start, len)| json!({"logical": logical, "block": start, "blocks": len}))
+            .collect();
+        parts.push((which, s.blocks(), s.bytes(), runs));
+    }
+    let owner = ctxfs_vfs::format::Owner::file(ctx.record().id, layer, head);
+    if json {
+        let mut v =
+            json!({"context": name, "layer": layer, "head": head, "owner": owner.to_string()});
+        for (which, blocks, bytes, runs) in parts {
+            v[if which == FileStream::Index {
+                "index"
+            } else {
+                "data"
+            }] = json!({"blocks": blocks, "bytes": bytes, "extents": runs});
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("vector file {name:?} layer {layer} head {head} ({owner})");
+    for (which, blocks, bytes, runs) in parts {
+        println!(
+            "  {:?} stream: {blocks} blocks, {} in {} extents",
+            which,
+            human_bytes(bytes),
+            runs.len()
+        );
+        for r in runs.iter().take(20) {
+            println!(
+                "    logical {:>8} → blocks {}..{}",
+                r["logical"],
+                r["block"],
+                r["block"].as_u64().unwrap_or(0) + r["blocks"].as_u64().unwrap_or(0)
+            );
+        }
+        if runs.len() > 20 {
+            println!("    … {} more extents (use --json)", runs.len() - 20);
+        }
+    }
+    Ok(())
+}
+
+fn list_blocks(store: &Store, json: bool) -> Result<()> {
+    let snap = store.snapshot();
+    let names: std::collections::BTreeMap<u32, &str> =
+        snap.contexts().map(|c| (c.id, c.name.as_str())).collect();
+    let blocks = live_blocks(&snap)?;
+    if json {
+        let list: Vec<Value> = blocks
+            .iter()
+            .map(|b| {
+                json!({
+                    "block": b.block, "kind": b.kind.name(), "owner": b.owner.to_string(), "stream": b.stream.name(),
+                    "context": names.get(&b.owner.context),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string(&list)?);
+        return Ok(());
+    }
+    println!("{:>10}  {:<10}  {:<7}  owner", "block", "kind", "stream");
+    for b in &blocks {
+        let ctx = names
+            .get(&b.owner.context)
+            .map(|n| format!(" ({n:?})"))
+            .unwrap_or_default();
+        println!(
+            "{:>10}  {:<10}  {:<7}  {}{ctx}",
+            b.block,
+            b.kind.name(),
+            b.stream.name(),
+            b.owner
+        );
+    }
+    Ok(())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,94 @@
+//! The baseline the benchmarks compare against: a plain O_DIRECT io_uring loop over a scratch
+//! file, keeping a fixed number of operations in flight. No checksums, no metadata.
+
+use anyhow::{Context, Result};
+use ctxfs_vfs::device::AlignedBuf;
+use io_uring::{opcode, types, IoUring};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+pub struct RawFile {
+    file: File,
+    ring: IoUring,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    Read,
+    Write,
+}
+
+impl RawFile {
+    /// Creates (or truncates) `path` to `len` bytes and opens it with O_DIRECT.
+    pub fn create(path: &Path, len: u64) -> Result<RawFile> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .with_context(|| format!("cannot create raw scratch file {}", path.display()))?;
+        file.set_len(len)?;
+        Ok(RawFile {
+            file,
+            ring: IoUring::new(256)?,
+        })
+    }
+
+    /// Runs every (offset, len) operation with `depth` in flight; `len` ≤ `slot_len`.
+    pub fn run(&mut self, dir: Dir, ops: &[u64], op_len: usize, depth: usize) -> Result<()> {
+        let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::zeroed(op_len)).collect();
+        for (i, b) in bufs.iter_mut().enumerate() {
+            b.fill(i as u8 ^ 0x5a);
+        }
+        let mut free: Vec<usize> = (0..depth).collect();
+        let mut next = 0;
+        let mut in_flight = 0;
+        while next < ops.len() || in_flight > 0 {
+            while next < ops.len() {
+                let Some(slot) = free.pop() else { break };
+                let ptr = bufs[slot].as_mut_ptr();
+                let fd = types::Fd(self.file.as_raw_fd());
+                let entry = match dir {
+                    Dir::Read => opcode::Read::new(fd, ptr, op_len as u32)
+                        .offset(ops[next])
+                        .build(),
+                    Dir::Write => opcode::Write::new(fd, ptr, op_len as u32)
+                        .offset(ops[next])
+                        .build(),
+                };
+                // SAFETY: `bufs[slot]` lives until this function returns, which happens only
+                // after every pushed entry has completed; a slot is reused only after its
+                // completion was reaped; the ring has 256 entries and at most `depth` ≤ 256
+                // are pushed without a reap.
+                unsafe { self.ring.submission().push(&entry.user_data(slot as u64)) }
+                    .expect("queue has room");
+                next += 1;
+                in_flight += 1;
+            }
+            self.ring.submit_and_wait(1)?;
+            let done: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (slot, res) in done {
+                in_flight -= 1;
+                free.push(slot as usize);
+                anyhow::ensure!(
+                    res == op_len as i32,
+                    "raw {} returned {res}",
+                    if dir == Dir::Read { "read" } else { "write" }
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        Ok(self.file.sync_data()?)
+    }
+}
