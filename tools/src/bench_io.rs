@@ -15,6 +15,9 @@ pub struct Args {
     /// Random 4 KiB reads to time, in batches of the queue depth.
     #[arg(long, default_value_t = 32768)]
     random_reads: u64,
+    /// Rounds of (ctxfs, raw) measurements; medians are reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
     #[arg(long)]
     json: bool,
 }
@@ -29,6 +32,21 @@ struct Figures {
     random_read_iops: f64,
 }
 
+impl Figures {
+    fn median(rounds: &[Figures]) -> Figures {
+        let med = |f: fn(&Figures) -> f64| {
+            let mut v: Vec<f64> = rounds.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Figures {
+            seq_write_mib_s: med(|f| f.seq_write_mib_s),
+            seq_read_mib_s: med(|f| f.seq_read_mib_s),
+            random_read_iops: med(|f| f.random_read_iops),
+        }
+    }
+}
+
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let store = Store::open_path(&args.store, choice)?;
     let bs = store.device().block_size();
@@ -36,30 +54,39 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     if blocks == 0 || args.random_reads == 0 {
         bail!("--mib and --random-reads must be positive");
     }
-    let (free, _) = store.space();
-    if free < blocks + 64 {
-        bail!(
-            "the store has {free} free blocks; the benchmark needs {} (lower --mib)",
-            blocks + 64
-        );
+    let needed = blocks + 64;
+    let space = store.space();
+    if space.free < needed && space.free + space.reclaimable >= needed {
+        // Space a previous run freed becomes allocatable at the next commit.
+        store.begin()?.commit()?;
+    }
+    let free = store.space().free;
+    if free < needed {
+        bail!("the store has {free} free blocks; the benchmark needs {needed} (lower --mib)");
     }
     let name = format!("bench-io-{}", std::process::id());
-    let bar = progress::bar(4 * blocks * bs as u64, "bench io");
-    let ours = measure_store(&store, &name, blocks, args.random_reads, &bar);
-    // Whatever happened, the scratch context goes.
-    let cleanup = store
-        .begin()
-        .and_then(|mut t| t.delete_context(&name).and_then(|()| t.commit()));
-    let ours = ours?;
-    if let Err(e) = cleanup {
-        if !matches!(e, ctxfs_vfs::Error::NoSuchContext(_)) {
-            return Err(e.into());
-        }
-    }
     let raw_path = args.store.with_extension("bench-raw");
-    let raw = measure_raw(&raw_path, blocks * bs as u64, bs, args.random_reads, &bar);
-    let _ = std::fs::remove_file(&raw_path);
-    let raw = raw?;
+    let bar = progress::bar(args.rounds * 4 * blocks * bs as u64, "bench io");
+    // Rounds alternate ours and raw, so drift in the shared device hits both alike.
+    let mut ours_rounds = Vec::new();
+    let mut raw_rounds = Vec::new();
+    for _ in 0..args.rounds {
+        let ours = measure_store(&store, &name, blocks, args.random_reads, &bar);
+        // Whatever happened, the scratch context goes, and the next commit frees its space.
+        let cleanup = store
+            .begin()
+            .and_then(|mut t| t.delete_context(&name).and_then(|()| t.commit()));
+        ours_rounds.push(ours?);
+        match cleanup {
+            Ok(_) | Err(ctxfs_vfs::Error::NoSuchContext(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        store.begin()?.commit()?;
+        let raw = measure_raw(&raw_path, blocks * bs as u64, bs, args.random_reads, &bar);
+        let _ = std::fs::remove_file(&raw_path);
+        raw_rounds.push(raw?);
+    }
+    let (ours, raw) = (Figures::median(&ours_rounds), Figures::median(&raw_rounds));
     bar.finish_and_clear();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     let ratios = json!({
@@ -72,16 +99,17 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         let fig = |f: &Figures| json!({"seq_write_mib_s": f.seq_write_mib_s, "seq_read_mib_s": f.seq_read_mib_s, "random_read_iops": f.random_read_iops});
         let v = json!({
             "ratios": ratios, "ctxfs": fig(&ours), "raw": fig(&raw), "mib": args.mib, "block_size": bs,
-            "random_reads": args.random_reads, "queue_depth": QUEUE_DEPTH, "device": info.kind,
+            "random_reads": args.random_reads, "rounds": args.rounds, "queue_depth": QUEUE_DEPTH, "device": info.kind,
         });
         println!("{v}");
         return Ok(());
     }
     println!(
-        "bench io: {} MiB, {}-byte blocks, device {}; raw = O_DIRECT io_uring loop over {}",
+        "bench io: {} MiB, {}-byte blocks, device {}, median of {} interleaved rounds; raw = O_DIRECT io_uring loop over {}",
         args.mib,
         bs,
         info.kind,
+        args.rounds,
         raw_path.display()
     );
     println!("{:<28} {:>12} {:>12} {:>8}", "", "ctxfs", "raw", "ratio");

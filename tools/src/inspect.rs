@@ -63,7 +63,8 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     let snap = store.snapshot();
     let sb = *snap.superblock();
     let info = store.device_info();
-    let (available, used) = store.space();
+    let space = store.space();
+    let (available, used) = (space.free, space.used);
     let bs = sb.block_size as u64;
     let slots: Vec<Value> = store
         .slots()
@@ -98,7 +99,7 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
             },
             "slots": slots,
             "device": {"kind": info.kind, "path": info.path, "queue_depth": info.queue_depth, "note": info.note},
-            "space": {"blocks": sb.total_blocks, "used_blocks": used, "free_blocks": available, "free_bytes": available * bs, "used_bytes": used * bs},
+            "space": {"blocks": sb.total_blocks, "used_blocks": used, "free_blocks": available, "free_bytes": available * bs, "used_bytes": used * bs, "reclaimable_blocks": space.reclaimable},
             "contexts": contexts,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -131,10 +132,18 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         info.note.map(|n| format!(" — {n}")).unwrap_or_default()
     );
     println!(
-        "space       {} used, {} free ({} free blocks)",
+        "space       {} used, {} free ({} free blocks){}",
         human_bytes(used * bs),
         human_bytes(available * bs),
-        available
+        available,
+        if space.reclaimable > 0 {
+            format!(
+                ", {} freed, reusable after the next commit",
+                human_bytes(space.reclaimable * bs)
+            )
+        } else {
+            String::new()
+        }
     );
     println!("contexts    {}", snap.contexts().count());
     for c in snap.contexts() {

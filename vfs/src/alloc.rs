@@ -134,6 +134,14 @@ impl Allocator {
     pub fn next(&self) -> &Bitmap {
         &self.next
     }
+    /// Blocks freed by commits but not yet reusable.
+    pub fn quarantined(&self) -> u64 {
+        self.quarantine
+            .iter()
+            .map(|(_, b)| b.iter().filter(|&&b| !self.next.get(b)).count() as u64)
+            .sum()
+    }
+
     /// Blocks that could be allocated now.
     pub fn available(&self) -> u64 {
         self.in_use.len() - self.in_use.count_ones()

@@ -52,7 +52,7 @@ pub enum Error {
     NoSuchContext(String),
     #[error("a context named {0:?} already exists")]
     ContextExists(String),
-    #[error("store is full: {needed} more blocks needed, {free} free")]
+    #[error("store is full: {needed} more blocks needed, {free} free (space freed by the last commit becomes free at the next one)")]
     StoreFull { needed: u64, free: u64 },
     #[error("store was poisoned by an earlier failed commit ({0}); reopen it to recover the last committed state")]
     Poisoned(String),

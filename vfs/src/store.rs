@@ -365,6 +365,19 @@ pub(crate) struct WriterState {
     pub poisoned: Option<String>,
 }
 
+/// Block counts of a store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Space {
+    pub total: u64,
+    /// Allocatable now.
+    pub free: u64,
+    /// Referenced by the committed state.
+    pub used: u64,
+    /// Freed by the last commit, still referenced by the fallback state (or by an open
+    /// snapshot): allocatable after the next commit.
+    pub reclaimable: u64,
+}
+
 /// What `open` found in each superblock slot.
 #[derive(Debug, Clone)]
 pub struct SlotStatus {
@@ -669,10 +682,15 @@ impl Store {
         &self.slots
     }
 
-    /// Blocks that can be allocated now, and blocks the committed state uses.
-    pub fn space(&self) -> (u64, u64) {
-        let w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        (w.alloc.available(), w.alloc.committed().count_ones())
+    /// Where the store's blocks are.
+    pub fn space(&self) -> Space {
+        let w = self.lock_writer();
+        Space {
+            total: w.alloc.total(),
+            free: w.alloc.available(),
+            used: w.alloc.committed().count_ones(),
+            reclaimable: w.alloc.quarantined(),
+        }
     }
 
     pub(crate) fn lock_writer(&self) -> MutexGuard<'_, WriterState> {

@@ -92,17 +92,22 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
 
 #[test]
 fn crash_after_every_write_and_flush_drops_unflushed_writes() {
-    run_crash_points(CrashMode::DropUnflushed, 1, false);
+    let tried: u64 = (1..=4).map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false)).sum();
+    println!("crash points tried in all: {tried}");
 }
 
 #[test]
 fn crash_with_a_torn_last_write() {
-    run_crash_points(CrashMode::TearLast { keep: 1000 }, 2, true);
+    for (seed, keep) in [(2, 1000), (5, 20), (6, 3000)] {
+        run_crash_points(CrashMode::TearLast { keep }, seed, true);
+    }
 }
 
 #[test]
 fn crash_keeping_a_random_subset_of_unflushed_writes() {
-    run_crash_points(CrashMode::KeepRandom, 3, true);
+    for seed in [3, 7, 8] {
+        run_crash_points(CrashMode::KeepRandom, seed, true);
+    }
 }
 
 #[test]

@@ -197,23 +197,29 @@ pub(crate) fn open_file(
         DeviceChoice::File => Ok(Box::new(FileDevice::new(path, file, block_size, None)?)),
         DeviceChoice::Uring => Ok(Box::new(UringDevice::new(path, file, block_size)?)),
         DeviceChoice::Auto => {
-            let probe = file.try_clone()?;
+            let spare = file.try_clone()?;
             match UringDevice::new(path, file, block_size) {
                 Ok(dev) => Ok(Box::new(dev)),
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
-                    let note =
-                        format!("io_uring setup refused ({e}); using pread/pwrite with O_DIRECT");
-                    Ok(Box::new(FileDevice::new(
+                Err(e) => match refusal_note(&e) {
+                    Some(note) => Ok(Box::new(FileDevice::new(
                         path,
-                        probe,
+                        spare,
                         block_size,
                         Some(note),
-                    )?))
-                }
-                Err(e) => Err(e),
+                    )?)),
+                    None => Err(e),
+                },
             }
         }
     }
+}
+
+/// When io_uring setup fails because the kernel refuses it (disabled by sysctl or seccomp:
+/// EPERM; not built in: ENOSYS), the store falls back to pread/pwrite, and `inspect` shows
+/// this note. Any other failure is an error.
+pub fn refusal_note(e: &io::Error) -> Option<String> {
+    matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS))
+        .then(|| format!("io_uring setup refused ({e}); using pread/pwrite with O_DIRECT"))
 }
 
 /// Reads the first `len` bytes of a path with O_DIRECT; used to find the superblocks before
@@ -231,4 +237,18 @@ pub fn read_prefix(path: &Path, len: usize) -> io::Result<AlignedBuf> {
         done += n;
     }
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_refused_ring_falls_back() {
+        assert!(refusal_note(&io::Error::from_raw_os_error(libc::EPERM))
+            .is_some_and(|n| n.contains("pread/pwrite")));
+        assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOSYS)).is_some());
+        assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOMEM)).is_none());
+        assert!(refusal_note(&io::Error::from_raw_os_error(libc::EINVAL)).is_none());
+    }
 }
