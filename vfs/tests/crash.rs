@@ -92,7 +92,9 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
 
 #[test]
 fn crash_after_every_write_and_flush_drops_unflushed_writes() {
-    let tried: u64 = (1..=4).map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false)).sum();
+    let tried: u64 = (1..=4)
+        .map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false))
+        .sum();
     println!("crash points tried in all: {tried}");
 }
 

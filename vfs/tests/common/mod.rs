@@ -157,50 +157,87 @@ pub fn workload(
     Ok(model)
 }
 
-/// Checks that the store holds exactly the model: names, shapes, tokens and every block.
-pub fn assert_matches(store: &Store, model: &Model) {
+/// The first way the store differs from the model (names, shapes, tokens, every block), if any.
+pub fn difference(store: &Store, model: &Model) -> Option<String> {
     let snap = store.snapshot();
     let names: Vec<&str> = snap.contexts().map(|c| c.name.as_str()).collect();
     let expected: Vec<&str> = model.keys().map(String::as_str).collect();
-    assert_eq!(names, expected, "context names");
+    if names != expected {
+        return Some(format!("contexts {names:?}, expected {expected:?}"));
+    }
     for (name, want) in model {
-        let ctx = snap.context(name).unwrap();
-        assert_eq!(ctx.record().shape, want.shape, "{name}: shape");
-        assert_eq!(ctx.tokens().unwrap(), want.tokens, "{name}: tokens");
+        let ctx = match snap.context(name) {
+            Ok(c) => c,
+            Err(e) => return Some(format!("{name}: {e}")),
+        };
+        if ctx.record().shape != want.shape {
+            return Some(format!(
+                "{name}: shape {:?}, expected {:?}",
+                ctx.record().shape,
+                want.shape
+            ));
+        }
+        match ctx.tokens() {
+            Ok(t) if t == want.tokens => {}
+            Ok(t) => {
+                return Some(format!(
+                    "{name}: {} tokens differ from the {} expected",
+                    t.len(),
+                    want.tokens.len()
+                ))
+            }
+            Err(e) => return Some(format!("{name}: tokens: {e}")),
+        }
         for layer in 0..want.shape.layers {
             for head in 0..want.shape.kv_heads {
                 for s in 0..2u8 {
-                    let stream = ctx.stream(layer, head, which(s)).unwrap();
+                    let at = format!("{name} layer {layer} head {head} stream {s}");
+                    let stream = match ctx.stream(layer, head, which(s)) {
+                        Ok(st) => st,
+                        Err(e) => return Some(format!("{at}: {e}")),
+                    };
                     let blocks = want
                         .streams
                         .get(&(layer, head, s))
                         .cloned()
                         .unwrap_or_default();
-                    assert_eq!(
-                        stream.blocks(),
-                        blocks.len() as u64,
-                        "{name} {layer}/{head}/{s}: block count"
-                    );
+                    if stream.blocks() != blocks.len() as u64 {
+                        return Some(format!(
+                            "{at}: {} blocks, expected {}",
+                            stream.blocks(),
+                            blocks.len()
+                        ));
+                    }
                     let logicals: Vec<u64> = (0..stream.blocks()).collect();
-                    for (got, want) in stream.read_many(&logicals).into_iter().zip(&blocks) {
-                        assert_eq!(
-                            got.unwrap().payload(),
-                            &want[..],
-                            "{name} {layer}/{head}/{s}: payload"
-                        );
+                    for (l, (got, want)) in stream
+                        .read_many(&logicals)
+                        .into_iter()
+                        .zip(&blocks)
+                        .enumerate()
+                    {
+                        match got {
+                            Ok(b) if b.payload() == &want[..] => {}
+                            Ok(_) => return Some(format!("{at}: block {l} holds other bytes")),
+                            Err(e) => return Some(format!("{at}: block {l}: {e}")),
+                        }
                     }
                 }
             }
         }
     }
+    None
+}
+
+/// Checks that the store holds exactly the model.
+pub fn assert_matches(store: &Store, model: &Model) {
+    if let Some(d) = difference(store, model) {
+        panic!("store differs from the model: {d}");
+    }
 }
 
 /// Whether the store matches the model (for crash outcomes that may be either of two states).
 pub fn matches(store: &Store, model: &Model) -> bool {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        assert_matches(store, model)
-    }))
-    .is_ok()
+    difference(store, model).is_none()
 }
 
 pub fn mem_store(blocks: u64) -> (Arc<MemDevice>, Store) {
