@@ -4,6 +4,31 @@
 //! each context has a model shape, its token ids, and one vector file per (layer, kv head)
 //! made of an index stream and a data stream of blocks. All writes are copy-on-write and a
 //! commit is atomic. `docs/format.md` specifies the bytes.
+//!
+//! ```
+//! use ctxfs_vfs::{device::MemDevice, DType, FileStream, ModelShape, Store};
+//! use std::sync::Arc;
+//!
+//! # fn main() -> ctxfs_vfs::Result<()> {
+//! // A real store uses `Store::open_path` on a file or NVMe device; memory keeps this short.
+//! let dev = Arc::new(MemDevice::new(4096, 256));
+//! let store = ctxfs_vfs::format(dev.clone())?;
+//! let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 64, dtype: DType::F16 };
+//!
+//! let mut txn = store.begin()?;
+//! txn.create_context("book", shape, &[101, 102, 103])?;
+//! txn.append_block("book", 0, 1, FileStream::Data, b"values of tokens 0..15")?;
+//! txn.commit()?;
+//!
+//! let store = Store::open(dev)?; // what a restart finds
+//! let snap = store.snapshot();
+//! let book = snap.context("book")?;
+//! assert_eq!(book.tokens()?, [101, 102, 103]);
+//! let data = book.stream(0, 1, FileStream::Data)?;
+//! assert_eq!(data.read(0)?.payload(), b"values of tokens 0..15");
+//! # Ok(())
+//! # }
+//! ```
 
 mod alloc;
 mod blockio;
