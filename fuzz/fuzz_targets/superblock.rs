@@ -22,8 +22,11 @@ fuzz_target!(|data: &[u8]| {
     let n = data.len().min(BS);
     block[..n].copy_from_slice(&data[..n]);
     check(&block);
-    // The same bytes with block magic and a correct CRC, so decoding gets past the checksum.
+    // The same bytes with block and superblock magic, format version 1 and a correct CRC, so
+    // decoding gets past the checksum to the field checks.
     block[..4].copy_from_slice(b"CXFB");
+    block[40..48].copy_from_slice(b"ctxfs-sb");
+    block[48..52].copy_from_slice(&1u32.to_le_bytes());
     let crc = crc32fast::hash(&block[8..]);
     block[4..8].copy_from_slice(&crc.to_le_bytes());
     check(&block);
