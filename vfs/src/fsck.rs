@@ -561,6 +561,17 @@ struct Checked {
     fallback: Option<Superblock>,
 }
 
+fn superblock_problem(block: Option<u64>, message: String, fix: Fix) -> Problem {
+    Problem {
+        block,
+        kind: "superblock".into(),
+        owner: "system".into(),
+        context: None,
+        message,
+        fix,
+    }
+}
+
 fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
     let slots = read_slots(dev)?;
     let mut report = Report::default();
@@ -569,24 +580,14 @@ fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
         Err(e) => {
             for s in &slots {
                 if let Err(msg) = &s.result {
-                    report.problems.push(Problem {
-                        block: Some(s.slot),
-                        kind: "superblock".into(),
-                        owner: "system".into(),
-                        context: None,
-                        message: msg.clone(),
-                        fix: Fix::None,
-                    });
+                    report
+                        .problems
+                        .push(superblock_problem(Some(s.slot), msg.clone(), Fix::None));
                 }
             }
-            report.problems.push(Problem {
-                block: None,
-                kind: "superblock".into(),
-                owner: "system".into(),
-                context: None,
-                message: e.to_string(),
-                fix: Fix::None,
-            });
+            report
+                .problems
+                .push(superblock_problem(None, e.to_string(), Fix::None));
             return Ok(Checked {
                 report,
                 active: None,
@@ -598,14 +599,11 @@ fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
     report.fallback_generation = fallback.map(|f| f.generation);
     for s in &slots {
         if let Err(msg) = &s.result {
-            report.problems.push(Problem {
-                block: Some(s.slot),
-                kind: "superblock".into(),
-                owner: "system".into(),
-                context: None,
-                message: format!("fallback superblock unreadable: {msg}"),
-                fix: Fix::RewriteFallbackSuperblock,
-            });
+            report.problems.push(superblock_problem(
+                Some(s.slot),
+                format!("fallback superblock unreadable: {msg}"),
+                Fix::RewriteFallbackSuperblock,
+            ));
         }
     }
     let w = walk(dev, &active);

@@ -1,7 +1,7 @@
 //! pread/pwrite with O_DIRECT: the fallback when io_uring is refused, and a device that can be
 //! asked for. Operations of a batch run one after another (queue depth 1).
 
-use super::{byte_len, check_op, BlockDevice, DeviceInfo, IoOp};
+use super::{check_op, BlockDevice, DeviceInfo, Geometry, IoOp};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -10,8 +10,7 @@ use std::path::Path;
 pub struct FileDevice {
     file: File,
     path: String,
-    block_size: usize,
-    num_blocks: u64,
+    geo: Geometry,
     note: Option<String>,
 }
 
@@ -22,19 +21,18 @@ impl FileDevice {
         block_size: usize,
         note: Option<String>,
     ) -> io::Result<Self> {
-        let num_blocks = byte_len(&file)? / block_size as u64;
+        let geo = Geometry::of(&file, block_size)?;
         Ok(FileDevice {
             file,
             path: path.display().to_string(),
-            block_size,
-            num_blocks,
+            geo,
             note,
         })
     }
 
     fn run(&self, op: &mut IoOp<'_>) -> io::Result<()> {
-        check_op(op, self.block_size, self.num_blocks)?;
-        let offset = op.block() * self.block_size as u64;
+        check_op(op, self.geo)?;
+        let offset = op.block() * self.geo.block_size as u64;
         match op {
             IoOp::Read { buf, .. } => self.file.read_exact_at(buf, offset),
             IoOp::Write { buf, .. } => self.file.write_all_at(buf, offset),
@@ -43,11 +41,8 @@ impl FileDevice {
 }
 
 impl BlockDevice for FileDevice {
-    fn block_size(&self) -> usize {
-        self.block_size
-    }
-    fn num_blocks(&self) -> u64 {
-        self.num_blocks
+    fn geometry(&self) -> Geometry {
+        self.geo
     }
     fn info(&self) -> DeviceInfo {
         DeviceInfo {

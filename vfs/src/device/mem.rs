@@ -6,7 +6,7 @@
 //! says survives). Operations are counted (one per block written, one per flush) so a test
 //! can crash after each of them in turn.
 
-use super::{check_op, BlockDevice, DeviceInfo, IoOp};
+use super::{check_op, BlockDevice, DeviceInfo, Geometry, IoOp};
 use crate::rng::SplitMix64;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
@@ -60,8 +60,7 @@ struct State {
 }
 
 pub struct MemDevice {
-    block_size: usize,
-    num_blocks: u64,
+    geo: Geometry,
     state: Mutex<State>,
 }
 
@@ -79,8 +78,10 @@ impl MemDevice {
         assert!(image.len() % block_size == 0);
         let num_blocks = (image.len() / block_size) as u64;
         MemDevice {
-            block_size,
-            num_blocks,
+            geo: Geometry {
+                block_size,
+                num_blocks,
+            },
             state: Mutex::new(State {
                 durable: image,
                 cache: BTreeMap::new(),
@@ -117,7 +118,7 @@ impl MemDevice {
     /// Crashes now, as the plan's crash mode says.
     pub fn crash(&self) {
         let mut s = self.state();
-        crash(&mut s, self.block_size);
+        crash(&mut s, self.geo.block_size);
     }
 
     /// What the medium holds: the durable image, without the volatile cache.
@@ -130,8 +131,8 @@ impl MemDevice {
         let s = self.state();
         let mut image = s.durable.clone();
         for (&block, data) in &s.cache {
-            let at = block as usize * self.block_size;
-            image[at..at + self.block_size].copy_from_slice(data);
+            let at = block as usize * self.geo.block_size;
+            image[at..at + self.geo.block_size].copy_from_slice(data);
         }
         image
     }
@@ -142,7 +143,7 @@ impl MemDevice {
         }
         let op = s.ops;
         if s.plan.crash_after_ops == Some(op) {
-            crash(s, self.block_size);
+            crash(s, self.geo.block_size);
             return Err(crashed_error());
         }
         s.ops += 1;
@@ -158,8 +159,8 @@ impl MemDevice {
         };
         let mut contents = self.cached_block(s, target);
         let keep = match s.plan.torn_write {
-            Some((at, keep)) if at == op => keep.min(self.block_size),
-            _ => self.block_size,
+            Some((at, keep)) if at == op => keep.min(self.geo.block_size),
+            _ => self.geo.block_size,
         };
         contents[..keep].copy_from_slice(&data[..keep]);
         s.cache.insert(target, contents);
@@ -171,15 +172,15 @@ impl MemDevice {
         match s.cache.get(&block) {
             Some(data) => data.clone(),
             None => {
-                let at = block as usize * self.block_size;
-                s.durable[at..at + self.block_size].to_vec()
+                let at = block as usize * self.geo.block_size;
+                s.durable[at..at + self.geo.block_size].to_vec()
             }
         }
     }
 
     fn run(&self, s: &mut State, op: &mut IoOp<'_>) -> io::Result<()> {
-        check_op(op, self.block_size, self.num_blocks)?;
-        let bs = self.block_size;
+        check_op(op, self.geo)?;
+        let bs = self.geo.block_size;
         let first = op.block();
         match op {
             IoOp::Read { buf, .. } => {
@@ -238,11 +239,8 @@ fn crash(s: &mut State, block_size: usize) {
 }
 
 impl BlockDevice for MemDevice {
-    fn block_size(&self) -> usize {
-        self.block_size
-    }
-    fn num_blocks(&self) -> u64 {
-        self.num_blocks
+    fn geometry(&self) -> Geometry {
+        self.geo
     }
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
@@ -263,7 +261,7 @@ impl BlockDevice for MemDevice {
         }
         let op = s.ops;
         if s.plan.crash_after_ops == Some(op) {
-            crash(&mut s, self.block_size);
+            crash(&mut s, self.geo.block_size);
             return Err(crashed_error());
         }
         s.ops += 1;
@@ -273,8 +271,8 @@ impl BlockDevice for MemDevice {
         let cache = std::mem::take(&mut s.cache);
         s.cache_order.clear();
         for (block, data) in cache {
-            let at = block as usize * self.block_size;
-            s.durable[at..at + self.block_size].copy_from_slice(&data);
+            let at = block as usize * self.geo.block_size;
+            s.durable[at..at + self.geo.block_size].copy_from_slice(&data);
         }
         Ok(())
     }

@@ -64,9 +64,31 @@ pub struct DeviceInfo {
     pub queue_depth: u32,
 }
 
+/// A device's fixed shape: its block size and how many blocks it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub block_size: usize,
+    pub num_blocks: u64,
+}
+
+impl Geometry {
+    /// The geometry of an open file or block device.
+    fn of(file: &File, block_size: usize) -> io::Result<Geometry> {
+        Ok(Geometry {
+            block_size,
+            num_blocks: byte_len(file)? / block_size as u64,
+        })
+    }
+}
+
 pub trait BlockDevice: Send + Sync {
-    fn block_size(&self) -> usize;
-    fn num_blocks(&self) -> u64;
+    fn geometry(&self) -> Geometry;
+    fn block_size(&self) -> usize {
+        self.geometry().block_size
+    }
+    fn num_blocks(&self) -> u64 {
+        self.geometry().num_blocks
+    }
     fn info(&self) -> DeviceInfo;
     /// Runs every operation of the batch and returns one result per operation, in order.
     /// Operations of one batch may complete in any order; callers never put a read and a
@@ -77,7 +99,11 @@ pub trait BlockDevice: Send + Sync {
 }
 
 /// Rejects an operation that is out of range or not O_DIRECT-safe, before it reaches a device.
-pub(crate) fn check_op(op: &IoOp<'_>, block_size: usize, num_blocks: u64) -> io::Result<()> {
+pub(crate) fn check_op(op: &IoOp<'_>, geo: Geometry) -> io::Result<()> {
+    let Geometry {
+        block_size,
+        num_blocks,
+    } = geo;
     let len = op.len();
     if len == 0 || len % block_size != 0 {
         return Err(io::Error::new(

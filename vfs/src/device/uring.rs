@@ -3,7 +3,7 @@
 //! to callers (the buffer manager's frames, the writer's batches) and registering them per
 //! batch costs more than it saves.
 
-use super::{byte_len, check_op, BlockDevice, DeviceInfo, IoOp};
+use super::{check_op, BlockDevice, DeviceInfo, Geometry, IoOp};
 use io_uring::{opcode, types, IoUring};
 use std::collections::VecDeque;
 use std::fs::File;
@@ -18,8 +18,7 @@ pub const RING_DEPTH: u32 = 128;
 pub struct UringDevice {
     file: File,
     path: String,
-    block_size: usize,
-    num_blocks: u64,
+    geo: Geometry,
     /// Idle rings. A thread takes one for the length of a batch, so concurrent callers never
     /// share a submission queue and need no lock while their I/O runs.
     rings: Mutex<Vec<IoUring>>,
@@ -27,12 +26,11 @@ pub struct UringDevice {
 
 impl UringDevice {
     pub(crate) fn new(path: &Path, file: File, block_size: usize) -> io::Result<Self> {
-        let num_blocks = byte_len(&file)? / block_size as u64;
+        let geo = Geometry::of(&file, block_size)?;
         let dev = UringDevice {
             file,
             path: path.display().to_string(),
-            block_size,
-            num_blocks,
+            geo,
             rings: Mutex::new(Vec::new()),
         };
         // Set up one ring now, so that a refusal (EPERM, ENOSYS) shows at open time.
@@ -74,7 +72,7 @@ impl UringDevice {
         loop {
             while in_flight < RING_DEPTH as usize {
                 let Some(i) = queue.pop_front() else { break };
-                let offset = ops[i].block() * self.block_size as u64 + done[i] as u64;
+                let offset = ops[i].block() * self.geo.block_size as u64 + done[i] as u64;
                 let entry = match &mut ops[i] {
                     IoOp::Read { buf, .. } => {
                         let rest = &mut buf[done[i]..];
@@ -135,11 +133,8 @@ impl UringDevice {
 }
 
 impl BlockDevice for UringDevice {
-    fn block_size(&self) -> usize {
-        self.block_size
-    }
-    fn num_blocks(&self) -> u64 {
-        self.num_blocks
+    fn geometry(&self) -> Geometry {
+        self.geo
     }
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
@@ -150,10 +145,8 @@ impl BlockDevice for UringDevice {
         }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
-        let mut results: Vec<io::Result<()>> = ops
-            .iter()
-            .map(|op| check_op(op, self.block_size, self.num_blocks))
-            .collect();
+        let mut results: Vec<io::Result<()>> =
+            ops.iter().map(|op| check_op(op, self.geo)).collect();
         let mut ring = match self.take_ring() {
             Ok(ring) => ring,
             Err(e) => {
