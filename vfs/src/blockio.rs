@@ -45,13 +45,7 @@ impl BlockBuf {
 }
 
 pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
-    Error::Damaged {
-        block,
-        kind: expect.kind.name(),
-        owner: expect.owner.to_string(),
-        fault,
-        expected: Some(Box::new(*expect)),
-    }
+    Error::mismatch(block, expect, fault)
 }
 
 /// Reads one block and checks it against what its reference says.

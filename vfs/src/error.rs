@@ -63,6 +63,17 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// A block that failed verification against the reference that led to it.
+    pub fn mismatch(block: u64, expect: &Expect, fault: BlockFault) -> Error {
+        Error::Damaged {
+            block,
+            kind: expect.kind.name(),
+            owner: expect.owner.to_string(),
+            fault,
+            expected: Some(Box::new(*expect)),
+        }
+    }
+
     /// Damage found without a reference to compare against (structure checks).
     pub fn damaged(
         block: u64,

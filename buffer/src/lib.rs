@@ -1,0 +1,29 @@
+//! ctxfs-buffer: the buffer manager the query layer reads through.
+//!
+//! * Frames of the block size under a byte budget, split into an **index area** (graph and
+//!   key blocks: stay resident, evicted only under real pressure, coldest context first) and
+//!   a small **data area** (value blocks: scan-resistant 2Q, never pushes index blocks out).
+//! * A sharded page table: a hit takes one shard read lock and one frame read lock.
+//! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.
+//! * Batched reads: the misses of a request go to the device as one submission, adjacent
+//!   blocks coalesced; concurrent requests for one block share one read; an I/O error or a
+//!   checksum failure reaches every waiter and is not cached.
+//!
+//! Memory: frame buffers never exceed the budget; beyond it the pool holds frame descriptors
+//! and table entries ([`PoolStats::overhead`]) and the device source's fixed staging buffers.
+
+mod frame;
+mod guard;
+mod policy;
+mod pool;
+mod request;
+mod source;
+mod stats;
+mod sync;
+mod table;
+
+pub use guard::PageGuard;
+pub use pool::{BufferPool, PoolConfig};
+pub use request::{BlockClass, BlockRequest, BufferError};
+pub use source::{BlockSource, DeviceSource, STAGING_BLOCKS, STAGING_BUFFERS};
+pub use stats::{ClassStats, PoolStats};

@@ -1,0 +1,84 @@
+//! Eviction policies, kept apart from the pool's mechanics (as foyer does). A policy only
+//! proposes candidates; the pool decides whether a candidate can be taken (unpinned).
+
+use crate::frame::{Frame, NO_CONTEXT};
+use crate::sync::Ordering;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Scan-resistant policy for data frames (2Q with CLOCK second chances). A newly loaded block
+/// enters *probation*; only a block hit again while there is promoted to *protected*. A
+/// one-pass stream of blocks flows through probation without displacing protected blocks.
+pub(crate) struct TwoQueue {
+    probation: VecDeque<usize>,
+    protected: VecDeque<usize>,
+    /// Probation is drained first while it holds more than this many frames.
+    probation_target: usize,
+}
+
+impl TwoQueue {
+    pub fn new(frames: usize) -> Self {
+        TwoQueue {
+            probation: VecDeque::new(),
+            protected: VecDeque::new(),
+            probation_target: (frames / 4).max(1),
+        }
+    }
+
+    pub fn loaded(&mut self, frame: usize) {
+        self.probation.push_back(frame);
+    }
+
+    /// The next candidate to evict, or `None` when every frame has had its chance.
+    /// `rounds` bounds the work: each frame may be passed over a few times per call.
+    pub fn candidate(&mut self, frames: &[Frame]) -> Option<usize> {
+        let budget = 3 * (self.probation.len() + self.protected.len()) + 1;
+        for _ in 0..budget {
+            let from_probation =
+                self.probation.len() > self.probation_target || self.protected.is_empty();
+            let queue = if from_probation {
+                &mut self.probation
+            } else {
+                &mut self.protected
+            };
+            let f = queue.pop_front()?;
+            if frames[f].referenced.swap(false, Ordering::Relaxed) {
+                // Second chance: a hit in probation promotes, a hit in protected recycles.
+                self.protected.push_back(f);
+            } else {
+                return Some(f);
+            }
+        }
+        None
+    }
+
+    /// A candidate that could not be taken (pinned) goes back where it came from.
+    pub fn keep(&mut self, frame: usize) {
+        self.protected.push_back(frame);
+    }
+}
+
+/// Index frames: evict the coldest context first (by its most recent hit), and within it the
+/// least recently used frames.
+pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) -> Vec<usize> {
+    let mut recency: BTreeMap<u64, u64> = BTreeMap::new();
+    for f in area.clone() {
+        let ctx = frames[f].context.load(Ordering::Relaxed);
+        if ctx != NO_CONTEXT {
+            let t = frames[f].last_use.load(Ordering::Relaxed);
+            let e = recency.entry(ctx).or_insert(0);
+            *e = (*e).max(t);
+        }
+    }
+    let mut contexts: Vec<(u64, u64)> = recency.into_iter().map(|(c, t)| (t, c)).collect();
+    contexts.sort_unstable();
+    let mut out = Vec::new();
+    for (_, ctx) in contexts {
+        let mut of_ctx: Vec<usize> = area
+            .clone()
+            .filter(|&f| frames[f].context.load(Ordering::Relaxed) == ctx)
+            .collect();
+        of_ctx.sort_by_key(|&f| frames[f].last_use.load(Ordering::Relaxed));
+        out.extend(of_ctx);
+    }
+    out
+}

@@ -1,0 +1,452 @@
+//! The buffer pool: frames split into an index area and a data area, a sharded page table,
+//! batched loads through a [`BlockSource`].
+
+use crate::frame::{Frame, FrameData, FrameState, NO_CONTEXT};
+use crate::guard::PageGuard;
+use crate::policy::{coldest_context, TwoQueue};
+use crate::request::{BlockClass, BlockRequest, BufferError};
+use crate::source::BlockSource;
+use crate::stats::{ClassStats, PoolStats};
+use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
+use crate::table::Table;
+use ctxfs_vfs::device::AlignedBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Bytes of frames, index and data areas together.
+    pub budget_bytes: u64,
+    /// Share of the budget that is the data area; the rest holds index blocks.
+    pub data_fraction: f64,
+    /// How long a request waits for a frame when every frame it could use is pinned.
+    pub wait: Duration,
+    /// Page table shards.
+    pub shards: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            budget_bytes: 256 << 20,
+            data_fraction: 0.2,
+            wait: Duration::from_secs(5),
+            shards: 64,
+        }
+    }
+}
+
+/// Extra frames freed from the coldest context with each index eviction, so the O(area) scan
+/// that finds it is paid once per batch rather than once per frame.
+const INDEX_EVICTION_BATCH: usize = 8;
+
+struct Area {
+    class: BlockClass,
+    frames: Range<usize>,
+    free: Mutex<Vec<usize>>,
+    /// The data area's policy (the index area ranks frames by context recency instead).
+    two_queue: Mutex<TwoQueue>,
+    misses: AtomicU64,
+    bytes_read: AtomicU64,
+    evictions: AtomicU64,
+}
+
+pub struct BufferPool {
+    source: Arc<dyn BlockSource>,
+    block_size: usize,
+    frames: Box<[Frame]>,
+    areas: [Area; 2],
+    table: Table,
+    /// Advances on every load; hits record it as their frame's recency.
+    clock: AtomicU64,
+    /// Frame buffers allocated so far, in bytes (never more than the budget).
+    allocated: AtomicU64,
+    config: PoolConfig,
+}
+
+type Claim<'a> = (usize, RwLockWriteGuard<'a, FrameData>);
+
+impl BufferPool {
+    pub fn new(
+        source: Arc<dyn BlockSource>,
+        config: PoolConfig,
+    ) -> Result<BufferPool, BufferError> {
+        let bs = source.block_size() as u64;
+        let total = (config.budget_bytes / bs) as usize;
+        if !(0.0..1.0).contains(&config.data_fraction) {
+            return Err(BufferError::Config(format!(
+                "data fraction {} must be in [0, 1)",
+                config.data_fraction
+            )));
+        }
+        let data = ((total as f64 * config.data_fraction).round() as usize).max(1);
+        if total < data + 1 {
+            return Err(BufferError::Config(format!(
+                "a budget of {} bytes holds {total} frames of {bs} bytes; at least 2 are needed",
+                config.budget_bytes
+            )));
+        }
+        let index = total - data;
+        let area = |class, frames: Range<usize>| Area {
+            class,
+            free: Mutex::new(frames.clone().rev().collect()),
+            two_queue: Mutex::new(TwoQueue::new(frames.len())),
+            frames,
+            misses: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+        };
+        Ok(BufferPool {
+            block_size: bs as usize,
+            frames: (0..total).map(|_| Frame::new()).collect(),
+            areas: [
+                area(BlockClass::Index, 0..index),
+                area(BlockClass::Data, index..total),
+            ],
+            table: Table::new(config.shards),
+            clock: AtomicU64::new(1),
+            allocated: AtomicU64::new(0),
+            source,
+            config,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// One block, pinned until the guard is dropped.
+    pub fn get(&self, req: &BlockRequest) -> Result<PageGuard<'_>, BufferError> {
+        self.get_many(std::slice::from_ref(req))
+            .pop()
+            .expect("one result")
+    }
+
+    /// A set of blocks, pinned until their guards are dropped. Misses are read in one
+    /// submission; requests for the same block, here or in other threads, share one read.
+    pub fn get_many(&self, reqs: &[BlockRequest]) -> Vec<Result<PageGuard<'_>, BufferError>> {
+        let mut out: Vec<Option<Result<PageGuard<'_>, BufferError>>> =
+            (0..reqs.len()).map(|_| None).collect();
+        for class in [BlockClass::Index, BlockClass::Data] {
+            let mut distinct: Vec<u64> = reqs
+                .iter()
+                .filter(|r| r.class() == class)
+                .map(|r| r.block)
+                .collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            let frames = self.areas[class as usize].frames.len();
+            if distinct.len() > frames {
+                let err = BufferError::TooLarge {
+                    class,
+                    needed: distinct.len(),
+                    frames,
+                };
+                for (i, r) in reqs.iter().enumerate() {
+                    if r.class() == class {
+                        out[i] = Some(Err(err.clone()));
+                    }
+                }
+            }
+        }
+        let rounds = self.wait_rounds();
+        let mut idle = 0;
+        // Blocks this call read: pinning them afterwards is neither a hit nor a reference.
+        let mut loaded_here: BTreeSet<u64> = BTreeSet::new();
+        loop {
+            let mut missing: BTreeMap<u64, BlockRequest> = BTreeMap::new();
+            for (i, r) in reqs.iter().enumerate() {
+                if out[i].is_none() {
+                    match self.lookup(r, loaded_here.contains(&r.block)) {
+                        Some(res) => out[i] = Some(res),
+                        None => {
+                            missing.insert(r.block, *r);
+                        }
+                    }
+                }
+            }
+            if missing.is_empty() {
+                break;
+            }
+            let wanted: Vec<BlockRequest> = missing.into_values().collect();
+            let (outcomes, progressed) = self.load(&wanted, &mut loaded_here);
+            for (block, err) in outcomes {
+                for (i, r) in reqs.iter().enumerate() {
+                    if r.block == block && out[i].is_none() {
+                        out[i] = Some(Err(err.clone()));
+                    }
+                }
+            }
+            if progressed {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle > rounds {
+                    for (i, r) in reqs.iter().enumerate() {
+                        if out[i].is_none() {
+                            let class = r.class();
+                            let frames = self.areas[class as usize].frames.len();
+                            out[i] = Some(Err(BufferError::Exhausted {
+                                class,
+                                frames,
+                                waited_ms: self.config.wait.as_millis() as u64,
+                            }));
+                        }
+                    }
+                    break;
+                }
+                self.pause();
+            }
+        }
+        out.into_iter()
+            .map(|r| r.expect("every request answered"))
+            .collect()
+    }
+
+    /// Reads blocks into the pool without pinning them (a prefetch hint). Errors are dropped:
+    /// a later `get` reads again and reports them.
+    pub fn prefetch(&self, reqs: &[BlockRequest]) {
+        let mut wanted: Vec<BlockRequest> = reqs
+            .iter()
+            .filter(|r| self.table.get(r.block).is_none())
+            .copied()
+            .collect();
+        wanted.sort_by_key(|r| r.block);
+        wanted.dedup_by_key(|r| r.block);
+        let _ = self.load(&wanted, &mut BTreeSet::new());
+    }
+
+    /// Prefetch on a background thread; the hint returns at once.
+    pub fn prefetch_in_background(
+        self: &Arc<Self>,
+        reqs: Vec<BlockRequest>,
+    ) -> std::thread::JoinHandle<()> {
+        let pool = self.clone();
+        std::thread::spawn(move || pool.prefetch(&reqs))
+    }
+
+    fn wait_rounds(&self) -> u32 {
+        if cfg!(loom) {
+            2
+        } else {
+            (self.config.wait.as_micros() / 200).max(1) as u32
+        }
+    }
+
+    fn pause(&self) {
+        if cfg!(loom) {
+            yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// A hit, a shared load's result, or `None` when the block is not (or no longer) here.
+    /// `own_load`: this call read the block itself, so pinning it is not a hit.
+    fn lookup(
+        &self,
+        req: &BlockRequest,
+        own_load: bool,
+    ) -> Option<Result<PageGuard<'_>, BufferError>> {
+        let idx = self.table.get(req.block)?;
+        let frame = &self.frames[idx];
+        let data = frame.data.read().unwrap_or_else(|p| p.into_inner());
+        if data.block != req.block {
+            return None; // evicted and reused between the lookup and the lock
+        }
+        match &data.state {
+            FrameState::Ready(header) => {
+                let header = *header;
+                if !own_load {
+                    frame.touch(self.clock.load(Ordering::Relaxed));
+                    self.table.shard(req.block).hits[req.class() as usize]
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Ok(PageGuard::new(data, header)))
+            }
+            FrameState::Failed(e) => Some(Err(e.clone())),
+            FrameState::Empty | FrameState::Loading => None,
+        }
+    }
+
+    /// Claims frames for blocks nobody holds, reads them in one batch, and publishes them.
+    /// Returns the blocks whose loads failed, and whether anything was loaded or found.
+    fn load(
+        &self,
+        wanted: &[BlockRequest],
+        loaded: &mut BTreeSet<u64>,
+    ) -> (Vec<(u64, BufferError)>, bool) {
+        let mut claimed: Vec<(BlockRequest, Claim<'_>)> = Vec::new();
+        let mut progressed = false;
+        for req in wanted {
+            if self.table.get(req.block).is_some() {
+                progressed = true; // someone else has it, or is loading it
+                continue;
+            }
+            let area = &self.areas[req.class() as usize];
+            let Some((idx, mut data)) = self.claim(area) else {
+                // No frame now. Frames this call holds are loaded first, then released,
+                // before anybody waits: never wait while holding a load.
+                break;
+            };
+            if !self.table.insert_if_absent(req.block, idx) {
+                data.state = FrameState::Empty;
+                drop(data);
+                lock(&area.free).push(idx);
+                progressed = true;
+                continue;
+            }
+            if data.buf.is_empty() {
+                data.buf = AlignedBuf::zeroed(self.block_size);
+                self.allocated
+                    .fetch_add(self.block_size as u64, Ordering::Relaxed);
+            }
+            data.block = req.block;
+            data.state = FrameState::Loading;
+            claimed.push((*req, (idx, data)));
+        }
+        if claimed.is_empty() {
+            return (Vec::new(), progressed);
+        }
+        let reqs: Vec<BlockRequest> = claimed.iter().map(|(r, _)| *r).collect();
+        let results = {
+            let mut bufs: Vec<&mut [u8]> = claimed
+                .iter_mut()
+                .map(|(_, (_, d))| &mut d.buf[..])
+                .collect();
+            self.source.load(&reqs, &mut bufs)
+        };
+        let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut failed = Vec::new();
+        for ((req, (idx, mut data)), res) in claimed.into_iter().zip(results) {
+            let area = &self.areas[req.class() as usize];
+            let frame = &self.frames[idx];
+            match res {
+                Ok(header) => {
+                    data.state = FrameState::Ready(header);
+                    frame.referenced.store(false, Ordering::Relaxed);
+                    frame.last_use.store(now, Ordering::Relaxed);
+                    frame.context.store(req.context() as u64, Ordering::Relaxed);
+                    area.misses.fetch_add(1, Ordering::Relaxed);
+                    area.bytes_read
+                        .fetch_add(self.block_size as u64, Ordering::Relaxed);
+                    if area.class == BlockClass::Data {
+                        lock(&area.two_queue).loaded(idx);
+                    }
+                    loaded.insert(req.block);
+                }
+                Err(e) => {
+                    // Waiters already blocked on this frame see the error; the table forgets
+                    // the block, so the next request reads it again.
+                    data.state = FrameState::Failed(e.clone());
+                    self.table.remove(req.block, idx);
+                    drop(data);
+                    lock(&area.free).push(idx);
+                    failed.push((req.block, e));
+                }
+            }
+        }
+        (failed, true)
+    }
+
+    /// A frame of `area` write-locked for a new block: a free one, or an evicted one.
+    fn claim(&self, area: &Area) -> Option<Claim<'_>> {
+        if let Some(idx) = lock(&area.free).pop() {
+            // A free frame may still be read briefly by a waiter learning of a failed load.
+            let data = self.frames[idx]
+                .data
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            return Some((idx, data));
+        }
+        match area.class {
+            BlockClass::Data => {
+                let mut queue = lock(&area.two_queue);
+                let mut passed = Vec::new();
+                let mut found = None;
+                while let Some(f) = queue.candidate(&self.frames) {
+                    match self.evict(area, f) {
+                        Some(data) => {
+                            found = Some((f, data));
+                            break;
+                        }
+                        None => passed.push(f),
+                    }
+                }
+                for f in passed {
+                    queue.keep(f);
+                }
+                found
+            }
+            BlockClass::Index => {
+                // The coldest context's least recently used frames; a few more of the same
+                // context are freed along with the victim, never frames of another context.
+                let mut victim: Option<(usize, u64, RwLockWriteGuard<'_, FrameData>)> = None;
+                let mut spare = 0;
+                for f in coldest_context(&self.frames, area.frames.clone()) {
+                    let ctx = self.frames[f].context.load(Ordering::Relaxed);
+                    if victim.as_ref().is_some_and(|(_, c, _)| *c != ctx) {
+                        break;
+                    }
+                    if let Some(data) = self.evict(area, f) {
+                        if victim.is_none() {
+                            victim = Some((f, ctx, data));
+                        } else {
+                            drop(data);
+                            lock(&area.free).push(f);
+                            spare += 1;
+                            if spare == INDEX_EVICTION_BATCH {
+                                break;
+                            }
+                        }
+                    }
+                }
+                victim.map(|(f, _, data)| (f, data))
+            }
+        }
+    }
+
+    /// Takes a frame that nobody pins or loads, unmapping its block.
+    fn evict(&self, area: &Area, f: usize) -> Option<RwLockWriteGuard<'_, FrameData>> {
+        let frame = &self.frames[f];
+        let mut data = frame.data.try_write().ok()?;
+        if !matches!(data.state, FrameState::Ready(_)) {
+            return None;
+        }
+        self.table.remove(data.block, f);
+        frame.context.store(NO_CONTEXT, Ordering::Relaxed);
+        data.state = FrameState::Empty;
+        area.evictions.fetch_add(1, Ordering::Relaxed);
+        Some(data)
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let class = |a: &Area| ClassStats {
+            hits: self.table.hits(a.class as usize),
+            misses: a.misses.load(Ordering::Relaxed),
+            bytes_read: a.bytes_read.load(Ordering::Relaxed),
+            evictions: a.evictions.load(Ordering::Relaxed),
+            resident_frames: a
+                .frames
+                .clone()
+                .filter(|&f| self.frames[f].context.load(Ordering::Relaxed) != NO_CONTEXT)
+                .count() as u64,
+            capacity_frames: a.frames.len() as u64,
+        };
+        PoolStats {
+            block_size: self.block_size,
+            budget_bytes: self.config.budget_bytes,
+            data_fraction: self.config.data_fraction,
+            allocated_bytes: self.allocated.load(Ordering::Relaxed),
+            overhead_bytes: PoolStats::overhead(self.frames.len()),
+            index: class(&self.areas[0]),
+            data: class(&self.areas[1]),
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! What the pool reports, per block class.
+
+use crate::frame::Frame;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    /// Requests served from the pool without a read of their own (including requests that
+    /// waited on another thread's read of the same block).
+    pub hits: u64,
+    /// Blocks read from the device.
+    pub misses: u64,
+    pub bytes_read: u64,
+    pub evictions: u64,
+    pub resident_frames: u64,
+    pub capacity_frames: u64,
+}
+
+impl ClassStats {
+    pub fn hit_ratio(&self) -> f64 {
+        let total = self.hits + self.misses;
+        if total == 0 {
+            0.0
+        } else {
+            self.hits as f64 / total as f64
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolStats {
+    pub block_size: usize,
+    pub budget_bytes: u64,
+    pub data_fraction: f64,
+    /// Frame buffers allocated so far; never more than `budget_bytes`.
+    pub allocated_bytes: u64,
+    /// Memory beyond the budget: frame descriptors and page-table entries. A constant for a
+    /// given budget.
+    pub overhead_bytes: u64,
+    pub index: ClassStats,
+    pub data: ClassStats,
+}
+
+/// Page-table bytes per resident block (key, value and hash-map slack).
+pub const TABLE_BYTES_PER_FRAME: usize = 32;
+
+impl PoolStats {
+    /// Memory beyond the budget for a pool of `frames` frames: each frame's descriptor and its
+    /// page-table entry. The device source adds `source::STAGING_BUFFERS ×
+    /// source::STAGING_BLOCKS` blocks of staging, also fixed.
+    pub fn overhead(frames: usize) -> u64 {
+        (frames * (std::mem::size_of::<Frame>() + TABLE_BYTES_PER_FRAME)) as u64
+    }
+}

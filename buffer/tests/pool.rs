@@ -1,0 +1,478 @@
+//! The buffer pool over real stores on the io_uring device (and the mem device where faults
+//! are injected).
+
+use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, PoolConfig};
+use ctxfs_vfs::device::{self, FaultPlan, IoOp, MemDevice};
+use ctxfs_vfs::{
+    BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store,
+};
+use half::f16;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+const BS: usize = 4096;
+const PER_BLOCK: usize = 15; // f16 vectors of dim 128 per block
+
+/// A real device that counts submissions and operations, to check batching.
+struct Counting {
+    inner: Arc<dyn BlockDevice>,
+    submits: AtomicU64,
+    ops: AtomicU64,
+}
+
+impl BlockDevice for Counting {
+    fn geometry(&self) -> device::Geometry {
+        self.inner.geometry()
+    }
+    fn info(&self) -> DeviceInfo {
+        self.inner.info()
+    }
+    fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<std::io::Result<()>> {
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        self.ops.fetch_add(ops.len() as u64, Ordering::Relaxed);
+        self.inner.submit(ops)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// The value a vector element has: a function of (context, layer, head, stream, token, dim).
+fn element(ctx: u32, head: u16, stream: u8, token: usize, dim: usize) -> f16 {
+    let x =
+        (ctx as usize * 7919 + head as usize * 104729 + stream as usize * 31 + token * 131 + dim)
+            % 2048;
+    f16::from_f32(x as f32 / 64.0 - 16.0)
+}
+
+fn block_payload(ctx: u32, head: u16, stream: u8, first: usize, n: usize) -> Vec<u8> {
+    (first..first + n)
+        .flat_map(|t| (0..128).map(move |d| element(ctx, head, stream, t, d)))
+        .flat_map(|x| x.to_le_bytes())
+        .collect()
+}
+
+/// A store with `contexts` contexts of one layer and two kv heads, `tokens` tokens each:
+/// keys in the index streams, values in the data streams.
+fn build(dev: Arc<dyn BlockDevice>, contexts: u32, tokens: usize) -> Store {
+    let store = ctxfs_vfs::format(dev).unwrap();
+    let shape = ModelShape {
+        layers: 1,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 128,
+        dtype: DType::F16,
+    };
+    let mut txn = store.begin().unwrap();
+    for c in 1..=contexts {
+        let name = format!("ctx{c}");
+        txn.create_context(&name, shape, &[]).unwrap();
+        for head in 0..2u16 {
+            for first in (0..tokens).step_by(PER_BLOCK) {
+                let n = PER_BLOCK.min(tokens - first);
+                txn.append_block(
+                    &name,
+                    0,
+                    head,
+                    FileStream::Index,
+                    &block_payload(c, head, 0, first, n),
+                )
+                .unwrap();
+                txn.append_block(
+                    &name,
+                    0,
+                    head,
+                    FileStream::Data,
+                    &block_payload(c, head, 1, first, n),
+                )
+                .unwrap();
+            }
+        }
+    }
+    txn.commit().unwrap();
+    store
+}
+
+fn real_store(
+    dir: &tempfile::TempDir,
+    mib: u64,
+    contexts: u32,
+    tokens: usize,
+) -> (Arc<Counting>, Store) {
+    let path = dir.path().join("store.img");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(mib << 20)
+        .unwrap();
+    let inner: Arc<dyn BlockDevice> =
+        Arc::from(device::open_path(&path, DeviceChoice::Uring, BS).unwrap());
+    let dev = Arc::new(Counting {
+        inner,
+        submits: AtomicU64::new(0),
+        ops: AtomicU64::new(0),
+    });
+    let store = build(dev.clone(), contexts, tokens);
+    (dev, store)
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// Every block request of one stream, with (context, head, stream) to know its contents.
+fn requests(
+    store: &Store,
+    ctx: u32,
+    head: u16,
+    which: FileStream,
+) -> Vec<(BlockRequest, (u32, u16, u8, usize))> {
+    let snap = store.snapshot();
+    let c = snap.context(&format!("ctx{ctx}")).unwrap();
+    let s = c.stream(0, head, which).unwrap();
+    let tag = if which == FileStream::Index { 0 } else { 1 };
+    (0..s.blocks())
+        .map(|l| {
+            (
+                BlockRequest::new(s.locate(l).unwrap()),
+                (ctx, head, tag, l as usize * PER_BLOCK),
+            )
+        })
+        .collect()
+}
+
+fn expected(key: (u32, u16, u8, usize), tokens: usize) -> Vec<f16> {
+    let (ctx, head, stream, first) = key;
+    let n = PER_BLOCK.min(tokens - first);
+    (first..first + n)
+        .flat_map(|t| (0..128).map(move |d| element(ctx, head, stream, t, d)))
+        .collect()
+}
+
+fn pool(dev: Arc<dyn BlockDevice>, budget: u64, data_fraction: f64) -> BufferPool {
+    let config = PoolConfig {
+        budget_bytes: budget,
+        data_fraction,
+        wait: Duration::from_secs(10),
+        ..Default::default()
+    };
+    BufferPool::new(Arc::new(DeviceSource::new(dev)), config).unwrap()
+}
+
+#[test]
+fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
+    let dir = tmp();
+    let tokens = 6000;
+    let (dev, store) = real_store(&dir, 64, 4, tokens);
+    let mut all = Vec::new();
+    for ctx in 1..=4 {
+        for head in 0..2 {
+            all.extend(requests(&store, ctx, head, FileStream::Index));
+            all.extend(requests(&store, ctx, head, FileStream::Data));
+        }
+    }
+    let data_bytes = (all.len() * BS) as u64;
+    let budget = data_bytes / 20;
+    let pool = Arc::new(pool(dev, budget, 0.5));
+    let all = Arc::new(all);
+    let checked = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let (pool, all, checked) = (pool.clone(), all.clone(), &checked);
+            s.spawn(move || {
+                let mut rng = SplitMix64::new(t);
+                for _ in 0..400 {
+                    // A few blocks at a time, held together, both kinds mixed.
+                    let picks: Vec<usize> = (0..1 + rng.below(4) as usize)
+                        .map(|_| rng.below(all.len() as u64) as usize)
+                        .collect();
+                    let reqs: Vec<BlockRequest> = picks.iter().map(|&i| all[i].0).collect();
+                    let guards = pool.get_many(&reqs);
+                    for (g, &i) in guards.iter().zip(&picks) {
+                        let g = g.as_ref().unwrap_or_else(|e| panic!("thread {t}: {e}"));
+                        assert_eq!(
+                            g.as_f16(),
+                            &expected(all[i].1, tokens)[..],
+                            "wrong bytes for block {}",
+                            g.block()
+                        );
+                        checked.fetch_add(g.payload().len() as u64, Ordering::Relaxed);
+                    }
+                    let st = pool.stats();
+                    assert!(
+                        st.allocated_bytes <= budget,
+                        "allocated {} > budget {budget}",
+                        st.allocated_bytes
+                    );
+                    assert!(st.index.resident_frames <= st.index.capacity_frames);
+                    assert!(st.data.resident_frames <= st.data.capacity_frames);
+                }
+            });
+        }
+    });
+    let st = pool.stats();
+    assert!(
+        st.index.evictions > 0 && st.data.evictions > 0,
+        "the budget must force evictions: {st:?}"
+    );
+    assert!(checked.load(Ordering::Relaxed) > 0);
+    println!("stress: {st:?}");
+}
+
+#[test]
+fn streaming_every_data_block_evicts_no_index_block() {
+    let dir = tmp();
+    let tokens = 15 * 400;
+    let (dev, store) = real_store(&dir, 64, 1, tokens);
+    let index: Vec<_> = (0..2)
+        .flat_map(|h| requests(&store, 1, h, FileStream::Index))
+        .collect();
+    let data: Vec<_> = (0..2)
+        .flat_map(|h| requests(&store, 1, h, FileStream::Data))
+        .collect();
+    // The index fits; the data area is a tenth of the data.
+    let data_frames = data.len() / 10;
+    let budget = ((index.len() + data_frames) * BS) as u64;
+    let pool = pool(
+        dev,
+        budget,
+        data_frames as f64 / (index.len() + data_frames) as f64,
+    );
+    for chunk in index.chunks(64) {
+        let reqs: Vec<_> = chunk.iter().map(|r| r.0).collect();
+        assert!(pool.get_many(&reqs).iter().all(|g| g.is_ok()));
+    }
+    let before = pool.stats();
+    assert_eq!(before.index.resident_frames, index.len() as u64);
+    for chunk in data.chunks(32) {
+        let reqs: Vec<_> = chunk.iter().map(|r| r.0).collect();
+        for (g, r) in pool.get_many(&reqs).iter().zip(chunk) {
+            assert_eq!(g.as_ref().unwrap().as_f16(), &expected(r.1, tokens)[..]);
+        }
+    }
+    let after = pool.stats();
+    assert_eq!(
+        after.index.evictions, 0,
+        "streaming data pushed index blocks out"
+    );
+    assert_eq!(after.index.resident_frames, index.len() as u64);
+    assert!(after.data.evictions >= (data.len() - data_frames) as u64);
+    // Every index block is still a hit.
+    let reqs: Vec<_> = index.iter().map(|r| r.0).collect();
+    let hits = pool.stats().index.hits;
+    for chunk in reqs.chunks(64) {
+        pool.get_many(chunk);
+    }
+    assert_eq!(pool.stats().index.hits - hits, index.len() as u64);
+    assert_eq!(pool.stats().index.misses, before.index.misses);
+}
+
+#[test]
+fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 64, 1, 15 * 600);
+    let data = requests(&store, 1, 0, FileStream::Data);
+    let pool = pool(dev.clone(), (2048 * BS) as u64, 0.5);
+    // 300 selected blocks: runs of 3 neighbours, as clustered critical tokens give.
+    let picks: Vec<usize> = (0..100)
+        .flat_map(|i| [i * 6, i * 6 + 1, i * 6 + 2])
+        .collect();
+    let reqs: Vec<BlockRequest> = picks.iter().map(|&i| data[i].0).collect();
+    let (s0, o0) = (
+        dev.submits.load(Ordering::Relaxed),
+        dev.ops.load(Ordering::Relaxed),
+    );
+    let guards = pool.get_many(&reqs);
+    assert!(guards.iter().all(|g| g.is_ok()));
+    let (submits, ops) = (
+        dev.submits.load(Ordering::Relaxed) - s0,
+        dev.ops.load(Ordering::Relaxed) - o0,
+    );
+    assert_eq!(submits, 1, "one submission for the whole batch");
+    // 100 runs of 3: the first four runs are coalesced (staging buffers), the rest one by
+    // one; never more operations than blocks.
+    assert!(ops < 300 && ops >= 100, "{ops} operations for 300 blocks");
+    assert_eq!(pool.stats().data.misses, 300);
+    drop(guards);
+    // Duplicates in a request are read once.
+    let dup = vec![data[599].0; 5];
+    let s0 = dev.submits.load(Ordering::Relaxed);
+    assert!(pool.get_many(&dup).iter().all(|g| g.is_ok()));
+    assert_eq!(dev.submits.load(Ordering::Relaxed) - s0, 1);
+    assert_eq!(pool.stats().data.misses, 301);
+}
+
+#[test]
+fn two_threads_missing_the_same_block_share_one_read() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
+    let data = requests(&store, 1, 1, FileStream::Data);
+    let pool = pool(dev, (64 * BS) as u64, 0.5);
+    for round in 0..20 {
+        let req = data[round].0;
+        let barrier = Barrier::new(4);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    barrier.wait();
+                    assert_eq!(pool.get(&req).unwrap().block(), req.block);
+                });
+            }
+        });
+        let st = pool.stats();
+        assert_eq!(st.data.misses, round as u64 + 1, "round {round}: {st:?}");
+        assert_eq!(st.data.hits, 3 * (round as u64 + 1));
+    }
+}
+
+#[test]
+fn io_errors_and_checksum_failures_reach_every_waiter_and_are_not_cached() {
+    let mem = Arc::new(MemDevice::new(BS, 2048));
+    let store = build(mem.clone(), 1, 15 * 50);
+    let data = requests(&store, 1, 0, FileStream::Data);
+    let pool = pool(mem.clone(), (64 * BS) as u64, 0.5);
+    let bad = data[3].0;
+    mem.set_faults(FaultPlan {
+        bad_read_blocks: [bad.block].into(),
+        ..Default::default()
+    });
+    let results = pool.get_many(&[data[2].0, bad, data[4].0]);
+    assert!(
+        results[0].is_ok() && results[2].is_ok(),
+        "neighbours of a bad block still load"
+    );
+    let err = results[1].as_ref().err().unwrap();
+    assert_eq!(err.block(), Some(bad.block), "{err}");
+    drop(results);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                assert_eq!(
+                    pool.get(&bad).err().and_then(|e| e.block()),
+                    Some(bad.block)
+                )
+            });
+        }
+    });
+    // The error was not cached: once the device heals, the block reads.
+    mem.set_faults(FaultPlan::default());
+    assert_eq!(
+        pool.get(&bad).unwrap().as_f16(),
+        &expected((1, 0, 1, 3 * PER_BLOCK), 750)[..]
+    );
+
+    // A checksum failure: the request expects another CRC (as after a lost write).
+    let mut wrong = data[10].0;
+    wrong.expect.crc ^= 1;
+    let e = pool.get(&wrong).err().unwrap();
+    assert!(
+        matches!(&e, BufferError::Block(inner) if matches!(**inner, ctxfs_vfs::Error::Damaged { .. })),
+        "{e}"
+    );
+    assert!(
+        pool.get(&data[10].0).is_ok(),
+        "the bad attempt left nothing behind"
+    );
+}
+
+#[test]
+fn data_area_resists_a_scan_and_index_evicts_the_coldest_context_first() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 64, 3, 15 * 200);
+    // Data: 40 frames. Make 8 blocks hot (hit twice), then scan 400 others once.
+    let data = requests(&store, 1, 0, FileStream::Data);
+    let p = pool(dev.clone(), (80 * BS) as u64, 0.5);
+    let hot: Vec<BlockRequest> = data[..8].iter().map(|r| r.0).collect();
+    for _ in 0..2 {
+        assert!(p.get_many(&hot).iter().all(|g| g.is_ok()));
+    }
+    let scan: Vec<BlockRequest> = (0..2)
+        .flat_map(|h| requests(&store, 2, h, FileStream::Data))
+        .map(|r| r.0)
+        .take(400)
+        .collect();
+    for chunk in scan.chunks(16) {
+        assert!(p.get_many(chunk).iter().all(|g| g.is_ok()));
+    }
+    let misses = p.stats().data.misses;
+    assert!(p.get_many(&hot).iter().all(|g| g.is_ok()));
+    assert_eq!(p.stats().data.misses, misses, "hot blocks were scanned out");
+
+    // Index: 40 frames; contexts 1 and 2 fill them, context 1 is used last; loading context
+    // 3 must evict context 2's blocks, not context 1's.
+    let idx = |c| {
+        requests(&store, c, 0, FileStream::Index)
+            .into_iter()
+            .map(|r| r.0)
+            .take(20)
+            .collect::<Vec<_>>()
+    };
+    let (a, b, c) = (idx(1), idx(2), idx(3));
+    assert!(p.get_many(&b).iter().all(|g| g.is_ok()));
+    assert!(p.get_many(&a).iter().all(|g| g.is_ok()));
+    assert!(p.get_many(&a).iter().all(|g| g.is_ok())); // context 1 is the warmest
+    assert!(p.get_many(&c[..10]).iter().all(|g| g.is_ok()));
+    let misses = p.stats().index.misses;
+    assert!(p.get_many(&a).iter().all(|g| g.is_ok()));
+    assert_eq!(
+        p.stats().index.misses,
+        misses,
+        "the warm context lost blocks"
+    );
+    assert!(p.get_many(&b).iter().all(|g| g.is_ok()));
+    assert!(
+        p.stats().index.misses > misses,
+        "the cold context kept all its blocks"
+    );
+}
+
+#[test]
+fn requests_that_cannot_fit_fail_clearly() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
+    let data: Vec<BlockRequest> = requests(&store, 1, 0, FileStream::Data)
+        .into_iter()
+        .map(|r| r.0)
+        .collect();
+    let config = PoolConfig {
+        budget_bytes: (8 * BS) as u64,
+        data_fraction: 0.5,
+        wait: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let p = BufferPool::new(Arc::new(DeviceSource::new(dev)), config).unwrap();
+    let too_many = p.get_many(&data[..5]);
+    assert!(too_many.iter().all(|g| matches!(
+        g,
+        Err(BufferError::TooLarge {
+            class: BlockClass::Data,
+            needed: 5,
+            frames: 4
+        })
+    )));
+    // Every data frame pinned by this thread: the next miss waits, then fails.
+    let pinned = p.get_many(&data[..4]);
+    assert!(pinned.iter().all(|g| g.is_ok()));
+    let err = p.get(&data[4]).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            BufferError::Exhausted {
+                class: BlockClass::Data,
+                frames: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(pinned);
+    assert!(p.get(&data[4]).is_ok(), "frames free again once unpinned");
+    assert!(BufferPool::new(
+        Arc::new(DeviceSource::new(Arc::new(MemDevice::new(BS, 64)))),
+        PoolConfig {
+            budget_bytes: 4096,
+            ..Default::default()
+        }
+    )
+    .is_err());
+}
