@@ -291,7 +291,7 @@ fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
     assert_eq!(submits, 1, "one submission for the whole batch");
     // 100 runs of 3: the first four runs are coalesced (staging buffers), the rest one by
     // one; never more operations than blocks.
-    assert!(ops < 300 && ops >= 100, "{ops} operations for 300 blocks");
+    assert!((100..300).contains(&ops), "{ops} operations for 300 blocks");
     assert_eq!(pool.stats().data.misses, 300);
     drop(guards);
     // Duplicates in a request are read once.
@@ -308,8 +308,8 @@ fn two_threads_missing_the_same_block_share_one_read() {
     let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
     let data = requests(&store, 1, 1, FileStream::Data);
     let pool = pool(dev, (64 * BS) as u64, 0.5);
-    for round in 0..20 {
-        let req = data[round].0;
+    for (round, (req, _)) in data.iter().take(20).enumerate() {
+        let req = *req;
         let barrier = Barrier::new(4);
         std::thread::scope(|s| {
             for _ in 0..4 {

@@ -419,6 +419,12 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
             }
             .to_string()),
             Ok(()) => match Superblock::decode(&buf, slot) {
+                // Everything sized from a superblock (bitmaps, scans) trusts this bound.
+                Ok(sb) if sb.total_blocks > dev.num_blocks() => Err(format!(
+                    "superblock describes {} blocks but the device has {}",
+                    sb.total_blocks,
+                    dev.num_blocks()
+                )),
                 Ok(sb) => Ok(sb),
                 Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
                 Err(e) => Err(e.to_string()),
@@ -606,13 +612,6 @@ impl Store {
                 "store block size is {} but the device was opened with {}",
                 sb.block_size,
                 dev.block_size()
-            )));
-        }
-        if sb.total_blocks > dev.num_blocks() {
-            return Err(Error::NotAStore(format!(
-                "superblock describes {} blocks but the device has {}",
-                sb.total_blocks,
-                dev.num_blocks()
             )));
         }
         let (contexts, catalog_blocks) = load_catalog(dev.as_ref(), &sb, skip)?;
