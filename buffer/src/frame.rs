@@ -4,7 +4,8 @@
 //! * a **pin** is a read guard: any number of readers, and the frame cannot change under them;
 //! * a **load** holds the write guard from the moment the frame is claimed until its I/O has
 //!   completed, so a second reader of the same block blocks on the lock and shares the I/O;
-//! * an **eviction** only ever `try_write`s: a pinned or loading frame is never taken.
+//! * an **eviction** only ever `try_write`s: a pinned or loading frame is never taken, nor
+//!   one whose loader has reserved a pin it has yet to take (`reserved`).
 //!
 //! A reader that found a frame through the page table re-checks, under its read guard, that
 //! the frame still holds the block it wanted: the frame may have been evicted and reused
@@ -43,6 +44,10 @@ pub(crate) struct Frame {
     pub last_use: AtomicU64,
     /// Context of the block held, or [`NO_CONTEXT`]; read by eviction without locking.
     pub context: AtomicU64,
+    /// Pins reserved by a loader for the callers it read the block for. Taken under the write
+    /// lock before it is released, so no eviction can slip in between the end of a load and
+    /// the loader's own pin (which would cost the block a second read).
+    pub reserved: AtomicU64,
 }
 
 impl Frame {
@@ -56,6 +61,7 @@ impl Frame {
             referenced: AtomicBool::new(false),
             last_use: AtomicU64::new(0),
             context: AtomicU64::new(NO_CONTEXT),
+            reserved: AtomicU64::new(0),
         }
     }
 

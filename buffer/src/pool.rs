@@ -163,7 +163,7 @@ impl BufferPool {
             let mut missing: BTreeMap<u64, BlockRequest> = BTreeMap::new();
             for (i, r) in reqs.iter().enumerate() {
                 if out[i].is_none() {
-                    match self.lookup(r, loaded_here.contains(&r.block)) {
+                    match self.lookup(r, loaded_here.remove(&r.block)) {
                         Some(res) => out[i] = Some(res),
                         None => {
                             missing.insert(r.block, *r);
@@ -175,7 +175,7 @@ impl BufferPool {
                 break;
             }
             let wanted: Vec<BlockRequest> = missing.into_values().collect();
-            let (outcomes, progressed) = self.load(&wanted, &mut loaded_here);
+            let (outcomes, progressed) = self.load(&wanted, Some(&mut loaded_here));
             for (block, err) in outcomes {
                 for (i, r) in reqs.iter().enumerate() {
                     if r.block == block && out[i].is_none() {
@@ -204,6 +204,10 @@ impl BufferPool {
                 self.pause();
             }
         }
+        debug_assert!(
+            loaded_here.is_empty(),
+            "every block this call read was pinned"
+        );
         out.into_iter()
             .map(|r| r.expect("every request answered"))
             .collect()
@@ -219,7 +223,7 @@ impl BufferPool {
             .collect();
         wanted.sort_by_key(|r| r.block);
         wanted.dedup_by_key(|r| r.block);
-        let _ = self.load(&wanted, &mut BTreeSet::new());
+        let _ = self.load(&wanted, None);
     }
 
     /// Prefetch on a background thread; the hint returns at once.
@@ -248,7 +252,8 @@ impl BufferPool {
     }
 
     /// A hit, a shared load's result, or `None` when the block is not (or no longer) here.
-    /// `own_load`: this call read the block itself, so pinning it is not a hit.
+    /// `own_load`: this call read the block itself, so pinning it is not a hit, and the pin
+    /// replaces the one the load reserved.
     fn lookup(
         &self,
         req: &BlockRequest,
@@ -263,7 +268,9 @@ impl BufferPool {
         match &data.state {
             FrameState::Ready(header) => {
                 let header = *header;
-                if !own_load {
+                if own_load {
+                    frame.reserved.fetch_sub(1, Ordering::Release);
+                } else {
                     frame.touch(self.clock.load(Ordering::Relaxed));
                     self.table.shard(req.block).hits[req.class() as usize]
                         .fetch_add(1, Ordering::Relaxed);
@@ -276,12 +283,15 @@ impl BufferPool {
     }
 
     /// Claims frames for blocks nobody holds, reads them in one batch, and publishes them.
+    /// Blocks read for a caller (`loaded` is given) keep a reserved pin for it and are
+    /// recorded there.
     /// Returns the blocks whose loads failed, and whether anything was loaded or found.
     fn load(
         &self,
         wanted: &[BlockRequest],
-        loaded: &mut BTreeSet<u64>,
+        mut loaded: Option<&mut BTreeSet<u64>>,
     ) -> (Vec<(u64, BufferError)>, bool) {
+        let wanted_blocks: BTreeSet<u64> = wanted.iter().map(|r| r.block).collect();
         let mut claimed: Vec<(BlockRequest, Claim<'_>)> = Vec::new();
         let mut progressed = false;
         for req in wanted {
@@ -290,7 +300,7 @@ impl BufferPool {
                 continue;
             }
             let area = &self.areas[req.class() as usize];
-            let Some((idx, mut data)) = self.claim(area) else {
+            let Some((idx, mut data)) = self.claim(area, &wanted_blocks) else {
                 // No frame now. Frames this call holds are loaded first, then released,
                 // before anybody waits: never wait while holding a load.
                 break;
@@ -339,7 +349,10 @@ impl BufferPool {
                     if area.class == BlockClass::Data {
                         lock(&area.two_queue).loaded(idx);
                     }
-                    loaded.insert(req.block);
+                    if let Some(loaded) = loaded.as_deref_mut() {
+                        frame.reserved.fetch_add(1, Ordering::Relaxed);
+                        loaded.insert(req.block);
+                    }
                 }
                 Err(e) => {
                     // Waiters already blocked on this frame see the error; the table forgets
@@ -356,7 +369,8 @@ impl BufferPool {
     }
 
     /// A frame of `area` write-locked for a new block: a free one, or an evicted one.
-    fn claim(&self, area: &Area) -> Option<Claim<'_>> {
+    /// `keep`: blocks being loaded by this call; evicting one of them would only read it again.
+    fn claim(&self, area: &Area, keep: &BTreeSet<u64>) -> Option<Claim<'_>> {
         if let Some(idx) = lock(&area.free).pop() {
             // A free frame may still be read briefly by a waiter learning of a failed load.
             let data = self.frames[idx]
@@ -371,7 +385,7 @@ impl BufferPool {
                 let mut passed = Vec::new();
                 let mut found = None;
                 while let Some(f) = queue.candidate(&self.frames) {
-                    match self.evict(area, f) {
+                    match self.evict(area, f, keep) {
                         Some(data) => {
                             found = Some((f, data));
                             break;
@@ -394,7 +408,7 @@ impl BufferPool {
                     if victim.as_ref().is_some_and(|(_, c, _)| *c != ctx) {
                         break;
                     }
-                    if let Some(data) = self.evict(area, f) {
+                    if let Some(data) = self.evict(area, f, keep) {
                         if victim.is_none() {
                             victim = Some((f, ctx, data));
                         } else {
@@ -413,10 +427,19 @@ impl BufferPool {
     }
 
     /// Takes a frame that nobody pins or loads, unmapping its block.
-    fn evict(&self, area: &Area, f: usize) -> Option<RwLockWriteGuard<'_, FrameData>> {
+    fn evict(
+        &self,
+        area: &Area,
+        f: usize,
+        keep: &BTreeSet<u64>,
+    ) -> Option<RwLockWriteGuard<'_, FrameData>> {
         let frame = &self.frames[f];
         let mut data = frame.data.try_write().ok()?;
-        if !matches!(data.state, FrameState::Ready(_)) {
+        // A reservation is made under this lock, so holding it we see every one.
+        if !matches!(data.state, FrameState::Ready(_))
+            || frame.reserved.load(Ordering::Acquire) > 0
+            || keep.contains(&data.block)
+        {
             return None;
         }
         self.table.remove(data.block, f);
