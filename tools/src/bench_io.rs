@@ -1,3 +1,4 @@
+use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name};
 use crate::progress;
 use crate::raw_uring::{Dir, RawFile};
 use anyhow::{bail, Result};
@@ -34,11 +35,7 @@ struct Figures {
 
 impl Figures {
     fn median(rounds: &[Figures]) -> Figures {
-        let med = |f: fn(&Figures) -> f64| {
-            let mut v: Vec<f64> = rounds.iter().map(f).collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
+        let med = |f: fn(&Figures) -> f64| median(rounds.iter().map(f).collect());
         Figures {
             seq_write_mib_s: med(|f| f.seq_write_mib_s),
             seq_read_mib_s: med(|f| f.seq_read_mib_s),
@@ -54,17 +51,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     if blocks == 0 || args.random_reads == 0 {
         bail!("--mib and --random-reads must be positive");
     }
-    let needed = blocks + 64;
-    let space = store.space();
-    if space.free < needed && space.free + space.reclaimable >= needed {
-        // Space a previous run freed becomes allocatable at the next commit.
-        store.begin()?.commit()?;
-    }
-    let free = store.space().free;
-    if free < needed {
-        bail!("the store has {free} free blocks; the benchmark needs {needed} (lower --mib)");
-    }
-    let name = format!("bench-io-{}", std::process::id());
+    ensure_free(&store, blocks + 64)?;
+    let name = scratch_name("io");
     let raw_path = args.store.with_extension("bench-raw");
     let bar = progress::bar(args.rounds * 4 * blocks * bs as u64, "bench io");
     // Rounds alternate ours and raw, so drift in the shared device hits both alike.
@@ -72,23 +60,15 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let mut raw_rounds = Vec::new();
     for _ in 0..args.rounds {
         let ours = measure_store(&store, &name, blocks, args.random_reads, &bar);
-        // Whatever happened, the scratch context goes, and the next commit frees its space.
-        let cleanup = store
-            .begin()
-            .and_then(|mut t| t.delete_context(&name).and_then(|()| t.commit()));
+        // Whatever happened, the scratch context goes.
+        drop_scratch(&store, &name)?;
         ours_rounds.push(ours?);
-        match cleanup {
-            Ok(_) | Err(ctxfs_vfs::Error::NoSuchContext(_)) => {}
-            Err(e) => return Err(e.into()),
-        }
-        store.begin()?.commit()?;
         let raw = measure_raw(&raw_path, blocks * bs as u64, bs, args.random_reads, &bar);
         let _ = std::fs::remove_file(&raw_path);
         raw_rounds.push(raw?);
     }
     let (ours, raw) = (Figures::median(&ours_rounds), Figures::median(&raw_rounds));
     bar.finish_and_clear();
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     let ratios = json!({
         "seq_write_vs_raw": ratio(ours.seq_write_mib_s, raw.seq_write_mib_s),
         "seq_read_vs_raw": ratio(ours.seq_read_mib_s, raw.seq_read_mib_s),

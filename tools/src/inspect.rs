@@ -4,6 +4,7 @@ use ctxfs_vfs::format::records::StreamRoot;
 use ctxfs_vfs::{inspect::live_blocks, ContextRecord, DeviceChoice, FileStream, Store};
 use serde_json::{json, Value};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -17,6 +18,13 @@ pub struct Args {
     /// List every live block with its kind and owner.
     #[arg(long, conflicts_with = "context")]
     blocks: bool,
+    /// Open every context for serving: load all index blocks into a buffer pool of
+    /// `--budget` bytes, and show the pool's statistics.
+    #[arg(long, conflicts_with_all = ["context", "blocks"])]
+    buffer: bool,
+    /// Buffer pool budget for --buffer.
+    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size, requires = "buffer")]
+    budget: u64,
     #[arg(long)]
     json: bool,
 }
@@ -30,6 +38,8 @@ impl Args {
             layer: None,
             head: None,
             blocks: false,
+            buffer: false,
+            budget: 0,
             json: false,
         }
     }
@@ -39,6 +49,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let store = Store::open_path(&args.store, choice)?;
     if args.blocks {
         return list_blocks(&store, args.json);
+    }
+    if args.buffer {
+        return buffer(&store, args.budget, args.json);
     }
     match (&args.context, args.layer, args.head) {
         (Some(name), Some(layer), Some(head)) => vector_file(&store, name, layer, head, args.json),
@@ -262,4 +275,71 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Loads every index block of every context through a buffer pool, as a server opening the
+/// store would, and reports what it cost and whether the index stays resident.
+fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
+    use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
+    let config = PoolConfig {
+        budget_bytes: budget,
+        ..Default::default()
+    };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?;
+    let snap = store.snapshot();
+    let started = std::time::Instant::now();
+    let mut requests = Vec::new();
+    for c in snap.contexts() {
+        let ctx = snap.context(&c.name)?;
+        for layer in 0..c.shape.layers {
+            for head in 0..c.shape.kv_heads {
+                let s = ctx.stream(layer, head, FileStream::Index)?;
+                requests.extend(
+                    (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).expect("in range"))),
+                );
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for chunk in requests.chunks(256) {
+        for (g, r) in pool.get_many(chunk).into_iter().zip(chunk) {
+            if let Err(e) = g {
+                failed.push(format!("block {}: {e}", r.block));
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let stats = pool.stats();
+    let fits = stats.index.evictions == 0 && failed.is_empty();
+    if json {
+        let v = json!({
+            "index_blocks": requests.len(), "seconds": secs, "index_resident": fits,
+            "errors": failed, "stats": crate::bench_buffer::stats_json(&stats),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "loaded {} index blocks of {} contexts in {secs:.3} s",
+        requests.len(),
+        snap.contexts().count()
+    );
+    crate::bench_buffer::print_stats(&stats);
+    if fits {
+        println!("the whole index stays resident in this budget");
+    } else {
+        println!(
+            "the index does NOT fit: {} index evictions; raise --budget",
+            stats.index.evictions
+        );
+    }
+    for f in &failed {
+        println!("error: {f}");
+    }
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} index blocks could not be read",
+        failed.len()
+    );
+    Ok(())
 }

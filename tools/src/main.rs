@@ -1,5 +1,7 @@
 //! The `ctxfs` command.
 
+mod bench;
+mod bench_buffer;
 mod bench_io;
 mod demo;
 mod fsck_cmd;
@@ -51,6 +53,9 @@ enum BenchCommand {
     /// Sequential write, sequential read and 4 KiB random read (queue depth 32) through the
     /// store, side by side with a raw io_uring loop over a scratch file beside it.
     Io(bench_io::Args),
+    /// Cold 4 KiB random block reads through the buffer manager against a raw io_uring loop
+    /// over the same blocks of the same file, and hot hits per second per thread.
+    Buffer(bench_buffer::Args),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +74,9 @@ fn main() -> ExitCode {
         Command::Bench {
             which: BenchCommand::Io(args),
         } => bench_io::run(args, device),
+        Command::Bench {
+            which: BenchCommand::Buffer(args),
+        } => bench_buffer::run(args, device),
         Command::Demo(args) => demo::run(args, device),
     };
     match result {

@@ -38,6 +38,19 @@ impl RawFile {
         })
     }
 
+    /// Opens an existing file (a store) with O_DIRECT, to read it raw.
+    pub fn open(path: &Path) -> Result<RawFile> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(RawFile {
+            file,
+            ring: IoUring::new(256)?,
+        })
+    }
+
     /// Runs every (offset, len) operation with `depth` in flight; `len` ≤ `slot_len`.
     pub fn run(&mut self, dir: Dir, ops: &[u64], op_len: usize, depth: usize) -> Result<()> {
         let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::zeroed(op_len)).collect();

@@ -378,3 +378,65 @@ fn a_refused_io_uring_falls_back_to_pread_and_inspect_says_so() {
         "uring"
     );
 }
+
+#[test]
+fn bench_buffer_compares_cold_reads_with_raw_and_reports_hot_hits() {
+    let dir = tmp();
+    let store = dir.path().join("bb.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "64M"]);
+    let v = json(&[
+        "bench",
+        "buffer",
+        p(&store),
+        "--mib",
+        "16",
+        "--reads",
+        "2048",
+        "--threads",
+        "2",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    let r = v["ratios"]["random_read_vs_raw"].as_f64().unwrap();
+    assert!(r > 0.05 && r < 20.0, "ratio {r}");
+    assert!(v["hot"]["hits_per_sec_per_thread"].as_f64().unwrap() > 1000.0);
+    let stats = &v["stats"];
+    // The hot set is 1024 index blocks, read once each and then only hit.
+    assert_eq!(stats["index"]["misses"], 1024);
+    assert_eq!(stats["index"]["evictions"], 0);
+    let (hits, misses) = (
+        stats["data"]["hits"].as_u64().unwrap(),
+        stats["data"]["misses"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        hits + misses,
+        2048,
+        "every read is a hit or a miss: {stats}"
+    );
+    assert!(misses >= 2048 * 9 / 10, "cold reads mostly miss: {stats}");
+    assert!(stats["allocated_bytes"].as_u64().unwrap() <= stats["budget_bytes"].as_u64().unwrap());
+    assert_eq!(
+        json(&["inspect", p(&store), "--json"])["contexts"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+}
+
+#[test]
+fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
+    let dir = tmp();
+    let store = demo_store(dir.path());
+    let index_blocks = 8 * 16384_u64.div_ceil(15);
+    let v = json(&["inspect", p(&store), "--buffer", "--json"]);
+    assert_eq!(v["index_blocks"], index_blocks);
+    assert_eq!(v["index_resident"], true);
+    assert_eq!(v["stats"]["index"]["misses"], index_blocks);
+    assert_eq!(v["stats"]["index"]["bytes_read"], index_blocks * 4096);
+    let small = json(&["inspect", p(&store), "--buffer", "--budget", "8M", "--json"]);
+    assert_eq!(small["index_resident"], false);
+    assert!(small["stats"]["index"]["evictions"].as_u64().unwrap() > 0);
+}

@@ -1,0 +1,246 @@
+//! `ctxfs bench buffer`: cold random 4 KiB block reads through the buffer manager against a
+//! raw O_DIRECT io_uring loop reading the same blocks of the same file, and hot hits per
+//! second per thread.
+
+use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name};
+use crate::progress;
+use crate::raw_uring::{Dir, RawFile};
+use anyhow::{ensure, Result};
+use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig, PoolStats};
+use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    store: PathBuf,
+    /// Scratch data blocks written and read at random, in MiB.
+    #[arg(long, default_value_t = 256)]
+    mib: u64,
+    /// Random reads per round, in batches of 32.
+    #[arg(long, default_value_t = 32768)]
+    reads: u64,
+    /// Threads for the hot-hit measurement.
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
+    #[arg(long)]
+    json: bool,
+}
+
+const QUEUE_DEPTH: usize = 32;
+/// Index blocks the hot measurement keeps resident.
+const HOT_BLOCKS: u64 = 1024;
+/// Hits each hot thread times.
+const HOT_HITS: u64 = 500_000;
+
+pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
+    ensure!(
+        args.mib > 0 && args.reads > 0 && args.threads > 0,
+        "--mib, --reads and --threads must be positive"
+    );
+    let store = Store::open_path(&args.store, choice)?;
+    let dev = store.device().clone();
+    let bs = dev.block_size();
+    let blocks = (args.mib << 20) / bs as u64;
+    ensure_free(&store, blocks + HOT_BLOCKS + 64)?;
+    let name = scratch_name("buffer");
+    let result = measure(&store, &args, &name, blocks);
+    drop_scratch(&store, &name)?;
+    let (cold_pool, cold_raw, hot1, hot_n, stats) = result?;
+    let ratio_cold = ratio(cold_pool, cold_raw);
+    if args.json {
+        let v = json!({
+            "ratios": {"random_read_vs_raw": ratio_cold},
+            "cold": {"pool_iops": cold_pool, "raw_iops": cold_raw, "queue_depth": QUEUE_DEPTH, "reads": args.reads, "rounds": args.rounds},
+            "hot": {"threads": args.threads, "hits_per_sec_per_thread": hot_n, "single_thread_hits_per_sec": hot1},
+            "stats": stats_json(&stats),
+            "device": store.device_info().kind, "mib": args.mib,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "bench buffer: {} MiB of data blocks, {}-byte blocks, device {}, median of {} interleaved rounds",
+        args.mib,
+        bs,
+        store.device_info().kind,
+        args.rounds
+    );
+    println!("{:<44} {:>12} {:>12} {:>8}", "", "buffer", "raw", "ratio");
+    println!(
+        "{:<44} {:>12.0} {:>12.0} {:>8.2}",
+        format!("cold 4 KiB random reads, QD{QUEUE_DEPTH} (IOPS)"),
+        cold_pool,
+        cold_raw,
+        ratio_cold
+    );
+    println!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1);
+    println!(
+        "{:<44} {:>12.0}",
+        format!("hot hits/s per thread, {} threads", args.threads),
+        hot_n
+    );
+    print_stats(&stats);
+    Ok(())
+}
+
+type Measured = (f64, f64, f64, f64, PoolStats);
+
+fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measured> {
+    let bs = store.device().block_size();
+    let bar = progress::bar((blocks + HOT_BLOCKS) * bs as u64, "write scratch");
+    let payload = vec![0x5au8; max_payload(bs)];
+    let shape = ModelShape {
+        layers: 1,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 128,
+        dtype: DType::F16,
+    };
+    let mut txn = store.begin()?;
+    txn.create_context(name, shape, &[])?;
+    for _ in 0..blocks {
+        txn.append_block(name, 0, 0, FileStream::Data, &payload)?;
+        bar.inc(bs as u64);
+    }
+    for _ in 0..HOT_BLOCKS {
+        txn.append_block(name, 0, 0, FileStream::Index, &payload)?;
+        bar.inc(bs as u64);
+    }
+    txn.commit()?;
+    bar.finish_and_clear();
+    let snap = store.snapshot();
+    let ctx = snap.context(name)?;
+    let data = ctx.stream(0, 0, FileStream::Data)?;
+    let index = ctx.stream(0, 0, FileStream::Index)?;
+    let data_reqs: Vec<BlockRequest> = (0..blocks)
+        .map(|l| BlockRequest::new(data.locate(l).expect("in range")))
+        .collect();
+    let hot_reqs: Vec<BlockRequest> = (0..HOT_BLOCKS)
+        .map(|l| BlockRequest::new(index.locate(l).expect("in range")))
+        .collect();
+
+    // Cold: a data area of 1/64 of the data, so about 98% of random reads miss. The index
+    // area holds the hot set twice over.
+    let data_frames = (blocks / 64).clamp(32, 1024);
+    let index_frames = 2 * HOT_BLOCKS;
+    let config = PoolConfig {
+        budget_bytes: (index_frames + data_frames) * bs as u64,
+        data_fraction: data_frames as f64 / (index_frames + data_frames) as f64,
+        ..Default::default()
+    };
+    let pool = Arc::new(BufferPool::new(
+        Arc::new(DeviceSource::new(store.device().clone())),
+        config,
+    )?);
+    let mut raw = RawFile::open(&args.store)?;
+    let (mut pool_rounds, mut raw_rounds) = (Vec::new(), Vec::new());
+    for round in 0..args.rounds {
+        let mut rng = SplitMix64::new(round);
+        let picks: Vec<usize> = (0..args.reads)
+            .map(|_| rng.below(blocks) as usize)
+            .collect();
+        let t = Instant::now();
+        for batch in picks.chunks(QUEUE_DEPTH) {
+            let reqs: Vec<BlockRequest> = batch.iter().map(|&i| data_reqs[i]).collect();
+            for g in pool.get_many(&reqs) {
+                g?;
+            }
+        }
+        pool_rounds.push(args.reads as f64 / t.elapsed().as_secs_f64());
+        let offsets: Vec<u64> = picks
+            .iter()
+            .map(|&i| data_reqs[i].block * bs as u64)
+            .collect();
+        let t = Instant::now();
+        raw.run(Dir::Read, &offsets, bs, QUEUE_DEPTH)?;
+        raw_rounds.push(args.reads as f64 / t.elapsed().as_secs_f64());
+    }
+
+    // Hot: every index block resident, then threads pin random ones.
+    for chunk in hot_reqs.chunks(64) {
+        for g in pool.get_many(chunk) {
+            g?;
+        }
+    }
+    let hot = |threads: usize| -> f64 {
+        let rates: Vec<f64> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (pool, hot_reqs) = (&pool, &hot_reqs);
+                    s.spawn(move || {
+                        let mut rng = SplitMix64::new(t as u64 + 100);
+                        let start = Instant::now();
+                        let mut sum = 0u64;
+                        for _ in 0..HOT_HITS {
+                            let g = pool
+                                .get(&hot_reqs[rng.below(HOT_BLOCKS) as usize])
+                                .expect("resident block");
+                            sum += g.payload()[0] as u64;
+                        }
+                        std::hint::black_box(sum);
+                        HOT_HITS as f64 / start.elapsed().as_secs_f64()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("hot thread"))
+                .collect()
+        });
+        rates.iter().sum::<f64>() / rates.len() as f64
+    };
+    let hot1 = hot(1);
+    let hot_n = hot(args.threads);
+    Ok((
+        median(pool_rounds),
+        median(raw_rounds),
+        hot1,
+        hot_n,
+        pool.stats(),
+    ))
+}
+
+pub fn stats_json(s: &PoolStats) -> serde_json::Value {
+    let class = |c: &ctxfs_buffer::ClassStats| {
+        json!({
+            "hits": c.hits, "misses": c.misses, "hit_ratio": c.hit_ratio(), "bytes_read": c.bytes_read,
+            "evictions": c.evictions, "resident_frames": c.resident_frames, "capacity_frames": c.capacity_frames,
+        })
+    };
+    json!({
+        "budget_bytes": s.budget_bytes, "data_fraction": s.data_fraction, "block_size": s.block_size,
+        "allocated_bytes": s.allocated_bytes, "overhead_bytes": s.overhead_bytes,
+        "index": class(&s.index), "data": class(&s.data),
+    })
+}
+
+pub fn print_stats(s: &PoolStats) {
+    println!(
+        "buffer pool: budget {} (data area {:.0}%), {} allocated, overhead {}",
+        crate::units::human_bytes(s.budget_bytes),
+        s.data_fraction * 100.0,
+        crate::units::human_bytes(s.allocated_bytes),
+        crate::units::human_bytes(s.overhead_bytes)
+    );
+    println!(
+        "  {:<6} {:>10} {:>10} {:>7} {:>12} {:>10} {:>16}",
+        "class", "hits", "misses", "hit %", "read", "evictions", "resident/frames"
+    );
+    for (name, c) in [("index", &s.index), ("data", &s.data)] {
+        println!(
+            "  {:<6} {:>10} {:>10} {:>6.1}% {:>12} {:>10} {:>16}",
+            name,
+            c.hits,
+            c.misses,
+            c.hit_ratio() * 100.0,
+            crate::units::human_bytes(c.bytes_read),
+            c.evictions,
+            format!("{}/{}", c.resident_frames, c.capacity_frames)
+        );
+    }
+}
