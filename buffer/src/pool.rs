@@ -10,6 +10,7 @@ use crate::stats::{ClassStats, PoolStats};
 use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
 use crate::table::Table;
 use ctxfs_vfs::device::AlignedBuf;
+use ctxfs_vfs::{FileStream, Snapshot};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -211,6 +212,34 @@ impl BufferPool {
         out.into_iter()
             .map(|r| r.expect("every request answered"))
             .collect()
+    }
+
+    /// Opens a context for serving: reads every index block of every vector file into the
+    /// index area (in batches, unpinned). Returns how many index blocks the context has.
+    pub fn open_context(&self, snap: &Snapshot, name: &str) -> Result<usize, BufferError> {
+        let wrap = |e: ctxfs_vfs::Error| BufferError::Block(Arc::new(e));
+        let ctx = snap.context(name).map_err(wrap)?;
+        let shape = ctx.record().shape;
+        let mut reqs = Vec::new();
+        for layer in 0..shape.layers {
+            for head in 0..shape.kv_heads {
+                let s = ctx.stream(layer, head, FileStream::Index).map_err(wrap)?;
+                reqs.extend(
+                    (0..s.blocks())
+                        .map(|l| BlockRequest::new(s.locate(l).expect("within the stream"))),
+                );
+            }
+        }
+        let batch = self.areas[BlockClass::Index as usize]
+            .frames
+            .len()
+            .clamp(1, 256);
+        for chunk in reqs.chunks(batch) {
+            for g in self.get_many(chunk) {
+                g?;
+            }
+        }
+        Ok(reqs.len())
     }
 
     /// Reads blocks into the pool without pinning them (a prefetch hint). Errors are dropped:

@@ -476,3 +476,26 @@ fn requests_that_cannot_fit_fail_clearly() {
     )
     .is_err());
 }
+
+#[test]
+fn opening_a_context_loads_its_whole_index_and_nothing_else() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 32, 2, 15 * 100);
+    let p = pool(dev, (1024 * BS) as u64, 0.2);
+    let n = p.open_context(&store.snapshot(), "ctx2").unwrap();
+    assert_eq!(n, 200, "two heads of 100 index blocks");
+    let st = p.stats();
+    assert_eq!(
+        (st.index.misses, st.index.resident_frames, st.data.misses),
+        (200, 200, 0)
+    );
+    // Every index block of ctx2 is now a hit; ctx1 was not touched.
+    for r in requests(&store, 2, 1, FileStream::Index) {
+        p.get(&r.0).unwrap();
+    }
+    assert_eq!(p.stats().index.misses, 200);
+    assert!(matches!(
+        p.open_context(&store.snapshot(), "nope"),
+        Err(BufferError::Block(_))
+    ));
+}

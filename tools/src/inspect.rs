@@ -280,7 +280,7 @@ pub fn hex(bytes: &[u8]) -> String {
 /// Loads every index block of every context through a buffer pool, as a server opening the
 /// store would, and reports what it cost and whether the index stays resident.
 fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
-    use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
+    use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig};
     let config = PoolConfig {
         budget_bytes: budget,
         ..Default::default()
@@ -288,24 +288,12 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?;
     let snap = store.snapshot();
     let started = std::time::Instant::now();
-    let mut requests = Vec::new();
-    for c in snap.contexts() {
-        let ctx = snap.context(&c.name)?;
-        for layer in 0..c.shape.layers {
-            for head in 0..c.shape.kv_heads {
-                let s = ctx.stream(layer, head, FileStream::Index)?;
-                requests.extend(
-                    (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).expect("in range"))),
-                );
-            }
-        }
-    }
+    let mut index_blocks = 0;
     let mut failed = Vec::new();
-    for chunk in requests.chunks(256) {
-        for (g, r) in pool.get_many(chunk).into_iter().zip(chunk) {
-            if let Err(e) = g {
-                failed.push(format!("block {}: {e}", r.block));
-            }
+    for c in snap.contexts() {
+        match pool.open_context(&snap, &c.name) {
+            Ok(n) => index_blocks += n,
+            Err(e) => failed.push(format!("context {:?}: {e}", c.name)),
         }
     }
     let secs = started.elapsed().as_secs_f64();
@@ -313,7 +301,7 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     let fits = stats.index.evictions == 0 && failed.is_empty();
     if json {
         let v = json!({
-            "index_blocks": requests.len(), "seconds": secs, "index_resident": fits,
+            "index_blocks": index_blocks, "seconds": secs, "index_resident": fits,
             "errors": failed, "stats": crate::bench_buffer::stats_json(&stats),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -321,7 +309,7 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     }
     println!(
         "loaded {} index blocks of {} contexts in {secs:.3} s",
-        requests.len(),
+        index_blocks,
         snap.contexts().count()
     );
     crate::bench_buffer::print_stats(&stats);
