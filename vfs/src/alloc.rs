@@ -50,7 +50,7 @@ impl Bitmap {
             let mut i = lo;
             while i < hi {
                 let w = self.words[(i / 64) as usize];
-                if w == u64::MAX && i % 64 == 0 {
+                if w == u64::MAX && i.is_multiple_of(64) {
                     i += 64;
                     continue;
                 }

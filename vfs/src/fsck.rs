@@ -532,7 +532,7 @@ fn walk_stream(
             Fix::DropContext,
         );
     }
-    if id.tag == StreamTag::Tokens && root.bytes % 4 != 0 {
+    if id.tag == StreamTag::Tokens && !root.bytes.is_multiple_of(4) {
         w.note(
             None,
             "catalog",

@@ -18,7 +18,7 @@ impl AlignedBuf {
     /// A buffer of `len` bytes; `len` must be a multiple of [`PAGE`].
     pub fn zeroed(len: usize) -> Self {
         assert!(
-            len % PAGE == 0,
+            len.is_multiple_of(PAGE),
             "aligned buffer length {len} is not a multiple of {PAGE}"
         );
         AlignedBuf {

@@ -75,7 +75,7 @@ impl MemDevice {
 
     /// A device whose medium holds `image` (for example what a crash left).
     pub fn from_image(image: Vec<u8>, block_size: usize) -> Self {
-        assert!(image.len() % block_size == 0);
+        assert!(image.len().is_multiple_of(block_size));
         let num_blocks = (image.len() / block_size) as u64;
         MemDevice {
             geo: Geometry {

@@ -105,13 +105,13 @@ pub(crate) fn check_op(op: &IoOp<'_>, geo: Geometry) -> io::Result<()> {
         num_blocks,
     } = geo;
     let len = op.len();
-    if len == 0 || len % block_size != 0 {
+    if len == 0 || !len.is_multiple_of(block_size) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("I/O length {len} is not a positive multiple of the block size {block_size}"),
         ));
     }
-    if op.addr() % PAGE != 0 {
+    if !op.addr().is_multiple_of(PAGE) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "I/O buffer is not page aligned",

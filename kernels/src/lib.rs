@@ -1,0 +1,225 @@
+//! ctxfs-kernels: the CPU kernels every scoring and attention loop in ctxfs goes through.
+//!
+//! * [`dot`]: f16/bf16/f32 × f32 dot products;
+//! * [`scores`]: q·K over a block of keys, scaled;
+//! * [`max`] and [`exp_sub`]: the scaled exp-sum with a running max;
+//! * [`weighted_sum`]: weighted value accumulation;
+//! * [`Partial`]: attention over a set of keys as (o, m, l), and the exact log-sum-exp merge.
+//!
+//! Each kernel has an AVX-512F path, an AVX2+FMA+F16C path and a scalar reference, chosen at
+//! run time by CPU detection. `CTXFS_KERNELS=scalar|avx2|avx512` lowers the choice (it never
+//! picks a path the CPU lacks). On other architectures the scalar path runs.
+
+mod element;
+mod partial;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use element::{Element, ElementKind};
+pub use partial::Partial;
+
+use std::sync::OnceLock;
+
+/// An instruction set the kernels can run on, from least to most capable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The best instruction set this CPU supports.
+pub fn detected() -> Isa {
+    static DETECTED: OnceLock<Isa> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    })
+}
+
+/// The instruction set the kernels use: [`detected`], lowered by `CTXFS_KERNELS`.
+pub fn active() -> Isa {
+    static ACTIVE: OnceLock<Isa> = OnceLock::new();
+    *ACTIVE.get_or_init(|| {
+        let wanted = match std::env::var("CTXFS_KERNELS").as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") => Isa::Avx2,
+            _ => Isa::Avx512,
+        };
+        wanted.min(detected())
+    })
+}
+
+/// Every instruction set this CPU can run, for tests and benchmarks that compare them.
+pub fn available() -> Vec<Isa> {
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|&i| i <= detected())
+        .collect()
+}
+
+/// Runs `$body` with `$xs` bound to `$x` as a slice of the concrete element type.
+macro_rules! by_element {
+    ($E:ty, $x:expr, |$xs:ident| $body:expr) => {
+        match <$E as Element>::KIND {
+            ElementKind::F16 => {
+                let $xs: &[half::f16] = bytemuck::cast_slice($x);
+                $body
+            }
+            ElementKind::Bf16 => {
+                let $xs: &[half::bf16] = bytemuck::cast_slice($x);
+                $body
+            }
+            ElementKind::F32 => {
+                let $xs: &[f32] = bytemuck::cast_slice($x);
+                $body
+            }
+        }
+    };
+}
+
+/// `isa` if this CPU has it, else the best it has.
+fn usable(isa: Isa) -> Isa {
+    isa.min(detected())
+}
+
+/// Σ x_i q_i.
+pub fn dot<E: Element>(x: &[E], q: &[f32]) -> f32 {
+    dot_on(active(), x, q)
+}
+
+pub fn dot_on<E: Element>(isa: Isa, x: &[E], q: &[f32]) -> f32 {
+    assert_eq!(
+        x.len(),
+        q.len(),
+        "dot product of {} and {} elements",
+        x.len(),
+        q.len()
+    );
+    match usable(isa) {
+        // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => by_element!(E, x, |xs| unsafe { x86::avx512::dot(xs, q) }),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => by_element!(E, x, |xs| unsafe { x86::avx2::dot(xs, q) }),
+        _ => scalar::dot(x, q),
+    }
+}
+
+/// `out[i] = scale · (q · key_i)` for the keys stored row after row in `keys`.
+pub fn scores<E: Element>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
+    scores_on(active(), keys, q, scale, out)
+}
+
+pub fn scores_on<E: Element>(isa: Isa, keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
+    assert_eq!(
+        keys.len(),
+        out.len() * q.len(),
+        "{} key elements for {} scores of dimension {}",
+        keys.len(),
+        out.len(),
+        q.len()
+    );
+    if q.is_empty() {
+        out.fill(0.0);
+        return;
+    }
+    match usable(isa) {
+        // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => by_element!(E, keys, |ks| unsafe {
+            x86::avx512::scores(ks, q, scale, out)
+        }),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => by_element!(E, keys, |ks| unsafe {
+            x86::avx2::scores(ks, q, scale, out)
+        }),
+        _ => scalar::scores(keys, q, scale, out),
+    }
+}
+
+/// The largest value, or −∞ for none.
+pub fn max(z: &[f32]) -> f32 {
+    max_on(active(), z)
+}
+
+pub fn max_on(isa: Isa, z: &[f32]) -> f32 {
+    match usable(isa) {
+        // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::max(z) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::max(z) },
+        _ => scalar::max(z),
+    }
+}
+
+/// Replaces each `z_i` by `exp(z_i − m)` and returns their sum. A −∞ (a masked score)
+/// becomes exactly 0. With `m` the maximum, every term is at most 1.
+pub fn exp_sub(z: &mut [f32], m: f32) -> f32 {
+    exp_sub_on(active(), z, m)
+}
+
+pub fn exp_sub_on(isa: Isa, z: &mut [f32], m: f32) -> f32 {
+    match usable(isa) {
+        // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::exp_sub(z, m) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::exp_sub(z, m) },
+        _ => scalar::exp_sub(z, m),
+    }
+}
+
+/// `acc += Σ_i weights_i · value_i` for the values stored row after row in `values`.
+pub fn weighted_sum<E: Element>(acc: &mut [f32], weights: &[f32], values: &[E]) {
+    weighted_sum_on(active(), acc, weights, values)
+}
+
+pub fn weighted_sum_on<E: Element>(isa: Isa, acc: &mut [f32], weights: &[f32], values: &[E]) {
+    assert_eq!(
+        values.len(),
+        weights.len() * acc.len(),
+        "{} value elements for {} weights of dimension {}",
+        values.len(),
+        weights.len(),
+        acc.len()
+    );
+    if acc.is_empty() {
+        return;
+    }
+    match usable(isa) {
+        // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => by_element!(E, values, |vs| unsafe {
+            x86::avx512::weighted_sum(acc, weights, vs)
+        }),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => by_element!(E, values, |vs| unsafe {
+            x86::avx2::weighted_sum(acc, weights, vs)
+        }),
+        _ => scalar::weighted_sum(acc, weights, values),
+    }
+}

@@ -1,0 +1,354 @@
+//! AVX2 (+FMA, F16C) and AVX-512F kernels.
+//!
+//! Every function here is `unsafe` for one reason only: it must run on a CPU with the target
+//! features it is compiled for. The dispatcher (`lib.rs`) calls them only after runtime
+//! detection. Within them, raw-pointer loads and stores stay inside the slices they come
+//! from: every loop bound is checked against the slice length before the pointer is formed.
+
+use core::arch::x86_64::*;
+use half::{bf16, f16};
+
+/// Loads lanes of an element type as f32.
+pub(crate) trait Lanes: Copy {
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `p` must point at 8 readable elements.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// # Safety
+    /// AVX-512F must be available; `p` must point at 16 readable elements.
+    unsafe fn load16(p: *const Self) -> __m512;
+    fn to_f32(self) -> f32;
+}
+
+impl Lanes for f16 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl Lanes for bf16 {
+    // A bf16 is the upper half of an f32: widen and shift.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p as *const __m128i),
+        )))
+    }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p as *const __m256i),
+        )))
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Lanes for f32 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+// Cephes' expf: exp(x) = 2^n · e^r with |r| ≤ ln2/2 and a degree-7 polynomial for e^r;
+// about 1e-7 relative error. Arguments below EXP_LO (including −∞, a mask) give exactly 0.
+const EXP_HI: f32 = 88.376_26;
+const EXP_LO: f32 = -87.336_55;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+pub(crate) mod avx2 {
+    use super::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available. `x.len() == q.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot<E: Lanes>(x: &[E], q: &[f32]) -> f32 {
+        debug_assert_eq!(x.len(), q.len());
+        let n = x.len().min(q.len());
+        let (xp, qp) = (x.as_ptr(), q.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(
+                    E::load8(xp.add(i + 8 * k)),
+                    _mm256_loadu_ps(qp.add(i + 8 * k)),
+                    *a,
+                );
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(E::load8(xp.add(i)), _mm256_loadu_ps(qp.add(i)), acc[0]);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        for j in i..n {
+            s += x[j].to_f32() * q[j];
+        }
+        s
+    }
+
+    /// # Safety
+    /// As [`dot`]; `keys.len() == out.len() * q.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores<E: Lanes>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
+        for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
+            *o = dot(k, q) * scale;
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn max(z: &[f32]) -> f32 {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i + 8 <= z.len() {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(z.as_ptr().add(i)));
+            i += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        lanes
+            .iter()
+            .chain(&z[i..])
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp(x: __m256) -> __m256 {
+        let masked = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
+            _mm256_set1_ps(EXP_HI),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fnmadd_ps(
+            n,
+            _mm256_set1_ps(LN2_LO),
+            _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x),
+        );
+        let mut y = _mm256_set1_ps(P[0]);
+        for c in &P[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+        }
+        y = _mm256_fmadd_ps(
+            y,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_andnot_ps(masked, _mm256_mul_ps(y, pow2))
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp_sub(z: &mut [f32], m: f32) -> f32 {
+        let mv = _mm256_set1_ps(m);
+        let mut sum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= z.len() {
+            let p = z.as_mut_ptr().add(i);
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(p), mv));
+            _mm256_storeu_ps(p, e);
+            sum = _mm256_add_ps(sum, e);
+            i += 8;
+        }
+        hsum(sum) + crate::scalar::exp_sub(&mut z[i..], m)
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available. `values.len() == weights.len() * acc.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
+        let d = acc.len();
+        for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
+            let wv = _mm256_set1_ps(*w);
+            let mut i = 0;
+            while i + 8 <= d {
+                let a = acc.as_mut_ptr().add(i);
+                _mm256_storeu_ps(
+                    a,
+                    _mm256_fmadd_ps(E::load8(v.as_ptr().add(i)), wv, _mm256_loadu_ps(a)),
+                );
+                i += 8;
+            }
+            for j in i..d {
+                acc[j] += w * v[j].to_f32();
+            }
+        }
+    }
+}
+
+pub(crate) mod avx512 {
+    use super::*;
+
+    /// # Safety
+    /// AVX-512F must be available. `x.len() == q.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot<E: Lanes>(x: &[E], q: &[f32]) -> f32 {
+        debug_assert_eq!(x.len(), q.len());
+        let n = x.len().min(q.len());
+        let (xp, qp) = (x.as_ptr(), q.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut i = 0;
+        while i + 32 <= n {
+            acc[0] = _mm512_fmadd_ps(E::load16(xp.add(i)), _mm512_loadu_ps(qp.add(i)), acc[0]);
+            acc[1] = _mm512_fmadd_ps(
+                E::load16(xp.add(i + 16)),
+                _mm512_loadu_ps(qp.add(i + 16)),
+                acc[1],
+            );
+            i += 32;
+        }
+        while i + 16 <= n {
+            acc[0] = _mm512_fmadd_ps(E::load16(xp.add(i)), _mm512_loadu_ps(qp.add(i)), acc[0]);
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+        for j in i..n {
+            s += x[j].to_f32() * q[j];
+        }
+        s
+    }
+
+    /// # Safety
+    /// As [`dot`]; `keys.len() == out.len() * q.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores<E: Lanes>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
+        for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
+            *o = dot(k, q) * scale;
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn max(z: &[f32]) -> f32 {
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i + 16 <= z.len() {
+            m = _mm512_max_ps(m, _mm512_loadu_ps(z.as_ptr().add(i)));
+            i += 16;
+        }
+        z[i..]
+            .iter()
+            .copied()
+            .fold(_mm512_reduce_max_ps(m), f32::max)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp(x: __m512) -> __m512 {
+        let masked = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
+        let x = _mm512_min_ps(
+            _mm512_max_ps(x, _mm512_set1_ps(EXP_LO)),
+            _mm512_set1_ps(EXP_HI),
+        );
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+        );
+        let r = _mm512_fnmadd_ps(
+            n,
+            _mm512_set1_ps(LN2_LO),
+            _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x),
+        );
+        let mut y = _mm512_set1_ps(P[0]);
+        for c in &P[1..] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+        }
+        y = _mm512_fmadd_ps(
+            y,
+            _mm512_mul_ps(r, r),
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        )));
+        _mm512_maskz_mov_ps(!masked, _mm512_mul_ps(y, pow2))
+    }
+
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_sub(z: &mut [f32], m: f32) -> f32 {
+        let mv = _mm512_set1_ps(m);
+        let mut sum = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= z.len() {
+            let p = z.as_mut_ptr().add(i);
+            let e = exp(_mm512_sub_ps(_mm512_loadu_ps(p), mv));
+            _mm512_storeu_ps(p, e);
+            sum = _mm512_add_ps(sum, e);
+            i += 16;
+        }
+        _mm512_reduce_add_ps(sum) + crate::scalar::exp_sub(&mut z[i..], m)
+    }
+
+    /// # Safety
+    /// AVX-512F must be available. `values.len() == weights.len() * acc.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
+        let d = acc.len();
+        for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
+            let wv = _mm512_set1_ps(*w);
+            let mut i = 0;
+            while i + 16 <= d {
+                let a = acc.as_mut_ptr().add(i);
+                _mm512_storeu_ps(
+                    a,
+                    _mm512_fmadd_ps(E::load16(v.as_ptr().add(i)), wv, _mm512_loadu_ps(a)),
+                );
+                i += 16;
+            }
+            for j in i..d {
+                acc[j] += w * v[j].to_f32();
+            }
+        }
+    }
+}
