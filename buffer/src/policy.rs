@@ -58,27 +58,25 @@ impl TwoQueue {
 }
 
 /// Index frames: evict the coldest context first (by its most recent hit), and within it the
-/// least recently used frames.
+/// least recently used frames. Hits update recency concurrently, so the ranking is made from
+/// one snapshot of it (sorting by live atomics would see keys change mid-sort).
 pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) -> Vec<usize> {
+    let snapshot: Vec<(u64, u64, usize)> = area
+        .filter_map(|f| {
+            let ctx = frames[f].context.load(Ordering::Relaxed);
+            (ctx != NO_CONTEXT).then(|| (ctx, frames[f].last_use.load(Ordering::Relaxed), f))
+        })
+        .collect();
     let mut recency: BTreeMap<u64, u64> = BTreeMap::new();
-    for f in area.clone() {
-        let ctx = frames[f].context.load(Ordering::Relaxed);
-        if ctx != NO_CONTEXT {
-            let t = frames[f].last_use.load(Ordering::Relaxed);
-            let e = recency.entry(ctx).or_insert(0);
-            *e = (*e).max(t);
-        }
+    for &(ctx, t, _) in &snapshot {
+        let e = recency.entry(ctx).or_insert(0);
+        *e = (*e).max(t);
     }
-    let mut contexts: Vec<(u64, u64)> = recency.into_iter().map(|(c, t)| (t, c)).collect();
-    contexts.sort_unstable();
-    let mut out = Vec::new();
-    for (_, ctx) in contexts {
-        let mut of_ctx: Vec<usize> = area
-            .clone()
-            .filter(|&f| frames[f].context.load(Ordering::Relaxed) == ctx)
-            .collect();
-        of_ctx.sort_by_key(|&f| frames[f].last_use.load(Ordering::Relaxed));
-        out.extend(of_ctx);
-    }
-    out
+    let mut ranked: Vec<(u64, u64, u64, usize)> = snapshot
+        .into_iter()
+        .map(|(ctx, t, f)| (recency[&ctx], ctx, t, f))
+        .collect();
+    // Coldest context first, its frames together, least recently used first.
+    ranked.sort_unstable();
+    ranked.into_iter().map(|(_, _, _, f)| f).collect()
 }
