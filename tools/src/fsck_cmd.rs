@@ -48,11 +48,18 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
         Err(e) => return Err(e),
     };
     let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&args.store, choice, block_size)?);
-    if args.repair {
-        fsck::repair(dev, args.drop_damaged)
+    let bar = crate::progress::blocks_bar(0, if args.repair { "fsck --repair" } else { "fsck" });
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let report = if args.repair {
+        fsck::repair_with(dev, args.drop_damaged, &progress)
     } else {
-        fsck::check(dev.as_ref())
-    }
+        fsck::check_with(dev.as_ref(), &progress)
+    };
+    bar.finish_and_clear();
+    report
 }
 
 fn print(args: &Args, r: &Report) {

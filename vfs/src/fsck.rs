@@ -94,7 +94,10 @@ impl Report {
 }
 
 /// The result of walking one state from its superblock.
-struct Walk {
+struct Walk<'p> {
+    progress: Progress<'p>,
+    /// Blocks the walk expects to read (the allocated count), for progress.
+    expected: u64,
     problems: Vec<Problem>,
     reach: Bitmap,
     /// False when unreadable metadata hides references, so leaks cannot be judged.
@@ -112,7 +115,18 @@ struct Walk {
     blocks_checked: u64,
 }
 
-impl Walk {
+/// Called as fsck reads blocks: (blocks checked so far, blocks expected in all).
+pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
+
+/// No progress reporting.
+pub fn quiet(_: u64, _: u64) {}
+
+impl Walk<'_> {
+    fn checked(&mut self, blocks: u64) {
+        self.blocks_checked += blocks;
+        (self.progress)(self.blocks_checked, self.expected.max(self.blocks_checked));
+    }
+
     fn problem(&mut self, e: &Error, context: Option<&str>, fix: Fix) {
         let (block, kind, owner, message) = match e {
             Error::Damaged {
@@ -208,8 +222,10 @@ impl Walk {
     }
 }
 
-fn walk(dev: &dyn BlockDevice, sb: &Superblock) -> Walk {
+fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> Walk<'p> {
     let mut w = Walk {
+        progress,
+        expected: sb.allocated_blocks,
         problems: Vec::new(),
         reach: Bitmap::new(sb.total_blocks),
         reach_complete: true,
@@ -233,7 +249,7 @@ fn walk(dev: &dyn BlockDevice, sb: &Superblock) -> Walk {
             w.catalog_damaged = true;
         }
         Ok((blob, blocks)) => {
-            w.blocks_checked += blocks.len() as u64;
+            w.checked(blocks.len() as u64);
             for b in blocks {
                 w.claim(b, "catalog", Owner::SYSTEM, None, &mut sink);
             }
@@ -285,7 +301,7 @@ fn walk(dev: &dyn BlockDevice, sb: &Superblock) -> Walk {
     match load_bitmap(dev, sb) {
         Err(e) => w.problem(&e, None, Fix::RebuildAllocator),
         Ok((bitmap, chunks, dir)) => {
-            w.blocks_checked += (chunks.len() + dir.len()) as u64;
+            w.checked((chunks.len() + dir.len()) as u64);
             for c in &chunks {
                 w.claim(c.block, "alloc", Owner::SYSTEM, None, &mut sink);
             }
@@ -356,7 +372,7 @@ fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
         .map(|&(block, e)| (e.crc, (block, e)))
         .collect();
     for chunk in candidates.chunks(256) {
-        w.blocks_checked += chunk.len() as u64;
+        w.checked(chunk.len() as u64);
         for (&block, raw) in chunk.iter().zip(read_raw_many(dev, chunk)) {
             let buf = match raw {
                 Ok(buf) => buf,
@@ -399,7 +415,7 @@ fn walk_context(
             None
         }
         Ok((blob, blocks)) => {
-            w.blocks_checked += blocks.len() as u64;
+            w.checked(blocks.len() as u64);
             for b in blocks {
                 w.claim(b, "catalog", Owner::context(id), Some(name), &mut seen);
             }
@@ -483,7 +499,7 @@ fn walk_stream(
     for r in &root.extents {
         w.claim(r.block, "extent", id.owner, Some(name), seen);
     }
-    w.blocks_checked += root.extents.len() as u64;
+    w.checked(root.extents.len() as u64);
     let map = match StreamMap::load(dev, id, root, sb.generation) {
         Ok(map) => map,
         Err(e) => {
@@ -506,7 +522,7 @@ fn walk_stream(
                 (at.block, id.expect(l, at.crc, sb.generation))
             })
             .collect();
-        w.blocks_checked += reqs.len() as u64;
+        w.checked(reqs.len() as u64);
         for res in read_many(dev, &reqs) {
             match res {
                 Ok(b) => bytes += b.payload().len() as u64,
@@ -555,9 +571,9 @@ fn read_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> 
     Ok(buf)
 }
 
-struct Checked {
+struct Checked<'p> {
     report: Report,
-    active: Option<(Superblock, Walk)>,
+    active: Option<(Superblock, Walk<'p>)>,
     fallback: Option<Superblock>,
 }
 
@@ -572,7 +588,7 @@ fn superblock_problem(block: Option<u64>, message: String, fix: Fix) -> Problem 
     }
 }
 
-fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
+fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Checked<'p>> {
     let slots = read_slots(dev)?;
     let mut report = Report::default();
     let (active, fallback) = match pick(&slots) {
@@ -606,7 +622,7 @@ fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
             ));
         }
     }
-    let w = walk(dev, &active);
+    let w = walk(dev, &active, progress);
     report.contexts = w.contexts;
     report.blocks_checked = w.blocks_checked;
     report.problems.extend(w.problems.iter().cloned());
@@ -619,13 +635,27 @@ fn check_inner(dev: &dyn BlockDevice) -> Result<Checked> {
 
 /// Checks a store without changing it.
 pub fn check(dev: &dyn BlockDevice) -> Result<Report> {
-    Ok(check_inner(dev)?.report)
+    check_with(dev, &quiet)
+}
+
+/// [`check`], reporting progress as it reads.
+pub fn check_with(dev: &dyn BlockDevice, progress: Progress<'_>) -> Result<Report> {
+    Ok(check_inner(dev, progress)?.report)
 }
 
 /// Repairs what can be repaired safely, then checks again. The returned report lists what
 /// was done and what is left.
 pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
-    let first = check_inner(dev.as_ref())?;
+    repair_with(dev, drop_damaged, &quiet)
+}
+
+/// [`repair`], reporting progress of its checks as they read.
+pub fn repair_with(
+    dev: Arc<dyn BlockDevice>,
+    drop_damaged: bool,
+    progress: Progress<'_>,
+) -> Result<Report> {
+    let first = check_inner(dev.as_ref(), progress)?;
     if first.report.is_clean() {
         return Ok(first.report);
     }
@@ -638,7 +668,7 @@ pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
     // one newest again, writing over the damaged slot so the intact one is never at risk.
     if walk.catalog_damaged || (!walk.record_damaged.is_empty() && !drop_damaged) {
         if let Some(older) = first.fallback {
-            let older_walk = self::walk(dev.as_ref(), &older);
+            let older_walk = self::walk(dev.as_ref(), &older, progress);
             if older_walk.problems.is_empty() {
                 let revived = Superblock {
                     generation: active.generation + 2,
@@ -662,7 +692,7 @@ pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
                     "fell back to generation {} (as generation {}): generation {} had unreadable metadata",
                     older.generation, revived.generation, active.generation
                 ));
-                let mut after = check(dev.as_ref())?;
+                let mut after = check_with(dev.as_ref(), progress)?;
                 after.repaired = repaired;
                 return Ok(after);
             }
@@ -713,7 +743,7 @@ pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
         repaired.push(format!("applied {f}"));
     }
     drop(store);
-    let mut after = check(dev.as_ref())?;
+    let mut after = check_with(dev.as_ref(), progress)?;
     after.repaired = repaired;
     Ok(after)
 }

@@ -189,3 +189,28 @@ fn bad_input_is_refused_and_nothing_is_written() {
     drop(txn);
     assert!(fsck::check(mem.as_ref()).unwrap().is_clean());
 }
+
+#[test]
+fn fsck_reports_progress_up_to_every_allocated_block() {
+    let (mem, store) = mem_store(1024);
+    workload(&store, 30, |_| {}).unwrap();
+    let allocated = store.snapshot().superblock().allocated_blocks;
+    drop(store);
+    let seen = std::sync::Mutex::new(Vec::new());
+    let report = fsck::check_with(mem.as_ref(), &|done, total| {
+        seen.lock().unwrap().push((done, total))
+    })
+    .unwrap();
+    assert!(report.is_clean());
+    let seen = seen.into_inner().unwrap();
+    assert!(seen.len() > 3, "progress was reported {} times", seen.len());
+    assert!(
+        seen.windows(2).all(|w| w[0].0 <= w[1].0),
+        "progress never goes back"
+    );
+    assert_eq!(*seen.last().unwrap(), (report.blocks_checked, allocated));
+    assert_eq!(
+        report.blocks_checked, allocated,
+        "a clean store: every allocated block is checked once"
+    );
+}
