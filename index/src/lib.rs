@@ -1,0 +1,23 @@
+//! ctxfs-index: finding, for each decode query, the keys that matter.
+//!
+//! * [`build`]: the query-guided graph per (layer, kv head), trained on prefill queries;
+//! * [`search::diprs`]: the dynamic inner-product range search (window-enhanced), and
+//!   [`search::topk`]: beam search; both take a prefix filter for partial-prefix reuse;
+//! * [`flat`]: exact DIPR and top-k by scanning every key, through the SIMD kernels.
+//!
+//! Searches are written once against the [`Keys`] and [`Graph`] traits, so they run over the
+//! in-memory arrays of [`mem`] at build time and over buffered pages at query time. Every
+//! search reports keys scored, hops and blocks touched.
+
+pub mod build;
+pub mod flat;
+pub mod mem;
+pub mod search;
+mod source;
+mod stats;
+
+pub use build::{build, BuildParams, BuildReport};
+pub use mem::{MemGraph, MemKeys, NO_NODE};
+pub use search::DiprsParams;
+pub use source::{Graph, Keys};
+pub use stats::{SearchResult, SearchStats};

@@ -1,0 +1,216 @@
+//! Graph searches, written once over [`Keys`] and [`Graph`]: DIPRS (Algorithm 1 of the
+//! AlayaDB paper, window-enhanced), top-k beam search, and the prefix filter (only tokens
+//! below P qualify; the search walks two hops through tokens that do not, so the graph stays
+//! connected).
+
+use crate::source::{Graph, Keys};
+use crate::stats::{SearchResult, SearchStats};
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiprsParams {
+    /// The range below the best inner product, in inner-product units.
+    pub beta: f32,
+    /// The candidate list grows without pruning until it holds this many keys.
+    pub l0: usize,
+    /// The best score of the caller's window (−∞ without one): DIPRS prunes against it from
+    /// the start instead of discovering a high score late.
+    pub window_max: f32,
+    /// Only tokens below this qualify (partial-prefix reuse).
+    pub prefix: Option<u32>,
+}
+
+impl Default for DiprsParams {
+    fn default() -> Self {
+        DiprsParams {
+            beta: 4.0,
+            l0: 64,
+            window_max: f32::NEG_INFINITY,
+            prefix: None,
+        }
+    }
+}
+
+/// Visited nodes, one bit each.
+struct Visited(Vec<u64>);
+
+impl Visited {
+    fn new(n: u32) -> Visited {
+        Visited(vec![0; (n as usize).div_ceil(64)])
+    }
+    /// Marks `id`; true when it was not marked before.
+    fn insert(&mut self, id: u32) -> bool {
+        let (w, b) = ((id / 64) as usize, id % 64);
+        let fresh = self.0[w] >> b & 1 == 0;
+        self.0[w] |= 1 << b;
+        fresh
+    }
+}
+
+/// Expands `node`: the unvisited qualifying neighbours, and, when filtering, the qualifying
+/// neighbours of neighbours that do not qualify.
+struct Expander {
+    limit: u32,
+    filtered: bool,
+    visited: Visited,
+    neighbors: Vec<u32>,
+    second: Vec<u32>,
+}
+
+impl Expander {
+    fn new(n: u32, prefix: Option<u32>) -> Expander {
+        Expander {
+            limit: prefix.map_or(n, |p| p.min(n)),
+            filtered: prefix.is_some_and(|p| p < n),
+            visited: Visited::new(n),
+            neighbors: Vec::new(),
+            second: Vec::new(),
+        }
+    }
+
+    fn qualifies(&self, id: u32) -> bool {
+        id < self.limit
+    }
+
+    /// The start node: the graph's entry if it qualifies, else token 0 (the first token,
+    /// which every prefix contains).
+    fn start<G: Graph>(&mut self, g: &G) -> Option<u32> {
+        if self.limit == 0 {
+            return None;
+        }
+        let s = if self.qualifies(g.entry()) {
+            g.entry()
+        } else {
+            0
+        };
+        self.visited.insert(s);
+        Some(s)
+    }
+
+    fn expand<G: Graph>(
+        &mut self,
+        g: &G,
+        node: u32,
+        fresh: &mut Vec<u32>,
+        stats: &mut SearchStats,
+    ) {
+        fresh.clear();
+        self.neighbors.clear();
+        g.neighbors(node, &mut self.neighbors, stats);
+        stats.hops += 1;
+        for i in 0..self.neighbors.len() {
+            let k = self.neighbors[i];
+            if self.qualifies(k) {
+                if self.visited.insert(k) {
+                    fresh.push(k);
+                }
+            } else if self.filtered && self.visited.insert(k) {
+                self.second.clear();
+                g.neighbors(k, &mut self.second, stats);
+                stats.hops += 1;
+                for &k2 in &self.second {
+                    if self.qualifies(k2) && self.visited.insert(k2) {
+                        fresh.push(k2);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// DIPRS: the keys within β of the best inner product, found by walking the graph with an
+/// unordered candidate list that admits every key until it holds `l0`, then only keys within
+/// β of the best seen so far (which starts at the window's best).
+pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> SearchResult {
+    let mut stats = SearchStats::default();
+    let mut ex = Expander::new(s.len(), p.prefix);
+    let Some(start) = ex.start(s) else {
+        return SearchResult::default();
+    };
+    let mut score = [0.0f32];
+    s.score(&[start], q, &mut score, &mut stats);
+    let mut best = score[0].max(p.window_max);
+    let mut candidates: Vec<(u32, f32)> = vec![(start, score[0])];
+    let (mut fresh, mut scores) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < candidates.len() {
+        let node = candidates[i].0;
+        i += 1;
+        ex.expand(s, node, &mut fresh, &mut stats);
+        scores.resize(fresh.len(), 0.0);
+        s.score(&fresh, q, &mut scores, &mut stats);
+        for (&k, &sc) in fresh.iter().zip(&scores) {
+            if candidates.len() <= p.l0 || sc >= best - p.beta {
+                candidates.push((k, sc));
+            }
+            best = best.max(sc);
+        }
+    }
+    let pairs = candidates
+        .into_iter()
+        .filter(|&(_, sc)| sc >= best - p.beta)
+        .collect();
+    SearchResult::from_pairs(pairs, stats)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+struct Scored(f32, u32);
+impl Eq for Scored {}
+impl PartialOrd for Scored {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Scored {
+    /// Higher score first; among equal scores, the lower id.
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+    }
+}
+
+/// Best-first beam search for the `k` keys with the largest inner products, keeping a beam
+/// of `ef ≥ k`.
+pub fn topk<S: Keys + Graph>(
+    s: &S,
+    q: &[f32],
+    k: usize,
+    ef: usize,
+    prefix: Option<u32>,
+) -> SearchResult {
+    let ef = ef.max(k).max(1);
+    let mut stats = SearchStats::default();
+    let mut ex = Expander::new(s.len(), prefix);
+    let Some(start) = ex.start(s) else {
+        return SearchResult::default();
+    };
+    let mut score = [0.0f32];
+    s.score(&[start], q, &mut score, &mut stats);
+    let mut frontier = BinaryHeap::from([Scored(score[0], start)]);
+    let mut beam = BinaryHeap::from([Reverse(Scored(score[0], start))]);
+    let (mut fresh, mut scores) = (Vec::new(), Vec::new());
+    while let Some(Scored(sc, node)) = frontier.pop() {
+        if beam.len() >= ef && beam.peek().is_some_and(|w| sc < w.0 .0) {
+            break;
+        }
+        ex.expand(s, node, &mut fresh, &mut stats);
+        scores.resize(fresh.len(), 0.0);
+        s.score(&fresh, q, &mut scores, &mut stats);
+        for (&id, &sc) in fresh.iter().zip(&scores) {
+            if beam.len() < ef || beam.peek().is_some_and(|w| sc > w.0 .0) {
+                frontier.push(Scored(sc, id));
+                beam.push(Reverse(Scored(sc, id)));
+                if beam.len() > ef {
+                    beam.pop();
+                }
+            }
+        }
+    }
+    let mut pairs: Vec<(u32, f32)> = beam
+        .into_iter()
+        .map(|Reverse(Scored(s, id))| (id, s))
+        .collect();
+    pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    pairs.truncate(k);
+    SearchResult::from_pairs(pairs, stats)
+}

@@ -1,0 +1,30 @@
+//! The small storage traits every search is written against: the same search code runs over
+//! in-memory arrays at build time and over buffered pages at query time.
+
+use crate::stats::SearchStats;
+
+/// Scores keys: inner products with a query (unscaled; β is in inner-product units).
+pub trait Keys {
+    fn dim(&self) -> usize;
+    /// Number of keys; node ids are `0..len`, which are also token positions.
+    fn len(&self) -> u32;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `out[i] = q · key(ids[i])`. Counts keys scored (and blocks touched) in `stats`.
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats);
+    /// `out[i] = q · key(first + i)`: a scan of consecutive keys, which a source can do
+    /// faster than scattered scoring.
+    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+        let ids: Vec<u32> = (first..first + out.len() as u32).collect();
+        self.score(&ids, q, out, stats);
+    }
+}
+
+/// A proximity graph over the keys.
+pub trait Graph {
+    /// Appends the out-neighbours of `node` to `out`. Counts blocks touched in `stats`.
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats);
+    /// Where searches start.
+    fn entry(&self) -> u32;
+}

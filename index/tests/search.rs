@@ -1,0 +1,293 @@
+//! Property tests of the searches and the build on small random data, against flat scans.
+
+use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::{
+    build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats,
+};
+use half::f16;
+use std::collections::BTreeSet;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        (-2.0 * self.uniform().ln()).sqrt() * (std::f32::consts::TAU * self.uniform()).cos()
+    }
+}
+
+/// Keys in passages of a few topics (neighbouring tokens alike), and queries drawn from a
+/// shifted distribution, each aimed at one topic.
+fn data(n: usize, d: usize, queries: usize, seed: u64) -> (MemKeys, Vec<f32>) {
+    let mut rng = Rng(seed);
+    let topics: Vec<Vec<f32>> = (0..12)
+        .map(|_| (0..d).map(|_| rng.normal() * 1.5).collect())
+        .collect();
+    let mut keys = Vec::with_capacity(n * d);
+    for t in 0..n {
+        let topic = &topics[(t / 64 + t / 640) % topics.len()];
+        keys.extend(topic.iter().map(|c| f16::from_f32(c + rng.normal())));
+    }
+    let shift: Vec<f32> = (0..d).map(|i| if i < 4 { 3.0 } else { 0.0 }).collect();
+    let mut qs = Vec::with_capacity(queries * d);
+    for _ in 0..queries {
+        let topic = &topics[(rng.next() % topics.len() as u64) as usize];
+        qs.extend((0..d).map(|i| shift[i] + 0.8 * topic[i] + 0.5 * rng.normal()));
+    }
+    (MemKeys::new(d, keys), qs)
+}
+
+struct Index<'a> {
+    keys: &'a MemKeys,
+    graph: &'a MemGraph,
+}
+impl Keys for Index<'_> {
+    fn dim(&self) -> usize {
+        self.keys.dim()
+    }
+    fn len(&self) -> u32 {
+        self.keys.len()
+    }
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+        self.keys.score(ids, q, out, stats)
+    }
+}
+impl Graph for Index<'_> {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) {
+        self.graph.neighbors(node, out, stats)
+    }
+    fn entry(&self) -> u32 {
+        self.graph.entry
+    }
+}
+
+fn set(ids: &[u32]) -> BTreeSet<u32> {
+    ids.iter().copied().collect()
+}
+
+fn built(n: usize, d: usize, seed: u64) -> (MemKeys, Vec<f32>, MemGraph) {
+    let (keys, queries) = data(n, d, 4 * n + 200, seed);
+    let train = &queries[200 * d..];
+    let params = BuildParams {
+        degree: 16,
+        extra_degree: 8,
+        nq: 32,
+        ..Default::default()
+    };
+    let (graph, _) = build(&keys, train, &params);
+    (keys, queries[..200 * d].to_vec(), graph)
+}
+
+#[test]
+fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
+    let (keys, queries, graph) = built(600, 16, 1);
+    let idx = Index {
+        keys: &keys,
+        graph: &graph,
+    };
+    for q in queries.chunks(16).take(20) {
+        for beta in [0.5, 2.0, 8.0, 1e9] {
+            let got = diprs(
+                &idx,
+                q,
+                &DiprsParams {
+                    beta,
+                    l0: 600,
+                    ..Default::default()
+                },
+            );
+            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None);
+            assert_eq!(set(&got.ids), set(&want.ids), "beta {beta}");
+            assert_eq!(got.ids, want.ids, "same order, best first");
+        }
+    }
+}
+
+#[test]
+fn filtered_search_never_returns_a_token_beyond_the_prefix() {
+    let (keys, queries, graph) = built(800, 16, 2);
+    let idx = Index {
+        keys: &keys,
+        graph: &graph,
+    };
+    let (mut hit, mut total) = (0, 0);
+    for q in queries.chunks(16).take(20) {
+        for prefix in [0, 1, 10, 160, 400, 800, 5000] {
+            let p = DiprsParams {
+                beta: 3.0,
+                l0: 32,
+                prefix: Some(prefix),
+                ..Default::default()
+            };
+            let got = diprs(&idx, q, &p);
+            assert!(
+                got.ids.iter().all(|&id| id < prefix),
+                "prefix {prefix}: {:?}",
+                got.ids
+            );
+            let exact = flat::dipr(&keys, q, 3.0, f32::NEG_INFINITY, Some(prefix));
+            assert!(got.ids.len() <= exact.ids.len() || prefix == 0);
+            let k = topk(&idx, q, 10, 40, Some(prefix));
+            assert!(k.ids.iter().all(|&id| id < prefix));
+            // Exhaustive filtered DIPRS (l0 ≥ n) finds the exact set whenever a realistic share
+            // of the context is reused; a tiny prefix may not be reachable in two hops.
+            let full = diprs(&idx, q, &DiprsParams { l0: 800, ..p });
+            let want = set(&exact.ids);
+            assert!(set(&full.ids).is_subset(&want));
+            if prefix >= 160 {
+                hit += full.ids.len();
+                total += want.len();
+            }
+        }
+    }
+    let recall = hit as f64 / total as f64;
+    assert!(recall >= 0.95, "filtered recall {recall}");
+}
+
+#[test]
+fn topk_with_a_beam_covering_the_graph_equals_flat_topk() {
+    let (keys, queries, graph) = built(500, 16, 3);
+    let idx = Index {
+        keys: &keys,
+        graph: &graph,
+    };
+    for q in queries.chunks(16).take(20) {
+        for k in [1, 10, 100] {
+            let got = topk(&idx, q, k, 500, None);
+            let want = flat::topk(&keys, q, k, None);
+            assert_eq!(got.ids, want.ids, "k {k}");
+        }
+    }
+}
+
+#[test]
+fn the_build_reaches_every_key_within_its_degree_and_is_deterministic() {
+    let (keys, queries) = data(3000, 32, 6000, 4);
+    let base = BuildParams {
+        degree: 16,
+        extra_degree: 8,
+        nq: 32,
+        threads: 1,
+        ..Default::default()
+    };
+    let (g1, report) = build(&keys, &queries, &base);
+    let (g3, _) = build(
+        &keys,
+        &queries,
+        &BuildParams {
+            threads: 3,
+            ..base.clone()
+        },
+    );
+    assert_eq!(g1, g3, "the graph must not depend on the thread count");
+    assert_eq!(g1.nodes(), 3000);
+    assert_eq!(g1.degree, 24);
+    let mut reached = vec![false; 3000];
+    let mut stack = vec![g1.entry];
+    reached[g1.entry as usize] = true;
+    while let Some(x) = stack.pop() {
+        for y in g1.list(x) {
+            if !reached[y as usize] {
+                reached[y as usize] = true;
+                stack.push(y);
+            }
+        }
+    }
+    assert!(
+        reached.iter().all(|&r| r),
+        "{} keys unreachable",
+        reached.iter().filter(|r| !**r).count()
+    );
+    for x in 0..3000 {
+        let l: Vec<u32> = g1.list(x).collect();
+        assert!(
+            l.len() <= 24 && !l.contains(&x) && set(&l).len() == l.len(),
+            "node {x}: {l:?}"
+        );
+    }
+    println!("build: {report:?}");
+    assert!(report.queries == 6000);
+}
+
+/// A quality floor on hard synthetic data (clustered keys, shifted queries, DIPR sets of ~6
+/// keys out of 20,000): today's graph reaches recall 0.63 while scoring 3.9% of the keys. The
+/// 128K-token goals (recall ≥ 0.95 at ≤ 3%) are measured by `ctxfs bench search` on the
+/// realistic generator; this test keeps the build and search from regressing meanwhile.
+#[test]
+fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
+    let n = 20_000;
+    let d = 32;
+    let (keys, queries) = data(n, d, 20_200, 5);
+    let (graph, report) = build(
+        &keys,
+        &queries[200 * d..],
+        &BuildParams {
+            max_queries: 8192,
+            ..Default::default()
+        },
+    );
+    let idx = Index {
+        keys: &keys,
+        graph: &graph,
+    };
+    let (mut hit, mut total, mut scored) = (0usize, 0usize, 0u64);
+    for q in queries[..200 * d].chunks(d) {
+        let want = flat::dipr(&keys, q, 6.0, f32::NEG_INFINITY, None);
+        let got = diprs(
+            &idx,
+            q,
+            &DiprsParams {
+                beta: 6.0,
+                l0: 64,
+                ..Default::default()
+            },
+        );
+        let got_set = set(&got.ids);
+        hit += want.ids.iter().filter(|id| got_set.contains(id)).count();
+        total += want.ids.len();
+        scored += got.stats.keys_scored;
+        assert!(got.stats.hops > 0);
+    }
+    let recall = hit as f64 / total as f64;
+    let fraction = scored as f64 / (200 * n) as f64;
+    println!(
+        "recall {recall:.3}, keys scored {:.1}%, avg DIPR size {}, build {report:?}",
+        fraction * 100.0,
+        total / 200
+    );
+    assert!(recall >= 0.58, "recall {recall}");
+    assert!(fraction < 0.05, "scored {:.1}% of keys", fraction * 100.0);
+}
+
+#[test]
+fn window_max_prunes_from_the_start() {
+    let (keys, queries, graph) = built(600, 16, 6);
+    let idx = Index {
+        keys: &keys,
+        graph: &graph,
+    };
+    let q = &queries[..16];
+    let exact = flat::dipr(&keys, q, 2.0, f32::NEG_INFINITY, None);
+    // A window whose best beats every stored key: nothing stored is within β of it.
+    let above = exact.scores[0] + 10.0;
+    let none = diprs(
+        &idx,
+        q,
+        &DiprsParams {
+            beta: 2.0,
+            l0: 8,
+            window_max: above,
+            ..Default::default()
+        },
+    );
+    assert!(none.ids.is_empty());
+    assert!(flat::dipr(&keys, q, 2.0, above, None).ids.is_empty());
+}
