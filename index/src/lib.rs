@@ -15,6 +15,7 @@ pub mod mem;
 pub mod search;
 mod source;
 mod stats;
+pub mod synth;
 
 pub use build::{build, BuildParams, BuildReport};
 pub use mem::{MemGraph, MemKeys, NO_NODE};
