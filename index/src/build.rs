@@ -5,7 +5,9 @@
 //! 2. **projection**: each query's best keys (the pivots) are linked to the query's other top
 //!    keys, pruned by occlusion to `degree` edges (a candidate is dropped when it is more
 //!    similar to an already kept neighbour than to the pivot); reverse edges fill spare slots;
-//! 3. **connectivity enhancement**: every key not reachable from the entry point is found by
+//! 3. **sequence edges** (optional, on by default): each token links to its neighbours in the
+//!    sequence, since critical tokens cluster in passages;
+//! 4. **connectivity enhancement**: every key not reachable from the entry point is found by
 //!    a search on the graph so far, linked from the most similar reachable key with room (or
 //!    from the previously linked key), and given edges back to the keys the search found.
 //!
@@ -33,6 +35,10 @@ pub struct BuildParams {
     pub seed: u64,
     /// Beam of the searches that link unreachable keys.
     pub enhance_ef: usize,
+    /// Also link each token to the tokens before and after it (two edges beyond `degree`).
+    /// Not in the paper: it exploits the locality of critical tokens, and measurably raises
+    /// DIPRS recall on passage-structured data at the same work.
+    pub sequence_edges: bool,
     pub threads: usize,
 }
 
@@ -46,6 +52,7 @@ impl Default for BuildParams {
             max_queries: 16384,
             seed: 0,
             enhance_ef: 32,
+            sequence_edges: true,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
@@ -170,6 +177,17 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
         out
     });
     lists = filled;
+    if p.sequence_edges {
+        // Sequence neighbours: critical tokens cluster in passages, so a walk that reaches a
+        // passage can follow it. It also chains every key to the rest.
+        for (t, list) in lists.iter_mut().enumerate() {
+            for nb in [t.wrapping_sub(1), t + 1] {
+                if nb < n && !list.contains(&(nb as u32)) {
+                    list.push(nb as u32);
+                }
+            }
+        }
+    }
     report.projection = t.elapsed();
 
     // 3. Connectivity from the entry point: the key best for the average training query.

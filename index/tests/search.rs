@@ -218,7 +218,7 @@ fn the_build_reaches_every_key_within_its_degree_and_is_deterministic() {
 }
 
 /// A quality floor on hard synthetic data (clustered keys, shifted queries, DIPR sets of ~6
-/// keys out of 20,000): today's graph reaches recall 0.63 while scoring 3.9% of the keys. The
+/// keys out of 20,000): today's graph reaches recall 0.63 while scoring 2.9% of the keys. The
 /// 128K-token goals (recall ≥ 0.95 at ≤ 3%) are measured by `ctxfs bench search` on the
 /// realistic generator; this test keeps the build and search from regressing meanwhile.
 #[test]
@@ -264,7 +264,7 @@ fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
         total / 200
     );
     assert!(recall >= 0.58, "recall {recall}");
-    assert!(fraction < 0.05, "scored {:.1}% of keys", fraction * 100.0);
+    assert!(fraction < 0.04, "scored {:.1}% of keys", fraction * 100.0);
 }
 
 #[test]
@@ -291,3 +291,63 @@ fn window_max_prunes_from_the_start() {
     assert!(none.ids.is_empty());
     assert!(flat::dipr(&keys, q, 2.0, above, None).ids.is_empty());
 }
+
+/// The same floor on the realistic generator (passages, sinks, out-of-distribution queries):
+/// DIPRS at β = 5 (in q·k/√d units) against the exact DIPR set, over sharp and diffuse heads.
+#[test]
+fn diprs_recall_on_generated_attention_does_not_regress() {
+    use ctxfs_index::synth::{head, SynthParams};
+    let (n, d) = (8192, 64);
+    let p = SynthParams {
+        tokens: n,
+        head_dim: d,
+        group: 2,
+        seed: 11,
+    };
+    let beta = 5.0 * (d as f32).sqrt();
+    for kv in 0..2 {
+        let h = head(&p, 1, kv, n / 2, 16);
+        let keys = MemKeys::new(d, h.keys.clone());
+        let (graph, _) = build(
+            &keys,
+            &h.prefill.concat(),
+            &BuildParams {
+                max_queries: 4096,
+                ..Default::default()
+            },
+        );
+        let idx = Index {
+            keys: &keys,
+            graph: &graph,
+        };
+        let (mut hit, mut total, mut scored, mut dipr) = (0usize, 0usize, 0u64, 0usize);
+        let queries = h.decode.concat();
+        for q in queries.chunks(d) {
+            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None);
+            let got = diprs(
+                &idx,
+                q,
+                &DiprsParams {
+                    beta,
+                    l0: 64,
+                    ..Default::default()
+                },
+            );
+            let s = set(&got.ids);
+            hit += want.ids.iter().filter(|id| s.contains(id)).count();
+            total += want.ids.len();
+            scored += got.stats.keys_scored;
+            dipr += want.ids.len();
+        }
+        let m = queries.len() / d;
+        let recall = hit as f64 / total as f64;
+        let excess = scored as f64 / dipr as f64;
+        println!("kv {kv} (sharpness {:.1}): recall {recall:.3}, keys scored {:.1}% (DIPR set {:.1}%, {excess:.2}x it)", h.sharpness, scored as f64 / (m * n) as f64 * 100.0, dipr as f64 / (m * n) as f64 * 100.0);
+        assert!(recall >= RECALL_FLOOR[kv], "kv {kv}: recall {recall}");
+        assert!(excess <= 4.0, "kv {kv}: scored {excess:.2}x the DIPR set");
+    }
+}
+
+/// Measured when the test was written (0.881 and 0.563), less 0.05: a regression floor, far
+/// below the goal (0.95), which `ctxfs bench search` is to measure at 128K.
+const RECALL_FLOOR: [f64; 2] = [0.83, 0.51];
