@@ -53,11 +53,7 @@ pub(crate) struct Frame {
 impl Frame {
     pub fn new() -> Self {
         Frame {
-            data: RwLock::new(FrameData {
-                block: u64::MAX,
-                state: FrameState::Empty,
-                buf: AlignedBuf::zeroed(0),
-            }),
+            data: RwLock::new(FrameData { block: u64::MAX, state: FrameState::Empty, buf: AlignedBuf::zeroed(0) }),
             referenced: AtomicBool::new(false),
             last_use: AtomicU64::new(0),
             context: AtomicU64::new(NO_CONTEXT),

@@ -17,11 +17,7 @@ pub(crate) struct TwoQueue {
 
 impl TwoQueue {
     pub fn new(frames: usize) -> Self {
-        TwoQueue {
-            probation: VecDeque::new(),
-            protected: VecDeque::new(),
-            probation_target: (frames / 4).max(1),
-        }
+        TwoQueue { probation: VecDeque::new(), protected: VecDeque::new(), probation_target: (frames / 4).max(1) }
     }
 
     pub fn loaded(&mut self, frame: usize) {
@@ -33,13 +29,8 @@ impl TwoQueue {
     pub fn candidate(&mut self, frames: &[Frame]) -> Option<usize> {
         let budget = 3 * (self.probation.len() + self.protected.len()) + 1;
         for _ in 0..budget {
-            let from_probation =
-                self.probation.len() > self.probation_target || self.protected.is_empty();
-            let queue = if from_probation {
-                &mut self.probation
-            } else {
-                &mut self.protected
-            };
+            let from_probation = self.probation.len() > self.probation_target || self.protected.is_empty();
+            let queue = if from_probation { &mut self.probation } else { &mut self.protected };
             let f = queue.pop_front()?;
             if frames[f].referenced.swap(false, Ordering::Relaxed) {
                 // Second chance: a hit in probation promotes, a hit in protected recycles.
@@ -72,10 +63,8 @@ pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) ->
         let e = recency.entry(ctx).or_insert(0);
         *e = (*e).max(t);
     }
-    let mut ranked: Vec<(u64, u64, u64, usize)> = snapshot
-        .into_iter()
-        .map(|(ctx, t, f)| (recency[&ctx], ctx, t, f))
-        .collect();
+    let mut ranked: Vec<(u64, u64, u64, usize)> =
+        snapshot.into_iter().map(|(ctx, t, f)| (recency[&ctx], ctx, t, f)).collect();
     // Coldest context first, its frames together, least recently used first.
     ranked.sort_unstable();
     ranked.into_iter().map(|(_, _, _, f)| f).collect()

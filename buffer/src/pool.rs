@@ -30,12 +30,7 @@ pub struct PoolConfig {
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig {
-            budget_bytes: 256 << 20,
-            data_fraction: 0.2,
-            wait: Duration::from_secs(5),
-            shards: 64,
-        }
+        PoolConfig { budget_bytes: 256 << 20, data_fraction: 0.2, wait: Duration::from_secs(5), shards: 64 }
     }
 }
 
@@ -70,17 +65,11 @@ pub struct BufferPool {
 type Claim<'a> = (usize, RwLockWriteGuard<'a, FrameData>);
 
 impl BufferPool {
-    pub fn new(
-        source: Arc<dyn BlockSource>,
-        config: PoolConfig,
-    ) -> Result<BufferPool, BufferError> {
+    pub fn new(source: Arc<dyn BlockSource>, config: PoolConfig) -> Result<BufferPool, BufferError> {
         let bs = source.block_size() as u64;
         let total = (config.budget_bytes / bs) as usize;
         if !(0.0..1.0).contains(&config.data_fraction) {
-            return Err(BufferError::Config(format!(
-                "data fraction {} must be in [0, 1)",
-                config.data_fraction
-            )));
+            return Err(BufferError::Config(format!("data fraction {} must be in [0, 1)", config.data_fraction)));
         }
         let data = ((total as f64 * config.data_fraction).round() as usize).max(1);
         if total < data + 1 {
@@ -102,10 +91,7 @@ impl BufferPool {
         Ok(BufferPool {
             block_size: bs as usize,
             frames: (0..total).map(|_| Frame::new()).collect(),
-            areas: [
-                area(BlockClass::Index, 0..index),
-                area(BlockClass::Data, index..total),
-            ],
+            areas: [area(BlockClass::Index, 0..index), area(BlockClass::Data, index..total)],
             table: Table::new(config.shards),
             clock: AtomicU64::new(1),
             allocated: AtomicU64::new(0),
@@ -124,31 +110,20 @@ impl BufferPool {
 
     /// One block, pinned until the guard is dropped.
     pub fn get(&self, req: &BlockRequest) -> Result<PageGuard<'_>, BufferError> {
-        self.get_many(std::slice::from_ref(req))
-            .pop()
-            .expect("one result")
+        self.get_many(std::slice::from_ref(req)).pop().expect("one result")
     }
 
     /// A set of blocks, pinned until their guards are dropped. Misses are read in one
     /// submission; requests for the same block, here or in other threads, share one read.
     pub fn get_many(&self, reqs: &[BlockRequest]) -> Vec<Result<PageGuard<'_>, BufferError>> {
-        let mut out: Vec<Option<Result<PageGuard<'_>, BufferError>>> =
-            (0..reqs.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Result<PageGuard<'_>, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
         for class in [BlockClass::Index, BlockClass::Data] {
-            let mut distinct: Vec<u64> = reqs
-                .iter()
-                .filter(|r| r.class() == class)
-                .map(|r| r.block)
-                .collect();
+            let mut distinct: Vec<u64> = reqs.iter().filter(|r| r.class() == class).map(|r| r.block).collect();
             distinct.sort_unstable();
             distinct.dedup();
             let frames = self.areas[class as usize].frames.len();
             if distinct.len() > frames {
-                let err = BufferError::TooLarge {
-                    class,
-                    needed: distinct.len(),
-                    frames,
-                };
+                let err = BufferError::TooLarge { class, needed: distinct.len(), frames };
                 for (i, r) in reqs.iter().enumerate() {
                     if r.class() == class {
                         out[i] = Some(Err(err.clone()));
@@ -205,13 +180,8 @@ impl BufferPool {
                 self.pause();
             }
         }
-        debug_assert!(
-            loaded_here.is_empty(),
-            "every block this call read was pinned"
-        );
-        out.into_iter()
-            .map(|r| r.expect("every request answered"))
-            .collect()
+        debug_assert!(loaded_here.is_empty(), "every block this call read was pinned");
+        out.into_iter().map(|r| r.expect("every request answered")).collect()
     }
 
     /// Opens a context for serving: reads every index block of every vector file into the
@@ -224,16 +194,10 @@ impl BufferPool {
         for layer in 0..shape.layers {
             for head in 0..shape.kv_heads {
                 let s = ctx.stream(layer, head, FileStream::Index).map_err(wrap)?;
-                reqs.extend(
-                    (0..s.blocks())
-                        .map(|l| BlockRequest::new(s.locate(l).expect("within the stream"))),
-                );
+                reqs.extend((0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).expect("within the stream"))));
             }
         }
-        let batch = self.areas[BlockClass::Index as usize]
-            .frames
-            .len()
-            .clamp(1, 256);
+        let batch = self.areas[BlockClass::Index as usize].frames.len().clamp(1, 256);
         for chunk in reqs.chunks(batch) {
             for g in self.get_many(chunk) {
                 g?;
@@ -245,21 +209,15 @@ impl BufferPool {
     /// Reads blocks into the pool without pinning them (a prefetch hint). Errors are dropped:
     /// a later `get` reads again and reports them.
     pub fn prefetch(&self, reqs: &[BlockRequest]) {
-        let mut wanted: Vec<BlockRequest> = reqs
-            .iter()
-            .filter(|r| self.table.get(r.block).is_none())
-            .copied()
-            .collect();
+        let mut wanted: Vec<BlockRequest> =
+            reqs.iter().filter(|r| self.table.get(r.block).is_none()).copied().collect();
         wanted.sort_by_key(|r| r.block);
         wanted.dedup_by_key(|r| r.block);
         let _ = self.load(&wanted, None);
     }
 
     /// Prefetch on a background thread; the hint returns at once.
-    pub fn prefetch_in_background(
-        self: &Arc<Self>,
-        reqs: Vec<BlockRequest>,
-    ) -> std::thread::JoinHandle<()> {
+    pub fn prefetch_in_background(self: &Arc<Self>, reqs: Vec<BlockRequest>) -> std::thread::JoinHandle<()> {
         let pool = self.clone();
         std::thread::spawn(move || pool.prefetch(&reqs))
     }
@@ -283,11 +241,7 @@ impl BufferPool {
     /// A hit, a shared load's result, or `None` when the block is not (or no longer) here.
     /// `own_load`: this call read the block itself, so pinning it is not a hit, and the pin
     /// replaces the one the load reserved.
-    fn lookup(
-        &self,
-        req: &BlockRequest,
-        own_load: bool,
-    ) -> Option<Result<PageGuard<'_>, BufferError>> {
+    fn lookup(&self, req: &BlockRequest, own_load: bool) -> Option<Result<PageGuard<'_>, BufferError>> {
         let idx = self.table.get(req.block)?;
         let frame = &self.frames[idx];
         let data = frame.data.read().unwrap_or_else(|p| p.into_inner());
@@ -301,8 +255,7 @@ impl BufferPool {
                     frame.reserved.fetch_sub(1, Ordering::Release);
                 } else {
                     frame.touch(self.clock.load(Ordering::Relaxed));
-                    self.table.shard(req.block).hits[req.class() as usize]
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.table.shard(req.block).hits[req.class() as usize].fetch_add(1, Ordering::Relaxed);
                 }
                 Some(Ok(PageGuard::new(data, header)))
             }
@@ -315,11 +268,7 @@ impl BufferPool {
     /// Blocks read for a caller (`loaded` is given) keep a reserved pin for it and are
     /// recorded there.
     /// Returns the blocks whose loads failed, and whether anything was loaded or found.
-    fn load(
-        &self,
-        wanted: &[BlockRequest],
-        mut loaded: Option<&mut BTreeSet<u64>>,
-    ) -> (Vec<(u64, BufferError)>, bool) {
+    fn load(&self, wanted: &[BlockRequest], mut loaded: Option<&mut BTreeSet<u64>>) -> (Vec<(u64, BufferError)>, bool) {
         let wanted_blocks: BTreeSet<u64> = wanted.iter().map(|r| r.block).collect();
         let mut claimed: Vec<(BlockRequest, Claim<'_>)> = Vec::new();
         let mut progressed = false;
@@ -343,8 +292,7 @@ impl BufferPool {
             }
             if data.buf.is_empty() {
                 data.buf = AlignedBuf::zeroed(self.block_size);
-                self.allocated
-                    .fetch_add(self.block_size as u64, Ordering::Relaxed);
+                self.allocated.fetch_add(self.block_size as u64, Ordering::Relaxed);
             }
             data.block = req.block;
             data.state = FrameState::Loading;
@@ -355,10 +303,7 @@ impl BufferPool {
         }
         let reqs: Vec<BlockRequest> = claimed.iter().map(|(r, _)| *r).collect();
         let results = {
-            let mut bufs: Vec<&mut [u8]> = claimed
-                .iter_mut()
-                .map(|(_, (_, d))| &mut d.buf[..])
-                .collect();
+            let mut bufs: Vec<&mut [u8]> = claimed.iter_mut().map(|(_, (_, d))| &mut d.buf[..]).collect();
             self.source.load(&reqs, &mut bufs)
         };
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
@@ -373,8 +318,7 @@ impl BufferPool {
                     frame.last_use.store(now, Ordering::Relaxed);
                     frame.context.store(req.context() as u64, Ordering::Relaxed);
                     area.misses.fetch_add(1, Ordering::Relaxed);
-                    area.bytes_read
-                        .fetch_add(self.block_size as u64, Ordering::Relaxed);
+                    area.bytes_read.fetch_add(self.block_size as u64, Ordering::Relaxed);
                     if area.class == BlockClass::Data {
                         lock(&area.two_queue).loaded(idx);
                     }
@@ -402,10 +346,7 @@ impl BufferPool {
     fn claim(&self, area: &Area, keep: &BTreeSet<u64>) -> Option<Claim<'_>> {
         if let Some(idx) = lock(&area.free).pop() {
             // A free frame may still be read briefly by a waiter learning of a failed load.
-            let data = self.frames[idx]
-                .data
-                .write()
-                .unwrap_or_else(|p| p.into_inner());
+            let data = self.frames[idx].data.write().unwrap_or_else(|p| p.into_inner());
             return Some((idx, data));
         }
         match area.class {
@@ -456,12 +397,7 @@ impl BufferPool {
     }
 
     /// Takes a frame that nobody pins or loads, unmapping its block.
-    fn evict(
-        &self,
-        area: &Area,
-        f: usize,
-        keep: &BTreeSet<u64>,
-    ) -> Option<RwLockWriteGuard<'_, FrameData>> {
+    fn evict(&self, area: &Area, f: usize, keep: &BTreeSet<u64>) -> Option<RwLockWriteGuard<'_, FrameData>> {
         let frame = &self.frames[f];
         let mut data = frame.data.try_write().ok()?;
         // A reservation is made under this lock, so holding it we see every one.

@@ -52,17 +52,9 @@ pub enum BufferError {
     #[error(transparent)]
     Block(Arc<ctxfs_vfs::Error>),
     #[error("buffer pool exhausted: every one of the {frames} {} frames is pinned; waited {waited_ms} ms", class.name())]
-    Exhausted {
-        class: BlockClass,
-        frames: usize,
-        waited_ms: u64,
-    },
+    Exhausted { class: BlockClass, frames: usize, waited_ms: u64 },
     #[error("a batch of {needed} {} blocks cannot fit in the {frames} frames of the {} area; split the request or raise the budget", class.name(), class.name())]
-    TooLarge {
-        class: BlockClass,
-        needed: usize,
-        frames: usize,
-    },
+    TooLarge { class: BlockClass, needed: usize, frames: usize },
     #[error("invalid buffer pool configuration: {0}")]
     Config(String),
 }

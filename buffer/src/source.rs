@@ -13,11 +13,7 @@ pub trait BlockSource: Send + Sync {
     fn block_size(&self) -> usize;
     /// Fills `bufs[i]` (one block each) with the block `reqs[i]` names, verified against the
     /// request. One result per request. Requests name distinct blocks.
-    fn load(
-        &self,
-        reqs: &[BlockRequest],
-        bufs: &mut [&mut [u8]],
-    ) -> Vec<Result<BlockHeader, BufferError>>;
+    fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>>;
 }
 
 /// Staging buffers for coalesced reads: a fixed number of fixed size, so the memory they take
@@ -34,13 +30,8 @@ pub struct DeviceSource {
 impl DeviceSource {
     pub fn new(dev: Arc<dyn BlockDevice>) -> Self {
         let bytes = STAGING_BLOCKS * dev.block_size();
-        let staging = (0..STAGING_BUFFERS)
-            .map(|_| AlignedBuf::zeroed(bytes))
-            .collect();
-        DeviceSource {
-            dev,
-            staging: Mutex::new(staging),
-        }
+        let staging = (0..STAGING_BUFFERS).map(|_| AlignedBuf::zeroed(bytes)).collect();
+        DeviceSource { dev, staging: Mutex::new(staging) }
     }
 
     /// Bytes the staging buffers take.
@@ -50,10 +41,7 @@ impl DeviceSource {
 }
 
 fn io_error(block: u64, e: &std::io::Error) -> BufferError {
-    BufferError::Block(Arc::new(Error::BlockIo {
-        block,
-        source: std::io::Error::new(e.kind(), e.to_string()),
-    }))
+    BufferError::Block(Arc::new(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) }))
 }
 
 impl BlockSource for DeviceSource {
@@ -61,11 +49,7 @@ impl BlockSource for DeviceSource {
         self.dev.block_size()
     }
 
-    fn load(
-        &self,
-        reqs: &[BlockRequest],
-        bufs: &mut [&mut [u8]],
-    ) -> Vec<Result<BlockHeader, BufferError>> {
+    fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>> {
         let bs = self.dev.block_size();
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| reqs[i].block);
@@ -73,12 +57,7 @@ impl BlockSource for DeviceSource {
         let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
         for (pos, &i) in order.iter().enumerate() {
             match runs.last_mut() {
-                Some(r)
-                    if reqs[order[r.end - 1]].block + 1 == reqs[i].block
-                        && r.len() < STAGING_BLOCKS =>
-                {
-                    r.end += 1
-                }
+                Some(r) if reqs[order[r.end - 1]].block + 1 == reqs[i].block && r.len() < STAGING_BLOCKS => r.end += 1,
                 _ => runs.push(pos..pos + 1),
             }
         }
@@ -89,12 +68,8 @@ impl BlockSource for DeviceSource {
             pool.split_off(at)
         };
         // Runs that got a staging buffer are read coalesced; the rest block by block.
-        let coalesced: Vec<std::ops::Range<usize>> = runs
-            .iter()
-            .filter(|r| r.len() > 1)
-            .take(staging.len())
-            .cloned()
-            .collect();
+        let coalesced: Vec<std::ops::Range<usize>> =
+            runs.iter().filter(|r| r.len() > 1).take(staging.len()).cloned().collect();
         let mut direct: Vec<Option<&mut [u8]>> = bufs.iter_mut().map(|b| Some(&mut **b)).collect();
         for r in &coalesced {
             for pos in r.clone() {
@@ -105,36 +80,26 @@ impl BlockSource for DeviceSource {
             let mut ops: Vec<IoOp<'_>> = Vec::new();
             let mut slots: Vec<Slot> = Vec::new();
             for (r, stage) in coalesced.iter().zip(staging.iter_mut()) {
-                ops.push(IoOp::Read {
-                    block: reqs[order[r.start]].block,
-                    buf: &mut stage[..r.len() * bs],
-                });
+                ops.push(IoOp::Read { block: reqs[order[r.start]].block, buf: &mut stage[..r.len() * bs] });
                 slots.push(Slot::Run(r.clone()));
             }
             for (i, buf) in direct.iter_mut().enumerate() {
                 if let Some(buf) = buf.take() {
-                    ops.push(IoOp::Read {
-                        block: reqs[i].block,
-                        buf,
-                    });
+                    ops.push(IoOp::Read { block: reqs[i].block, buf });
                     slots.push(Slot::Single(i));
                 }
             }
             let results = self.dev.submit(&mut ops);
             slots.into_iter().zip(results).collect::<Vec<_>>()
         };
-        let mut out: Vec<Option<Result<BlockHeader, BufferError>>> =
-            (0..reqs.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Result<BlockHeader, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
         let mut retry: Vec<usize> = Vec::new();
         for (slot, res) in io.drain(..) {
             match (slot, res) {
                 (Slot::Single(i), Ok(())) => out[i] = Some(check(&reqs[i], bufs[i])),
                 (Slot::Single(i), Err(e)) => out[i] = Some(Err(io_error(reqs[i].block, &e))),
                 (Slot::Run(r), Ok(())) => {
-                    let stage = &staging[coalesced
-                        .iter()
-                        .position(|c| *c == r)
-                        .expect("run has a stage")];
+                    let stage = &staging[coalesced.iter().position(|c| *c == r).expect("run has a stage")];
                     for (k, pos) in r.enumerate() {
                         let i = order[pos];
                         bufs[i].copy_from_slice(&stage[k * bs..(k + 1) * bs]);
@@ -151,10 +116,7 @@ impl BlockSource for DeviceSource {
                 let mut ops: Vec<IoOp<'_>> = Vec::new();
                 for (i, buf) in bufs.iter_mut().enumerate() {
                     if retry.contains(&i) {
-                        ops.push(IoOp::Read {
-                            block: reqs[i].block,
-                            buf,
-                        });
+                        ops.push(IoOp::Read { block: reqs[i].block, buf });
                     }
                 }
                 self.dev.submit(&mut ops)
@@ -168,9 +130,7 @@ impl BlockSource for DeviceSource {
                 });
             }
         }
-        out.into_iter()
-            .map(|r| r.expect("every request has a result"))
-            .collect()
+        out.into_iter().map(|r| r.expect("every request has a result")).collect()
     }
 }
 
@@ -180,6 +140,5 @@ enum Slot {
 }
 
 fn check(req: &BlockRequest, buf: &[u8]) -> Result<BlockHeader, BufferError> {
-    verify(buf, &req.expect)
-        .map_err(|f| BufferError::Block(Arc::new(Error::mismatch(req.block, &req.expect, f))))
+    verify(buf, &req.expect).map_err(|f| BufferError::Block(Arc::new(Error::mismatch(req.block, &req.expect, f))))
 }

@@ -35,21 +35,12 @@ impl Table {
     }
 
     pub fn get(&self, block: u64) -> Option<usize> {
-        self.shard(block)
-            .map
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&block)
-            .copied()
+        self.shard(block).map.read().unwrap_or_else(|p| p.into_inner()).get(&block).copied()
     }
 
     /// Maps `block` to `frame` unless it is already mapped; returns whether it inserted.
     pub fn insert_if_absent(&self, block: u64, frame: usize) -> bool {
-        let mut map = self
-            .shard(block)
-            .map
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut map = self.shard(block).map.write().unwrap_or_else(|p| p.into_inner());
         if map.contains_key(&block) {
             return false;
         }
@@ -59,20 +50,13 @@ impl Table {
 
     /// Unmaps `block` if it still maps to `frame`.
     pub fn remove(&self, block: u64, frame: usize) {
-        let mut map = self
-            .shard(block)
-            .map
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut map = self.shard(block).map.write().unwrap_or_else(|p| p.into_inner());
         if map.get(&block) == Some(&frame) {
             map.remove(&block);
         }
     }
 
     pub fn hits(&self, class: usize) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.hits[class].load(Ordering::Relaxed))
-            .sum()
+        self.shards.iter().map(|s| s.hits[class].load(Ordering::Relaxed)).sum()
     }
 }

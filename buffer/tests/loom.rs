@@ -36,14 +36,7 @@ fn request(block: u64) -> BlockRequest {
     let crc = sealed(block).1;
     BlockRequest {
         block,
-        expect: Expect {
-            kind: h.kind,
-            stream: h.stream,
-            owner: h.owner,
-            logical: h.logical,
-            crc,
-            max_generation: 1,
-        },
+        expect: Expect { kind: h.kind, stream: h.stream, owner: h.owner, logical: h.logical, crc, max_generation: 1 },
     }
 }
 
@@ -57,20 +50,13 @@ impl BlockSource for Source {
     fn block_size(&self) -> usize {
         BS
     }
-    fn load(
-        &self,
-        reqs: &[BlockRequest],
-        bufs: &mut [&mut [u8]],
-    ) -> Vec<Result<BlockHeader, BufferError>> {
+    fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>> {
         reqs.iter()
             .zip(bufs.iter_mut())
             .map(|(r, buf)| {
                 self.loads.fetch_add(1, Ordering::SeqCst);
                 if self.failing.contains(&r.block) {
-                    let e = ctxfs_vfs::Error::BlockIo {
-                        block: r.block,
-                        source: std::io::Error::other("injected"),
-                    };
+                    let e = ctxfs_vfs::Error::BlockIo { block: r.block, source: std::io::Error::other("injected") };
                     return Err(BufferError::Block(std::sync::Arc::new(e)));
                 }
                 buf.copy_from_slice(&sealed(r.block).0);
@@ -82,16 +68,8 @@ impl BlockSource for Source {
 
 /// One index frame and one data frame.
 fn pool(failing: Vec<u64>) -> (std::sync::Arc<Source>, Arc<BufferPool>) {
-    let source = std::sync::Arc::new(Source {
-        failing,
-        loads: AtomicUsize::new(0),
-    });
-    let config = PoolConfig {
-        budget_bytes: 2 * BS as u64,
-        data_fraction: 0.5,
-        shards: 2,
-        ..Default::default()
-    };
+    let source = std::sync::Arc::new(Source { failing, loads: AtomicUsize::new(0) });
+    let config = PoolConfig { budget_bytes: 2 * BS as u64, data_fraction: 0.5, shards: 2, ..Default::default() };
     let pool = BufferPool::new(source.clone(), config).unwrap();
     (source, Arc::new(pool))
 }
@@ -118,11 +96,7 @@ fn two_readers_of_the_same_missing_block_share_one_io() {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(
-            source.loads.load(Ordering::SeqCst),
-            1,
-            "two readers, one I/O"
-        );
+        assert_eq!(source.loads.load(Ordering::SeqCst), 1, "two readers, one I/O");
         let st = pool.stats();
         assert_eq!((st.data.misses, st.data.hits), (1, 1));
     });

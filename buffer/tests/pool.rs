@@ -3,9 +3,7 @@
 
 use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_vfs::device::{self, FaultPlan, IoOp, MemDevice};
-use ctxfs_vfs::{
-    BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store,
-};
+use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store};
 use half::f16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
@@ -40,9 +38,7 @@ impl BlockDevice for Counting {
 
 /// The value a vector element has: a function of (context, layer, head, stream, token, dim).
 fn element(ctx: u32, head: u16, stream: u8, token: usize, dim: usize) -> f16 {
-    let x =
-        (ctx as usize * 7919 + head as usize * 104729 + stream as usize * 31 + token * 131 + dim)
-            % 2048;
+    let x = (ctx as usize * 7919 + head as usize * 104729 + stream as usize * 31 + token * 131 + dim) % 2048;
     f16::from_f32(x as f32 / 64.0 - 16.0)
 }
 
@@ -57,13 +53,7 @@ fn block_payload(ctx: u32, head: u16, stream: u8, first: usize, n: usize) -> Vec
 /// keys in the index streams, values in the data streams.
 fn build(dev: Arc<dyn BlockDevice>, contexts: u32, tokens: usize) -> Store {
     let store = ctxfs_vfs::format(dev).unwrap();
-    let shape = ModelShape {
-        layers: 1,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim: 128,
-        dtype: DType::F16,
-    };
+    let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
     let mut txn = store.begin().unwrap();
     for c in 1..=contexts {
         let name = format!("ctx{c}");
@@ -71,22 +61,8 @@ fn build(dev: Arc<dyn BlockDevice>, contexts: u32, tokens: usize) -> Store {
         for head in 0..2u16 {
             for first in (0..tokens).step_by(PER_BLOCK) {
                 let n = PER_BLOCK.min(tokens - first);
-                txn.append_block(
-                    &name,
-                    0,
-                    head,
-                    FileStream::Index,
-                    &block_payload(c, head, 0, first, n),
-                )
-                .unwrap();
-                txn.append_block(
-                    &name,
-                    0,
-                    head,
-                    FileStream::Data,
-                    &block_payload(c, head, 1, first, n),
-                )
-                .unwrap();
+                txn.append_block(&name, 0, head, FileStream::Index, &block_payload(c, head, 0, first, n)).unwrap();
+                txn.append_block(&name, 0, head, FileStream::Data, &block_payload(c, head, 1, first, n)).unwrap();
             }
         }
     }
@@ -94,24 +70,11 @@ fn build(dev: Arc<dyn BlockDevice>, contexts: u32, tokens: usize) -> Store {
     store
 }
 
-fn real_store(
-    dir: &tempfile::TempDir,
-    mib: u64,
-    contexts: u32,
-    tokens: usize,
-) -> (Arc<Counting>, Store) {
+fn real_store(dir: &tempfile::TempDir, mib: u64, contexts: u32, tokens: usize) -> (Arc<Counting>, Store) {
     let path = dir.path().join("store.img");
-    std::fs::File::create(&path)
-        .unwrap()
-        .set_len(mib << 20)
-        .unwrap();
-    let inner: Arc<dyn BlockDevice> =
-        Arc::from(device::open_path(&path, DeviceChoice::Uring, BS).unwrap());
-    let dev = Arc::new(Counting {
-        inner,
-        submits: AtomicU64::new(0),
-        ops: AtomicU64::new(0),
-    });
+    std::fs::File::create(&path).unwrap().set_len(mib << 20).unwrap();
+    let inner: Arc<dyn BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::Uring, BS).unwrap());
+    let dev = Arc::new(Counting { inner, submits: AtomicU64::new(0), ops: AtomicU64::new(0) });
     let store = build(dev.clone(), contexts, tokens);
     (dev, store)
 }
@@ -121,41 +84,25 @@ fn tmp() -> tempfile::TempDir {
 }
 
 /// Every block request of one stream, with (context, head, stream) to know its contents.
-fn requests(
-    store: &Store,
-    ctx: u32,
-    head: u16,
-    which: FileStream,
-) -> Vec<(BlockRequest, (u32, u16, u8, usize))> {
+fn requests(store: &Store, ctx: u32, head: u16, which: FileStream) -> Vec<(BlockRequest, (u32, u16, u8, usize))> {
     let snap = store.snapshot();
     let c = snap.context(&format!("ctx{ctx}")).unwrap();
     let s = c.stream(0, head, which).unwrap();
     let tag = if which == FileStream::Index { 0 } else { 1 };
     (0..s.blocks())
-        .map(|l| {
-            (
-                BlockRequest::new(s.locate(l).unwrap()),
-                (ctx, head, tag, l as usize * PER_BLOCK),
-            )
-        })
+        .map(|l| (BlockRequest::new(s.locate(l).unwrap()), (ctx, head, tag, l as usize * PER_BLOCK)))
         .collect()
 }
 
 fn expected(key: (u32, u16, u8, usize), tokens: usize) -> Vec<f16> {
     let (ctx, head, stream, first) = key;
     let n = PER_BLOCK.min(tokens - first);
-    (first..first + n)
-        .flat_map(|t| (0..128).map(move |d| element(ctx, head, stream, t, d)))
-        .collect()
+    (first..first + n).flat_map(|t| (0..128).map(move |d| element(ctx, head, stream, t, d))).collect()
 }
 
 fn pool(dev: Arc<dyn BlockDevice>, budget: u64, data_fraction: f64) -> BufferPool {
-    let config = PoolConfig {
-        budget_bytes: budget,
-        data_fraction,
-        wait: Duration::from_secs(10),
-        ..Default::default()
-    };
+    let config =
+        PoolConfig { budget_bytes: budget, data_fraction, wait: Duration::from_secs(10), ..Default::default() };
     BufferPool::new(Arc::new(DeviceSource::new(dev)), config).unwrap()
 }
 
@@ -183,27 +130,17 @@ fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
                 let mut rng = SplitMix64::new(t);
                 for _ in 0..400 {
                     // A few blocks at a time, held together, both kinds mixed.
-                    let picks: Vec<usize> = (0..1 + rng.below(4) as usize)
-                        .map(|_| rng.below(all.len() as u64) as usize)
-                        .collect();
+                    let picks: Vec<usize> =
+                        (0..1 + rng.below(4) as usize).map(|_| rng.below(all.len() as u64) as usize).collect();
                     let reqs: Vec<BlockRequest> = picks.iter().map(|&i| all[i].0).collect();
                     let guards = pool.get_many(&reqs);
                     for (g, &i) in guards.iter().zip(&picks) {
                         let g = g.as_ref().unwrap_or_else(|e| panic!("thread {t}: {e}"));
-                        assert_eq!(
-                            g.as_f16(),
-                            &expected(all[i].1, tokens)[..],
-                            "wrong bytes for block {}",
-                            g.block()
-                        );
+                        assert_eq!(g.as_f16(), &expected(all[i].1, tokens)[..], "wrong bytes for block {}", g.block());
                         checked.fetch_add(g.payload().len() as u64, Ordering::Relaxed);
                     }
                     let st = pool.stats();
-                    assert!(
-                        st.allocated_bytes <= budget,
-                        "allocated {} > budget {budget}",
-                        st.allocated_bytes
-                    );
+                    assert!(st.allocated_bytes <= budget, "allocated {} > budget {budget}", st.allocated_bytes);
                     assert!(st.index.resident_frames <= st.index.capacity_frames);
                     assert!(st.data.resident_frames <= st.data.capacity_frames);
                 }
@@ -211,10 +148,7 @@ fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
         }
     });
     let st = pool.stats();
-    assert!(
-        st.index.evictions > 0 && st.data.evictions > 0,
-        "the budget must force evictions: {st:?}"
-    );
+    assert!(st.index.evictions > 0 && st.data.evictions > 0, "the budget must force evictions: {st:?}");
     assert!(checked.load(Ordering::Relaxed) > 0);
     println!("stress: {st:?}");
 }
@@ -224,20 +158,12 @@ fn streaming_every_data_block_evicts_no_index_block() {
     let dir = tmp();
     let tokens = 15 * 400;
     let (dev, store) = real_store(&dir, 64, 1, tokens);
-    let index: Vec<_> = (0..2)
-        .flat_map(|h| requests(&store, 1, h, FileStream::Index))
-        .collect();
-    let data: Vec<_> = (0..2)
-        .flat_map(|h| requests(&store, 1, h, FileStream::Data))
-        .collect();
+    let index: Vec<_> = (0..2).flat_map(|h| requests(&store, 1, h, FileStream::Index)).collect();
+    let data: Vec<_> = (0..2).flat_map(|h| requests(&store, 1, h, FileStream::Data)).collect();
     // The index fits; the data area is a tenth of the data.
     let data_frames = data.len() / 10;
     let budget = ((index.len() + data_frames) * BS) as u64;
-    let pool = pool(
-        dev,
-        budget,
-        data_frames as f64 / (index.len() + data_frames) as f64,
-    );
+    let pool = pool(dev, budget, data_frames as f64 / (index.len() + data_frames) as f64);
     for chunk in index.chunks(64) {
         let reqs: Vec<_> = chunk.iter().map(|r| r.0).collect();
         assert!(pool.get_many(&reqs).iter().all(|g| g.is_ok()));
@@ -251,10 +177,7 @@ fn streaming_every_data_block_evicts_no_index_block() {
         }
     }
     let after = pool.stats();
-    assert_eq!(
-        after.index.evictions, 0,
-        "streaming data pushed index blocks out"
-    );
+    assert_eq!(after.index.evictions, 0, "streaming data pushed index blocks out");
     assert_eq!(after.index.resident_frames, index.len() as u64);
     assert!(after.data.evictions >= (data.len() - data_frames) as u64);
     // Every index block is still a hit.
@@ -274,20 +197,12 @@ fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
     let data = requests(&store, 1, 0, FileStream::Data);
     let pool = pool(dev.clone(), (2048 * BS) as u64, 0.5);
     // 300 selected blocks: runs of 3 neighbours, as clustered critical tokens give.
-    let picks: Vec<usize> = (0..100)
-        .flat_map(|i| [i * 6, i * 6 + 1, i * 6 + 2])
-        .collect();
+    let picks: Vec<usize> = (0..100).flat_map(|i| [i * 6, i * 6 + 1, i * 6 + 2]).collect();
     let reqs: Vec<BlockRequest> = picks.iter().map(|&i| data[i].0).collect();
-    let (s0, o0) = (
-        dev.submits.load(Ordering::Relaxed),
-        dev.ops.load(Ordering::Relaxed),
-    );
+    let (s0, o0) = (dev.submits.load(Ordering::Relaxed), dev.ops.load(Ordering::Relaxed));
     let guards = pool.get_many(&reqs);
     assert!(guards.iter().all(|g| g.is_ok()));
-    let (submits, ops) = (
-        dev.submits.load(Ordering::Relaxed) - s0,
-        dev.ops.load(Ordering::Relaxed) - o0,
-    );
+    let (submits, ops) = (dev.submits.load(Ordering::Relaxed) - s0, dev.ops.load(Ordering::Relaxed) - o0);
     assert_eq!(submits, 1, "one submission for the whole batch");
     // 100 runs of 3: the first four runs are coalesced (staging buffers), the rest one by
     // one; never more operations than blocks.
@@ -332,47 +247,27 @@ fn io_errors_and_checksum_failures_reach_every_waiter_and_are_not_cached() {
     let data = requests(&store, 1, 0, FileStream::Data);
     let pool = pool(mem.clone(), (64 * BS) as u64, 0.5);
     let bad = data[3].0;
-    mem.set_faults(FaultPlan {
-        bad_read_blocks: [bad.block].into(),
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { bad_read_blocks: [bad.block].into(), ..Default::default() });
     let results = pool.get_many(&[data[2].0, bad, data[4].0]);
-    assert!(
-        results[0].is_ok() && results[2].is_ok(),
-        "neighbours of a bad block still load"
-    );
+    assert!(results[0].is_ok() && results[2].is_ok(), "neighbours of a bad block still load");
     let err = results[1].as_ref().err().unwrap();
     assert_eq!(err.block(), Some(bad.block), "{err}");
     drop(results);
     std::thread::scope(|s| {
         for _ in 0..4 {
-            s.spawn(|| {
-                assert_eq!(
-                    pool.get(&bad).err().and_then(|e| e.block()),
-                    Some(bad.block)
-                )
-            });
+            s.spawn(|| assert_eq!(pool.get(&bad).err().and_then(|e| e.block()), Some(bad.block)));
         }
     });
     // The error was not cached: once the device heals, the block reads.
     mem.set_faults(FaultPlan::default());
-    assert_eq!(
-        pool.get(&bad).unwrap().as_f16(),
-        &expected((1, 0, 1, 3 * PER_BLOCK), 750)[..]
-    );
+    assert_eq!(pool.get(&bad).unwrap().as_f16(), &expected((1, 0, 1, 3 * PER_BLOCK), 750)[..]);
 
     // A checksum failure: the request expects another CRC (as after a lost write).
     let mut wrong = data[10].0;
     wrong.expect.crc ^= 1;
     let e = pool.get(&wrong).err().unwrap();
-    assert!(
-        matches!(&e, BufferError::Block(inner) if matches!(**inner, ctxfs_vfs::Error::Damaged { .. })),
-        "{e}"
-    );
-    assert!(
-        pool.get(&data[10].0).is_ok(),
-        "the bad attempt left nothing behind"
-    );
+    assert!(matches!(&e, BufferError::Block(inner) if matches!(**inner, ctxfs_vfs::Error::Damaged { .. })), "{e}");
+    assert!(pool.get(&data[10].0).is_ok(), "the bad attempt left nothing behind");
 }
 
 #[test]
@@ -386,11 +281,8 @@ fn data_area_resists_a_scan_and_index_evicts_the_coldest_context_first() {
     for _ in 0..2 {
         assert!(p.get_many(&hot).iter().all(|g| g.is_ok()));
     }
-    let scan: Vec<BlockRequest> = (0..2)
-        .flat_map(|h| requests(&store, 2, h, FileStream::Data))
-        .map(|r| r.0)
-        .take(400)
-        .collect();
+    let scan: Vec<BlockRequest> =
+        (0..2).flat_map(|h| requests(&store, 2, h, FileStream::Data)).map(|r| r.0).take(400).collect();
     for chunk in scan.chunks(16) {
         assert!(p.get_many(chunk).iter().all(|g| g.is_ok()));
     }
@@ -400,13 +292,7 @@ fn data_area_resists_a_scan_and_index_evicts_the_coldest_context_first() {
 
     // Index: 40 frames; contexts 1 and 2 fill them, context 1 is used last; loading context
     // 3 must evict context 2's blocks, not context 1's.
-    let idx = |c| {
-        requests(&store, c, 0, FileStream::Index)
-            .into_iter()
-            .map(|r| r.0)
-            .take(20)
-            .collect::<Vec<_>>()
-    };
+    let idx = |c| requests(&store, c, 0, FileStream::Index).into_iter().map(|r| r.0).take(20).collect::<Vec<_>>();
     let (a, b, c) = (idx(1), idx(2), idx(3));
     assert!(p.get_many(&b).iter().all(|g| g.is_ok()));
     assert!(p.get_many(&a).iter().all(|g| g.is_ok()));
@@ -414,26 +300,16 @@ fn data_area_resists_a_scan_and_index_evicts_the_coldest_context_first() {
     assert!(p.get_many(&c[..10]).iter().all(|g| g.is_ok()));
     let misses = p.stats().index.misses;
     assert!(p.get_many(&a).iter().all(|g| g.is_ok()));
-    assert_eq!(
-        p.stats().index.misses,
-        misses,
-        "the warm context lost blocks"
-    );
+    assert_eq!(p.stats().index.misses, misses, "the warm context lost blocks");
     assert!(p.get_many(&b).iter().all(|g| g.is_ok()));
-    assert!(
-        p.stats().index.misses > misses,
-        "the cold context kept all its blocks"
-    );
+    assert!(p.stats().index.misses > misses, "the cold context kept all its blocks");
 }
 
 #[test]
 fn requests_that_cannot_fit_fail_clearly() {
     let dir = tmp();
     let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
-    let data: Vec<BlockRequest> = requests(&store, 1, 0, FileStream::Data)
-        .into_iter()
-        .map(|r| r.0)
-        .collect();
+    let data: Vec<BlockRequest> = requests(&store, 1, 0, FileStream::Data).into_iter().map(|r| r.0).collect();
     let config = PoolConfig {
         budget_bytes: (8 * BS) as u64,
         data_fraction: 0.5,
@@ -442,37 +318,19 @@ fn requests_that_cannot_fit_fail_clearly() {
     };
     let p = BufferPool::new(Arc::new(DeviceSource::new(dev)), config).unwrap();
     let too_many = p.get_many(&data[..5]);
-    assert!(too_many.iter().all(|g| matches!(
-        g,
-        Err(BufferError::TooLarge {
-            class: BlockClass::Data,
-            needed: 5,
-            frames: 4
-        })
-    )));
+    assert!(too_many
+        .iter()
+        .all(|g| matches!(g, Err(BufferError::TooLarge { class: BlockClass::Data, needed: 5, frames: 4 }))));
     // Every data frame pinned by this thread: the next miss waits, then fails.
     let pinned = p.get_many(&data[..4]);
     assert!(pinned.iter().all(|g| g.is_ok()));
     let err = p.get(&data[4]).err().unwrap();
-    assert!(
-        matches!(
-            err,
-            BufferError::Exhausted {
-                class: BlockClass::Data,
-                frames: 4,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, BufferError::Exhausted { class: BlockClass::Data, frames: 4, .. }), "{err}");
     drop(pinned);
     assert!(p.get(&data[4]).is_ok(), "frames free again once unpinned");
     assert!(BufferPool::new(
         Arc::new(DeviceSource::new(Arc::new(MemDevice::new(BS, 64)))),
-        PoolConfig {
-            budget_bytes: 4096,
-            ..Default::default()
-        }
+        PoolConfig { budget_bytes: 4096, ..Default::default() }
     )
     .is_err());
 }
@@ -485,17 +343,11 @@ fn opening_a_context_loads_its_whole_index_and_nothing_else() {
     let n = p.open_context(&store.snapshot(), "ctx2").unwrap();
     assert_eq!(n, 200, "two heads of 100 index blocks");
     let st = p.stats();
-    assert_eq!(
-        (st.index.misses, st.index.resident_frames, st.data.misses),
-        (200, 200, 0)
-    );
+    assert_eq!((st.index.misses, st.index.resident_frames, st.data.misses), (200, 200, 0));
     // Every index block of ctx2 is now a hit; ctx1 was not touched.
     for r in requests(&store, 2, 1, FileStream::Index) {
         p.get(&r.0).unwrap();
     }
     assert_eq!(p.stats().index.misses, 200);
-    assert!(matches!(
-        p.open_context(&store.snapshot(), "nope"),
-        Err(BufferError::Block(_))
-    ));
+    assert!(matches!(p.open_context(&store.snapshot(), "nope"), Err(BufferError::Block(_))));
 }

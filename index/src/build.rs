@@ -15,7 +15,7 @@
 
 use crate::mem::{MemGraph, MemKeys};
 use crate::search;
-use crate::source::{Graph, Keys};
+use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use std::time::{Duration, Instant};
 
@@ -76,9 +76,7 @@ fn sample(m: usize, max: usize, seed: u64) -> Vec<usize> {
     }
     let stride = m as f64 / max as f64;
     let offset = (seed % 1024) as f64 / 1024.0 * stride;
-    (0..max)
-        .map(|i| ((offset + i as f64 * stride) as usize).min(m - 1))
-        .collect()
+    (0..max).map(|i| ((offset + i as f64 * stride) as usize).min(m - 1)).collect()
 }
 
 /// Runs `f` over `0..n` split across `threads`, collecting results in order.
@@ -88,14 +86,9 @@ fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) ->
         let f = &f;
         let handles: Vec<_> = (0..n)
             .step_by(chunk)
-            .map(|start| {
-                s.spawn(move || (start..(start + chunk).min(n)).map(f).collect::<Vec<T>>())
-            })
+            .map(|start| s.spawn(move || (start..(start + chunk).min(n)).map(f).collect::<Vec<T>>()))
             .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("build thread panicked"))
-            .collect()
+        handles.into_iter().flat_map(|h| h.join().expect("build thread panicked")).collect()
     })
 }
 
@@ -107,10 +100,7 @@ fn to_f32(row: &[half::f16]) -> Vec<f32> {
 pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, BuildReport) {
     let d = keys.dim();
     let n = keys.len() as usize;
-    assert!(
-        queries.len().is_multiple_of(d),
-        "queries are not rows of {d}"
-    );
+    assert!(queries.len().is_multiple_of(d), "queries are not rows of {d}");
     assert!(p.degree > 0 && p.nq > 1);
     let mut report = BuildReport::default();
     if n == 0 {
@@ -127,11 +117,7 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
         let mut scores = vec![0.0; n];
         ctxfs_kernels::scores(keys.data(), q, 1.0, &mut scores);
         let mut ids: Vec<u32> = (0..n as u32).collect();
-        let order = |a: &u32, b: &u32| {
-            scores[*b as usize]
-                .total_cmp(&scores[*a as usize])
-                .then(a.cmp(b))
-        };
+        let order = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
         if nq < n {
             ids.select_nth_unstable_by(nq, order);
             ids.truncate(nq);
@@ -149,9 +135,7 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
             candidates[pivot as usize].extend(list.iter().copied().filter(|&c| c != pivot));
         }
     }
-    let pruned: Vec<Vec<u32>> = parallel(n, p.threads, |node| {
-        prune(keys, node as u32, &candidates[node], p.degree)
-    });
+    let pruned: Vec<Vec<u32>> = parallel(n, p.threads, |node| prune(keys, node as u32, &candidates[node], p.degree));
     let mut lists = pruned.clone();
     // Reverse edges into spare slots, most similar first.
     let mut reverse: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -200,15 +184,10 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     }
     let mut scores = vec![0.0; n];
     ctxfs_kernels::scores(keys.data(), &mean, 1.0, &mut scores);
-    let entry = (0..n)
-        .max_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(b.cmp(&a)))
-        .expect("n > 0") as u32;
+    let entry = (0..n).max_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(b.cmp(&a))).expect("n > 0") as u32;
     report.enhanced = enhance(keys, &mut lists, entry, p);
     report.enhancement = t.elapsed();
-    (
-        MemGraph::from_lists(p.degree + p.extra_degree, &lists, entry),
-        report,
-    )
+    (MemGraph::from_lists(p.degree + p.extra_degree, &lists, entry), report)
 }
 
 /// Keeps up to `degree` of `candidates` for `node`: most similar first, dropping any that is
@@ -218,20 +197,14 @@ fn prune(keys: &MemKeys, node: u32, candidates: &[u32], degree: usize) -> Vec<u3
     ids.sort_unstable();
     ids.dedup();
     let me = to_f32(keys.row(node));
-    let mut ranked: Vec<(f32, u32)> = ids
-        .into_iter()
-        .map(|c| (ctxfs_kernels::dot(keys.row(c), &me), c))
-        .collect();
+    let mut ranked: Vec<(f32, u32)> = ids.into_iter().map(|c| (ctxfs_kernels::dot(keys.row(c), &me), c)).collect();
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut kept: Vec<(u32, Vec<f32>)> = Vec::with_capacity(degree);
     for (sim, c) in ranked {
         if kept.len() == degree {
             break;
         }
-        if kept
-            .iter()
-            .all(|(_, k)| ctxfs_kernels::dot(keys.row(c), k) <= sim)
-        {
+        if kept.iter().all(|(_, k)| ctxfs_kernels::dot(keys.row(c), k) <= sim) {
             kept.push((c, to_f32(keys.row(c))));
         }
     }
@@ -252,14 +225,15 @@ impl Keys for Building<'_> {
     fn len(&self) -> u32 {
         self.keys.len()
     }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         self.keys.score(ids, q, out, stats)
     }
 }
 
 impl Graph for Building<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, _: &mut SearchStats) {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, _: &mut SearchStats) -> SourceResult {
         out.extend_from_slice(&self.lists[node as usize]);
+        Ok(())
     }
     fn entry(&self) -> u32 {
         self.entry
@@ -289,26 +263,15 @@ fn enhance(keys: &MemKeys, lists: &mut [Vec<u32>], entry: u32, p: &BuildParams) 
     let max_degree = p.degree + p.extra_degree;
     let mut linked = 0;
     // A reachable key with room, used when every key a search finds is full.
-    let mut spare =
-        (0..n as u32).find(|&v| reached[v as usize] && lists[v as usize].len() < max_degree);
+    let mut spare = (0..n as u32).find(|&v| reached[v as usize] && lists[v as usize].len() < max_degree);
     for u in 0..n as u32 {
         if reached[u as usize] {
             continue;
         }
         let q = to_f32(keys.row(u));
-        let found = search::topk(
-            &Building { keys, lists, entry },
-            &q,
-            p.enhance_ef,
-            p.enhance_ef,
-            None,
-        );
-        let from = found
-            .ids
-            .iter()
-            .copied()
-            .find(|&v| lists[v as usize].len() < max_degree)
-            .or(spare);
+        let found = search::topk(&Building { keys, lists, entry }, &q, p.enhance_ef, p.enhance_ef, None)
+            .expect("an in-memory graph cannot fail to read");
+        let from = found.ids.iter().copied().find(|&v| lists[v as usize].len() < max_degree).or(spare);
         let Some(from) = from else {
             // Every reachable key is full: a degree bound this tight cannot connect the graph.
             continue;
@@ -329,8 +292,7 @@ fn enhance(keys: &MemKeys, lists: &mut [Vec<u32>], entry: u32, p: &BuildParams) 
         if lists[u as usize].len() < max_degree {
             spare = Some(u);
         } else if spare.is_some_and(|s| lists[s as usize].len() >= max_degree) {
-            spare = (0..n as u32)
-                .find(|&v| reached[v as usize] && lists[v as usize].len() < max_degree);
+            spare = (0..n as u32).find(|&v| reached[v as usize] && lists[v as usize].len() < max_degree);
         }
     }
     linked

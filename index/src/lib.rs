@@ -12,6 +12,7 @@
 pub mod build;
 pub mod flat;
 pub mod mem;
+pub mod paged;
 pub mod search;
 mod source;
 mod stats;
@@ -20,5 +21,5 @@ pub mod synth;
 pub use build::{build, BuildParams, BuildReport};
 pub use mem::{MemGraph, MemKeys, NO_NODE};
 pub use search::DiprsParams;
-pub use source::{Graph, Keys};
+pub use source::{Graph, Keys, SourceResult};
 pub use stats::{SearchResult, SearchStats};

@@ -1,6 +1,6 @@
 //! In-memory keys and graphs: what the build produces and tests search.
 
-use crate::source::{Graph, Keys};
+use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use half::f16;
 
@@ -13,11 +13,7 @@ pub struct MemKeys {
 
 impl MemKeys {
     pub fn new(dim: usize, data: Vec<f16>) -> MemKeys {
-        assert!(
-            dim > 0 && data.len().is_multiple_of(dim),
-            "{} elements are not rows of {dim}",
-            data.len()
-        );
+        assert!(dim > 0 && data.len().is_multiple_of(dim), "{} elements are not rows of {dim}", data.len());
         assert!(data.len() / dim <= u32::MAX as usize);
         MemKeys { dim, data }
     }
@@ -36,16 +32,18 @@ impl Keys for MemKeys {
     fn len(&self) -> u32 {
         (self.data.len() / self.dim) as u32
     }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         for (o, &id) in out.iter_mut().zip(ids) {
             *o = ctxfs_kernels::dot(self.row(id), q);
         }
         stats.keys_scored += ids.len() as u64;
+        Ok(())
     }
-    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         let at = first as usize * self.dim;
         ctxfs_kernels::scores(&self.data[at..at + out.len() * self.dim], q, 1.0, out);
         stats.keys_scored += out.len() as u64;
+        Ok(())
     }
 }
 
@@ -65,34 +63,24 @@ impl MemGraph {
     pub fn from_lists(degree: usize, lists: &[Vec<u32>], entry: u32) -> MemGraph {
         let mut adjacency = vec![NO_NODE; lists.len() * degree];
         for (n, list) in lists.iter().enumerate() {
-            assert!(
-                list.len() <= degree,
-                "node {n} has {} neighbours, degree is {degree}",
-                list.len()
-            );
+            assert!(list.len() <= degree, "node {n} has {} neighbours, degree is {degree}", list.len());
             adjacency[n * degree..n * degree + list.len()].copy_from_slice(list);
         }
-        MemGraph {
-            degree,
-            adjacency,
-            entry,
-        }
+        MemGraph { degree, adjacency, entry }
     }
     pub fn nodes(&self) -> usize {
         self.adjacency.len() / self.degree.max(1)
     }
     pub fn list(&self, node: u32) -> impl Iterator<Item = u32> + '_ {
         let at = node as usize * self.degree;
-        self.adjacency[at..at + self.degree]
-            .iter()
-            .copied()
-            .take_while(|&n| n != NO_NODE)
+        self.adjacency[at..at + self.degree].iter().copied().take_while(|&n| n != NO_NODE)
     }
 }
 
 impl Graph for MemGraph {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, _stats: &mut SearchStats) {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, _stats: &mut SearchStats) -> SourceResult {
         out.extend(self.list(node));
+        Ok(())
     }
     fn entry(&self) -> u32 {
         self.entry

@@ -5,6 +5,7 @@
 
 use crate::source::{Graph, Keys};
 use crate::stats::{SearchResult, SearchStats};
+use ctxfs_buffer::BufferError;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
@@ -23,12 +24,7 @@ pub struct DiprsParams {
 
 impl Default for DiprsParams {
     fn default() -> Self {
-        DiprsParams {
-            beta: 4.0,
-            l0: 64,
-            window_max: f32::NEG_INFINITY,
-            prefix: None,
-        }
+        DiprsParams { beta: 4.0, l0: 64, window_max: f32::NEG_INFINITY, prefix: None }
     }
 }
 
@@ -79,11 +75,7 @@ impl Expander {
         if self.limit == 0 {
             return None;
         }
-        let s = if self.qualifies(g.entry()) {
-            g.entry()
-        } else {
-            0
-        };
+        let s = if self.qualifies(g.entry()) { g.entry() } else { 0 };
         self.visited.insert(s);
         Some(s)
     }
@@ -94,10 +86,10 @@ impl Expander {
         node: u32,
         fresh: &mut Vec<u32>,
         stats: &mut SearchStats,
-    ) {
+    ) -> Result<(), BufferError> {
         fresh.clear();
         self.neighbors.clear();
-        g.neighbors(node, &mut self.neighbors, stats);
+        g.neighbors(node, &mut self.neighbors, stats)?;
         stats.hops += 1;
         for i in 0..self.neighbors.len() {
             let k = self.neighbors[i];
@@ -107,7 +99,7 @@ impl Expander {
                 }
             } else if self.filtered && self.visited.insert(k) {
                 self.second.clear();
-                g.neighbors(k, &mut self.second, stats);
+                g.neighbors(k, &mut self.second, stats)?;
                 stats.hops += 1;
                 for &k2 in &self.second {
                     if self.qualifies(k2) && self.visited.insert(k2) {
@@ -116,20 +108,21 @@ impl Expander {
                 }
             }
         }
+        Ok(())
     }
 }
 
 /// DIPRS: the keys within β of the best inner product, found by walking the graph with an
 /// unordered candidate list that admits every key until it holds `l0`, then only keys within
 /// β of the best seen so far (which starts at the window's best).
-pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> SearchResult {
+pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<SearchResult, BufferError> {
     let mut stats = SearchStats::default();
     let mut ex = Expander::new(s.len(), p.prefix);
     let Some(start) = ex.start(s) else {
-        return SearchResult::default();
+        return Ok(SearchResult::default());
     };
     let mut score = [0.0f32];
-    s.score(&[start], q, &mut score, &mut stats);
+    s.score(&[start], q, &mut score, &mut stats)?;
     let mut best = score[0].max(p.window_max);
     let mut candidates: Vec<(u32, f32)> = vec![(start, score[0])];
     let (mut fresh, mut scores) = (Vec::new(), Vec::new());
@@ -137,9 +130,9 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> SearchResult
     while i < candidates.len() {
         let node = candidates[i].0;
         i += 1;
-        ex.expand(s, node, &mut fresh, &mut stats);
+        ex.expand(s, node, &mut fresh, &mut stats)?;
         scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats);
+        s.score(&fresh, q, &mut scores, &mut stats)?;
         for (&k, &sc) in fresh.iter().zip(&scores) {
             if candidates.len() <= p.l0 || sc >= best - p.beta {
                 candidates.push((k, sc));
@@ -147,11 +140,8 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> SearchResult
             best = best.max(sc);
         }
     }
-    let pairs = candidates
-        .into_iter()
-        .filter(|&(_, sc)| sc >= best - p.beta)
-        .collect();
-    SearchResult::from_pairs(pairs, stats)
+    let pairs = candidates.into_iter().filter(|&(_, sc)| sc >= best - p.beta).collect();
+    Ok(SearchResult::from_pairs(pairs, stats))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -177,15 +167,15 @@ pub fn topk<S: Keys + Graph>(
     k: usize,
     ef: usize,
     prefix: Option<u32>,
-) -> SearchResult {
+) -> Result<SearchResult, BufferError> {
     let ef = ef.max(k).max(1);
     let mut stats = SearchStats::default();
     let mut ex = Expander::new(s.len(), prefix);
     let Some(start) = ex.start(s) else {
-        return SearchResult::default();
+        return Ok(SearchResult::default());
     };
     let mut score = [0.0f32];
-    s.score(&[start], q, &mut score, &mut stats);
+    s.score(&[start], q, &mut score, &mut stats)?;
     let mut frontier = BinaryHeap::from([Scored(score[0], start)]);
     let mut beam = BinaryHeap::from([Reverse(Scored(score[0], start))]);
     let (mut fresh, mut scores) = (Vec::new(), Vec::new());
@@ -193,9 +183,9 @@ pub fn topk<S: Keys + Graph>(
         if beam.len() >= ef && beam.peek().is_some_and(|w| sc < w.0 .0) {
             break;
         }
-        ex.expand(s, node, &mut fresh, &mut stats);
+        ex.expand(s, node, &mut fresh, &mut stats)?;
         scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats);
+        s.score(&fresh, q, &mut scores, &mut stats)?;
         for (&id, &sc) in fresh.iter().zip(&scores) {
             if beam.len() < ef || beam.peek().is_some_and(|w| sc > w.0 .0) {
                 frontier.push(Scored(sc, id));
@@ -206,11 +196,8 @@ pub fn topk<S: Keys + Graph>(
             }
         }
     }
-    let mut pairs: Vec<(u32, f32)> = beam
-        .into_iter()
-        .map(|Reverse(Scored(s, id))| (id, s))
-        .collect();
+    let mut pairs: Vec<(u32, f32)> = beam.into_iter().map(|Reverse(Scored(s, id))| (id, s)).collect();
     pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     pairs.truncate(k);
-    SearchResult::from_pairs(pairs, stats)
+    Ok(SearchResult::from_pairs(pairs, stats))
 }

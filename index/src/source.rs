@@ -2,6 +2,10 @@
 //! in-memory arrays at build time and over buffered pages at query time.
 
 use crate::stats::SearchStats;
+use ctxfs_buffer::BufferError;
+
+/// What reading a source can fail with: the storage below it.
+pub type SourceResult = Result<(), BufferError>;
 
 /// Scores keys: inner products with a query (unscaled; β is in inner-product units).
 pub trait Keys {
@@ -12,19 +16,19 @@ pub trait Keys {
         self.len() == 0
     }
     /// `out[i] = q · key(ids[i])`. Counts keys scored (and blocks touched) in `stats`.
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats);
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult;
     /// `out[i] = q · key(first + i)`: a scan of consecutive keys, which a source can do
     /// faster than scattered scoring.
-    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         let ids: Vec<u32> = (first..first + out.len() as u32).collect();
-        self.score(&ids, q, out, stats);
+        self.score(&ids, q, out, stats)
     }
 }
 
 /// A proximity graph over the keys.
 pub trait Graph {
     /// Appends the out-neighbours of `node` to `out`. Counts blocks touched in `stats`.
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats);
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult;
     /// Where searches start.
     fn entry(&self) -> u32;
 }

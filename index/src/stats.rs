@@ -30,10 +30,6 @@ impl SearchResult {
     /// Sorts (id, score) pairs best first (ties by id, so results are deterministic).
     pub fn from_pairs(mut pairs: Vec<(u32, f32)>, stats: SearchStats) -> SearchResult {
         pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        SearchResult {
-            ids: pairs.iter().map(|p| p.0).collect(),
-            scores: pairs.iter().map(|p| p.1).collect(),
-            stats,
-        }
+        SearchResult { ids: pairs.iter().map(|p| p.0).collect(), scores: pairs.iter().map(|p| p.1).collect(), stats }
     }
 }

@@ -91,13 +91,7 @@ fn lean(q: &mut [f32], dir: &[f32], lift: f32) {
 
 /// A query: the head's bias, a lean towards the sinks, a lean of `lift` towards each target
 /// passage's topic, and noise.
-fn query(
-    bias: &[f32],
-    sink_key: &[f32],
-    targets: &[&Vec<f32>],
-    lift: f32,
-    rng: &mut Rng,
-) -> Vec<f32> {
+fn query(bias: &[f32], sink_key: &[f32], targets: &[&Vec<f32>], lift: f32, rng: &mut Rng) -> Vec<f32> {
     let mut q: Vec<f32> = bias.iter().map(|b| b + 0.6 * rng.normal()).collect();
     lean(&mut q, sink_key, SINK_LIFT + 0.4 * lift);
     for t in targets {
@@ -111,30 +105,19 @@ fn query(
 const SINK_LIFT: f32 = 5.0;
 
 /// Generates one (layer, kv head): `prefill` and `decode` queries per q head.
-pub fn head(
-    p: &SynthParams,
-    layer: usize,
-    kv_head: usize,
-    prefill: usize,
-    decode: usize,
-) -> HeadData {
+pub fn head(p: &SynthParams, layer: usize, kv_head: usize, prefill: usize, decode: usize) -> HeadData {
     let d = p.head_dim;
-    let mut rng =
-        Rng::new(p.seed.wrapping_mul(1_000_003) ^ ((layer as u64) << 32) ^ kv_head as u64);
+    let mut rng = Rng::new(p.seed.wrapping_mul(1_000_003) ^ ((layer as u64) << 32) ^ kv_head as u64);
     // Keys vary mostly in the first half of the channels; the query bias lives in the second.
     let key_sigma: Vec<f32> = (0..d).map(|i| if i < d / 2 { 1.0 } else { 0.15 }).collect();
     let mut outlier = vec![0.0f32; d];
     for _ in 0..3 {
         outlier[rng.below(d / 2)] = 6.0 * if rng.uniform() < 0.5 { 1.0 } else { -1.0 };
     }
-    let sink: Vec<f32> = (0..d)
-        .map(|i| if i < d / 2 { rng.normal() * 2.5 } else { 0.0 })
-        .collect();
+    let sink: Vec<f32> = (0..d).map(|i| if i < d / 2 { rng.normal() * 2.5 } else { 0.0 }).collect();
     let starts = passages(p.tokens, &mut rng);
-    let topics: Vec<Vec<f32>> = starts
-        .iter()
-        .map(|_| (0..d).map(|i| rng.normal() * 1.2 * key_sigma[i]).collect())
-        .collect();
+    let topics: Vec<Vec<f32>> =
+        starts.iter().map(|_| (0..d).map(|i| rng.normal() * 1.2 * key_sigma[i]).collect()).collect();
     let value_topics: Vec<Vec<f32>> = starts.iter().map(|_| rng.gaussian(d, 1.0)).collect();
     // Sharpness: how far the target passages score above the background, log-uniform in
     // [1.5, 16]; at 16K tokens that spans tens to thousands of tokens for 90% of the
@@ -151,26 +134,16 @@ pub fn head(
         }
         let is_sink = t < SINKS;
         for i in 0..d {
-            let base = if is_sink {
-                sink[i] * 1.6
-            } else {
-                topics[passage][i]
-            };
-            keys.push(f16::from_f32(
-                base + outlier[i] + 0.7 * key_sigma[i] * rng.normal(),
-            ));
-            values.push(f16::from_f32(
-                value_topics[passage][i] * 0.8 + 0.6 * rng.normal(),
-            ));
+            let base = if is_sink { sink[i] * 1.6 } else { topics[passage][i] };
+            keys.push(f16::from_f32(base + outlier[i] + 0.7 * key_sigma[i] * rng.normal()));
+            values.push(f16::from_f32(value_topics[passage][i] * 0.8 + 0.6 * rng.normal()));
         }
     }
 
     let mut prefill_q = Vec::with_capacity(p.group);
     let mut decode_q = Vec::with_capacity(p.group);
     for _ in 0..p.group {
-        let bias: Vec<f32> = (0..d)
-            .map(|i| if i < d / 2 { 0.0 } else { rng.normal() * 3.0 })
-            .collect();
+        let bias: Vec<f32> = (0..d).map(|i| if i < d / 2 { 0.0 } else { rng.normal() * 3.0 }).collect();
         let pick = |rng: &mut Rng| {
             if starts.len() > 1 {
                 1 + rng.below(starts.len() - 1)
@@ -180,9 +153,7 @@ pub fn head(
         };
         let mut pre = Vec::with_capacity(prefill * d);
         for _ in 0..prefill {
-            let targets: Vec<&Vec<f32>> = (0..1 + rng.below(3))
-                .map(|_| &topics[pick(&mut rng)])
-                .collect();
+            let targets: Vec<&Vec<f32>> = (0..1 + rng.below(3)).map(|_| &topics[pick(&mut rng)]).collect();
             pre.extend(query(&bias, &sink_key, &targets, lift, &mut rng));
         }
         // Decode steps: a working set of 2–3 passages, one of which changes now and then.
@@ -199,13 +170,7 @@ pub fn head(
         prefill_q.push(pre);
         decode_q.push(dec);
     }
-    HeadData {
-        keys,
-        values,
-        prefill: prefill_q,
-        decode: decode_q,
-        sharpness: lift,
-    }
+    HeadData { keys, values, prefill: prefill_q, decode: decode_q, sharpness: lift }
 }
 
 /// What the generator achieved, measured rather than assumed.
@@ -227,18 +192,9 @@ pub fn stats(h: &HeadData, head_dim: usize) -> HeadStats {
     let d = head_dim;
     let n = h.keys.len() / d;
     let sample: Vec<usize> = (0..n).step_by((n / 4096).max(1)).collect();
-    let rows: Vec<Vec<f64>> = sample
-        .iter()
-        .map(|&t| {
-            h.keys[t * d..(t + 1) * d]
-                .iter()
-                .map(|x| x.to_f64())
-                .collect()
-        })
-        .collect();
-    let mean: Vec<f64> = (0..d)
-        .map(|i| rows.iter().map(|r| r[i]).sum::<f64>() / rows.len() as f64)
-        .collect();
+    let rows: Vec<Vec<f64>> =
+        sample.iter().map(|&t| h.keys[t * d..(t + 1) * d].iter().map(|x| x.to_f64()).collect()).collect();
+    let mean: Vec<f64> = (0..d).map(|i| rows.iter().map(|r| r[i]).sum::<f64>() / rows.len() as f64).collect();
     let mut cov = vec![0.0f64; d * d];
     for r in &rows {
         for i in 0..d {
@@ -266,10 +222,7 @@ pub fn stats(h: &HeadData, head_dim: usize) -> HeadStats {
     };
     let key_dist = rows.iter().map(|r| mdist(r)).sum::<f64>() / rows.len() as f64;
     let queries: Vec<&[f32]> = h.decode[0].chunks(d).take(16).collect();
-    let query_dist = queries
-        .iter()
-        .map(|q| mdist(&q.iter().map(|&x| x as f64).collect::<Vec<_>>()))
-        .sum::<f64>()
+    let query_dist = queries.iter().map(|q| mdist(&q.iter().map(|&x| x as f64).collect::<Vec<_>>())).sum::<f64>()
         / queries.len().max(1) as f64;
 
     let scale = 1.0 / (d as f32).sqrt();

@@ -1,9 +1,7 @@
 //! Property tests of the searches and the build on small random data, against flat scans.
 
 use ctxfs_index::search::{diprs, topk};
-use ctxfs_index::{
-    build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats,
-};
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
 use half::f16;
 use std::collections::BTreeSet;
 
@@ -28,9 +26,7 @@ impl Rng {
 /// shifted distribution, each aimed at one topic.
 fn data(n: usize, d: usize, queries: usize, seed: u64) -> (MemKeys, Vec<f32>) {
     let mut rng = Rng(seed);
-    let topics: Vec<Vec<f32>> = (0..12)
-        .map(|_| (0..d).map(|_| rng.normal() * 1.5).collect())
-        .collect();
+    let topics: Vec<Vec<f32>> = (0..12).map(|_| (0..d).map(|_| rng.normal() * 1.5).collect()).collect();
     let mut keys = Vec::with_capacity(n * d);
     for t in 0..n {
         let topic = &topics[(t / 64 + t / 640) % topics.len()];
@@ -56,12 +52,12 @@ impl Keys for Index<'_> {
     fn len(&self) -> u32 {
         self.keys.len()
     }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) {
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         self.keys.score(ids, q, out, stats)
     }
 }
 impl Graph for Index<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
         self.graph.neighbors(node, out, stats)
     }
     fn entry(&self) -> u32 {
@@ -76,12 +72,7 @@ fn set(ids: &[u32]) -> BTreeSet<u32> {
 fn built(n: usize, d: usize, seed: u64) -> (MemKeys, Vec<f32>, MemGraph) {
     let (keys, queries) = data(n, d, 4 * n + 200, seed);
     let train = &queries[200 * d..];
-    let params = BuildParams {
-        degree: 16,
-        extra_degree: 8,
-        nq: 32,
-        ..Default::default()
-    };
+    let params = BuildParams { degree: 16, extra_degree: 8, nq: 32, ..Default::default() };
     let (graph, _) = build(&keys, train, &params);
     (keys, queries[..200 * d].to_vec(), graph)
 }
@@ -89,22 +80,11 @@ fn built(n: usize, d: usize, seed: u64) -> (MemKeys, Vec<f32>, MemGraph) {
 #[test]
 fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
     let (keys, queries, graph) = built(600, 16, 1);
-    let idx = Index {
-        keys: &keys,
-        graph: &graph,
-    };
+    let idx = Index { keys: &keys, graph: &graph };
     for q in queries.chunks(16).take(20) {
         for beta in [0.5, 2.0, 8.0, 1e9] {
-            let got = diprs(
-                &idx,
-                q,
-                &DiprsParams {
-                    beta,
-                    l0: 600,
-                    ..Default::default()
-                },
-            );
-            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None);
+            let got = diprs(&idx, q, &DiprsParams { beta, l0: 600, ..Default::default() }).unwrap();
+            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None).unwrap();
             assert_eq!(set(&got.ids), set(&want.ids), "beta {beta}");
             assert_eq!(got.ids, want.ids, "same order, best first");
         }
@@ -114,32 +94,20 @@ fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
 #[test]
 fn filtered_search_never_returns_a_token_beyond_the_prefix() {
     let (keys, queries, graph) = built(800, 16, 2);
-    let idx = Index {
-        keys: &keys,
-        graph: &graph,
-    };
+    let idx = Index { keys: &keys, graph: &graph };
     let (mut hit, mut total) = (0, 0);
     for q in queries.chunks(16).take(20) {
         for prefix in [0, 1, 10, 160, 400, 800, 5000] {
-            let p = DiprsParams {
-                beta: 3.0,
-                l0: 32,
-                prefix: Some(prefix),
-                ..Default::default()
-            };
-            let got = diprs(&idx, q, &p);
-            assert!(
-                got.ids.iter().all(|&id| id < prefix),
-                "prefix {prefix}: {:?}",
-                got.ids
-            );
-            let exact = flat::dipr(&keys, q, 3.0, f32::NEG_INFINITY, Some(prefix));
+            let p = DiprsParams { beta: 3.0, l0: 32, prefix: Some(prefix), ..Default::default() };
+            let got = diprs(&idx, q, &p).unwrap();
+            assert!(got.ids.iter().all(|&id| id < prefix), "prefix {prefix}: {:?}", got.ids);
+            let exact = flat::dipr(&keys, q, 3.0, f32::NEG_INFINITY, Some(prefix)).unwrap();
             assert!(got.ids.len() <= exact.ids.len() || prefix == 0);
-            let k = topk(&idx, q, 10, 40, Some(prefix));
+            let k = topk(&idx, q, 10, 40, Some(prefix)).unwrap();
             assert!(k.ids.iter().all(|&id| id < prefix));
             // Exhaustive filtered DIPRS (l0 ≥ n) finds the exact set whenever a realistic share
             // of the context is reused; a tiny prefix may not be reachable in two hops.
-            let full = diprs(&idx, q, &DiprsParams { l0: 800, ..p });
+            let full = diprs(&idx, q, &DiprsParams { l0: 800, ..p }).unwrap();
             let want = set(&exact.ids);
             assert!(set(&full.ids).is_subset(&want));
             if prefix >= 160 {
@@ -155,14 +123,11 @@ fn filtered_search_never_returns_a_token_beyond_the_prefix() {
 #[test]
 fn topk_with_a_beam_covering_the_graph_equals_flat_topk() {
     let (keys, queries, graph) = built(500, 16, 3);
-    let idx = Index {
-        keys: &keys,
-        graph: &graph,
-    };
+    let idx = Index { keys: &keys, graph: &graph };
     for q in queries.chunks(16).take(20) {
         for k in [1, 10, 100] {
-            let got = topk(&idx, q, k, 500, None);
-            let want = flat::topk(&keys, q, k, None);
+            let got = topk(&idx, q, k, 500, None).unwrap();
+            let want = flat::topk(&keys, q, k, None).unwrap();
             assert_eq!(got.ids, want.ids, "k {k}");
         }
     }
@@ -171,22 +136,9 @@ fn topk_with_a_beam_covering_the_graph_equals_flat_topk() {
 #[test]
 fn the_build_reaches_every_key_within_its_degree_and_is_deterministic() {
     let (keys, queries) = data(3000, 32, 6000, 4);
-    let base = BuildParams {
-        degree: 16,
-        extra_degree: 8,
-        nq: 32,
-        threads: 1,
-        ..Default::default()
-    };
+    let base = BuildParams { degree: 16, extra_degree: 8, nq: 32, threads: 1, ..Default::default() };
     let (g1, report) = build(&keys, &queries, &base);
-    let (g3, _) = build(
-        &keys,
-        &queries,
-        &BuildParams {
-            threads: 3,
-            ..base.clone()
-        },
-    );
+    let (g3, _) = build(&keys, &queries, &BuildParams { threads: 3, ..base.clone() });
     assert_eq!(g1, g3, "the graph must not depend on the thread count");
     assert_eq!(g1.nodes(), 3000);
     assert_eq!(g1.degree, 24);
@@ -201,17 +153,10 @@ fn the_build_reaches_every_key_within_its_degree_and_is_deterministic() {
             }
         }
     }
-    assert!(
-        reached.iter().all(|&r| r),
-        "{} keys unreachable",
-        reached.iter().filter(|r| !**r).count()
-    );
+    assert!(reached.iter().all(|&r| r), "{} keys unreachable", reached.iter().filter(|r| !**r).count());
     for x in 0..3000 {
         let l: Vec<u32> = g1.list(x).collect();
-        assert!(
-            l.len() <= 24 && !l.contains(&x) && set(&l).len() == l.len(),
-            "node {x}: {l:?}"
-        );
+        assert!(l.len() <= 24 && !l.contains(&x) && set(&l).len() == l.len(), "node {x}: {l:?}");
     }
     println!("build: {report:?}");
     assert!(report.queries == 6000);
@@ -226,30 +171,12 @@ fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
     let n = 20_000;
     let d = 32;
     let (keys, queries) = data(n, d, 20_200, 5);
-    let (graph, report) = build(
-        &keys,
-        &queries[200 * d..],
-        &BuildParams {
-            max_queries: 8192,
-            ..Default::default()
-        },
-    );
-    let idx = Index {
-        keys: &keys,
-        graph: &graph,
-    };
+    let (graph, report) = build(&keys, &queries[200 * d..], &BuildParams { max_queries: 8192, ..Default::default() });
+    let idx = Index { keys: &keys, graph: &graph };
     let (mut hit, mut total, mut scored) = (0usize, 0usize, 0u64);
     for q in queries[..200 * d].chunks(d) {
-        let want = flat::dipr(&keys, q, 6.0, f32::NEG_INFINITY, None);
-        let got = diprs(
-            &idx,
-            q,
-            &DiprsParams {
-                beta: 6.0,
-                l0: 64,
-                ..Default::default()
-            },
-        );
+        let want = flat::dipr(&keys, q, 6.0, f32::NEG_INFINITY, None).unwrap();
+        let got = diprs(&idx, q, &DiprsParams { beta: 6.0, l0: 64, ..Default::default() }).unwrap();
         let got_set = set(&got.ids);
         hit += want.ids.iter().filter(|id| got_set.contains(id)).count();
         total += want.ids.len();
@@ -270,26 +197,14 @@ fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
 #[test]
 fn window_max_prunes_from_the_start() {
     let (keys, queries, graph) = built(600, 16, 6);
-    let idx = Index {
-        keys: &keys,
-        graph: &graph,
-    };
+    let idx = Index { keys: &keys, graph: &graph };
     let q = &queries[..16];
-    let exact = flat::dipr(&keys, q, 2.0, f32::NEG_INFINITY, None);
+    let exact = flat::dipr(&keys, q, 2.0, f32::NEG_INFINITY, None).unwrap();
     // A window whose best beats every stored key: nothing stored is within β of it.
     let above = exact.scores[0] + 10.0;
-    let none = diprs(
-        &idx,
-        q,
-        &DiprsParams {
-            beta: 2.0,
-            l0: 8,
-            window_max: above,
-            ..Default::default()
-        },
-    );
+    let none = diprs(&idx, q, &DiprsParams { beta: 2.0, l0: 8, window_max: above, ..Default::default() }).unwrap();
     assert!(none.ids.is_empty());
-    assert!(flat::dipr(&keys, q, 2.0, above, None).ids.is_empty());
+    assert!(flat::dipr(&keys, q, 2.0, above, None).unwrap().ids.is_empty());
 }
 
 /// The same floor on the realistic generator (passages, sinks, out-of-distribution queries):
@@ -298,41 +213,18 @@ fn window_max_prunes_from_the_start() {
 fn diprs_recall_on_generated_attention_does_not_regress() {
     use ctxfs_index::synth::{head, SynthParams};
     let (n, d) = (8192, 64);
-    let p = SynthParams {
-        tokens: n,
-        head_dim: d,
-        group: 2,
-        seed: 11,
-    };
+    let p = SynthParams { tokens: n, head_dim: d, group: 2, seed: 11 };
     let beta = 5.0 * (d as f32).sqrt();
     for (kv, floor) in RECALL_FLOOR.iter().enumerate() {
         let h = head(&p, 1, kv, n / 2, 16);
         let keys = MemKeys::new(d, h.keys.clone());
-        let (graph, _) = build(
-            &keys,
-            &h.prefill.concat(),
-            &BuildParams {
-                max_queries: 4096,
-                ..Default::default()
-            },
-        );
-        let idx = Index {
-            keys: &keys,
-            graph: &graph,
-        };
+        let (graph, _) = build(&keys, &h.prefill.concat(), &BuildParams { max_queries: 4096, ..Default::default() });
+        let idx = Index { keys: &keys, graph: &graph };
         let (mut hit, mut total, mut scored, mut dipr) = (0usize, 0usize, 0u64, 0usize);
         let queries = h.decode.concat();
         for q in queries.chunks(d) {
-            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None);
-            let got = diprs(
-                &idx,
-                q,
-                &DiprsParams {
-                    beta,
-                    l0: 64,
-                    ..Default::default()
-                },
-            );
+            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None).unwrap();
+            let got = diprs(&idx, q, &DiprsParams { beta, l0: 64, ..Default::default() }).unwrap();
             let s = set(&got.ids);
             hit += want.ids.iter().filter(|id| s.contains(id)).count();
             total += want.ids.len();
@@ -342,7 +234,12 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
         let m = queries.len() / d;
         let recall = hit as f64 / total as f64;
         let excess = scored as f64 / dipr as f64;
-        println!("kv {kv} (sharpness {:.1}): recall {recall:.3}, keys scored {:.1}% (DIPR set {:.1}%, {excess:.2}x it)", h.sharpness, scored as f64 / (m * n) as f64 * 100.0, dipr as f64 / (m * n) as f64 * 100.0);
+        println!(
+            "kv {kv} (sharpness {:.1}): recall {recall:.3}, keys scored {:.1}% (DIPR set {:.1}%, {excess:.2}x it)",
+            h.sharpness,
+            scored as f64 / (m * n) as f64 * 100.0,
+            dipr as f64 / (m * n) as f64 * 100.0
+        );
         assert!(recall >= *floor, "kv {kv}: recall {recall}");
         assert!(excess <= 4.0, "kv {kv}: scored {excess:.2}x the DIPR set");
     }

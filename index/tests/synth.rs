@@ -4,12 +4,7 @@ use ctxfs_index::synth::{head, stats, SynthParams};
 
 #[test]
 fn generated_heads_look_like_real_attention() {
-    let p = SynthParams {
-        tokens: 16384,
-        head_dim: 128,
-        group: 2,
-        seed: 7,
-    };
+    let p = SynthParams { tokens: 16384, head_dim: 128, group: 2, seed: 7 };
     let mut needed = Vec::new();
     for kv in 0..8 {
         let h = head(&p, 1, kv, 8, 16);
@@ -18,31 +13,17 @@ fn generated_heads_look_like_real_attention() {
         assert_eq!(h.decode[1].len(), 16 * 128);
         let s = stats(&h, 128);
         println!("kv head {kv}: sharpness {:.2}, {s:?}", h.sharpness);
-        assert!(
-            s.mahalanobis_ratio > 10.0,
-            "queries must lie out of the key distribution: {s:?}"
-        );
-        assert!(
-            s.sink_lift > 5.0,
-            "a sink token must draw far more than an average token: {s:?}"
-        );
+        assert!(s.mahalanobis_ratio > 10.0, "queries must lie out of the key distribution: {s:?}");
+        assert!(s.sink_lift > 5.0, "a sink token must draw far more than an average token: {s:?}");
         needed.push(s.tokens_for_90);
     }
     let (lo, hi) = (*needed.iter().min().unwrap(), *needed.iter().max().unwrap());
-    assert!(
-        hi >= 20 * lo.max(1),
-        "sparsity must vary by orders of magnitude across heads: {needed:?}"
-    );
+    assert!(hi >= 20 * lo.max(1), "sparsity must vary by orders of magnitude across heads: {needed:?}");
 }
 
 #[test]
 fn generation_is_deterministic_per_seed() {
-    let p = SynthParams {
-        tokens: 700,
-        head_dim: 16,
-        group: 1,
-        seed: 3,
-    };
+    let p = SynthParams { tokens: 700, head_dim: 16, group: 1, seed: 3 };
     let (a, b) = (head(&p, 0, 0, 4, 4), head(&p, 0, 0, 4, 4));
     assert_eq!(a.keys, b.keys);
     assert_eq!(a.decode, b.decode);

@@ -48,10 +48,7 @@ pub fn detected() -> Isa {
             if is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }
@@ -74,10 +71,7 @@ pub fn active() -> Isa {
 
 /// Every instruction set this CPU can run, for tests and benchmarks that compare them.
 pub fn available() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
-        .into_iter()
-        .filter(|&i| i <= detected())
-        .collect()
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= detected()).collect()
 }
 
 /// Runs `$body` with `$xs` bound to `$x` as a slice of the concrete element type.
@@ -111,13 +105,7 @@ pub fn dot<E: Element>(x: &[E], q: &[f32]) -> f32 {
 }
 
 pub fn dot_on<E: Element>(isa: Isa, x: &[E], q: &[f32]) -> f32 {
-    assert_eq!(
-        x.len(),
-        q.len(),
-        "dot product of {} and {} elements",
-        x.len(),
-        q.len()
-    );
+    assert_eq!(x.len(), q.len(), "dot product of {} and {} elements", x.len(), q.len());
     match usable(isa) {
         // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
         #[cfg(target_arch = "x86_64")]
@@ -149,13 +137,9 @@ pub fn scores_on<E: Element>(isa: Isa, keys: &[E], q: &[f32], scale: f32, out: &
     match usable(isa) {
         // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => by_element!(E, keys, |ks| unsafe {
-            x86::avx512::scores(ks, q, scale, out)
-        }),
+        Isa::Avx512 => by_element!(E, keys, |ks| unsafe { x86::avx512::scores(ks, q, scale, out) }),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => by_element!(E, keys, |ks| unsafe {
-            x86::avx2::scores(ks, q, scale, out)
-        }),
+        Isa::Avx2 => by_element!(E, keys, |ks| unsafe { x86::avx2::scores(ks, q, scale, out) }),
         _ => scalar::scores(keys, q, scale, out),
     }
 }
@@ -213,13 +197,9 @@ pub fn weighted_sum_on<E: Element>(isa: Isa, acc: &mut [f32], weights: &[f32], v
     match usable(isa) {
         // SAFETY (both arms): `usable` never returns an instruction set the CPU lacks.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => by_element!(E, values, |vs| unsafe {
-            x86::avx512::weighted_sum(acc, weights, vs)
-        }),
+        Isa::Avx512 => by_element!(E, values, |vs| unsafe { x86::avx512::weighted_sum(acc, weights, vs) }),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => by_element!(E, values, |vs| unsafe {
-            x86::avx2::weighted_sum(acc, weights, vs)
-        }),
+        Isa::Avx2 => by_element!(E, values, |vs| unsafe { x86::avx2::weighted_sum(acc, weights, vs) }),
         _ => scalar::weighted_sum(acc, weights, values),
     }
 }

@@ -15,11 +15,7 @@ pub struct Partial {
 impl Partial {
     /// Attention over no keys: it contributes nothing to a merge.
     pub fn empty(dim: usize) -> Partial {
-        Partial {
-            o: vec![0.0; dim],
-            m: f32::NEG_INFINITY,
-            l: 0.0,
-        }
+        Partial { o: vec![0.0; dim], m: f32::NEG_INFINITY, l: 0.0 }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -41,13 +37,7 @@ impl Partial {
         Self::attend_on(crate::active(), q, keys, values, scale)
     }
 
-    pub fn attend_on<E: Element>(
-        isa: Isa,
-        q: &[f32],
-        keys: &[E],
-        values: &[E],
-        scale: f32,
-    ) -> Partial {
+    pub fn attend_on<E: Element>(isa: Isa, q: &[f32], keys: &[E], values: &[E], scale: f32) -> Partial {
         let d = q.len();
         assert!(
             d > 0 && keys.len().is_multiple_of(d) && keys.len() == values.len(),
@@ -62,12 +52,7 @@ impl Partial {
 
     /// Attention given the scores already computed (−∞ masks a key). `z` is overwritten
     /// with the unnormalised weights.
-    pub fn from_scores_on<E: Element>(
-        isa: Isa,
-        z: &mut [f32],
-        values: &[E],
-        dim: usize,
-    ) -> Partial {
+    pub fn from_scores_on<E: Element>(isa: Isa, z: &mut [f32], values: &[E], dim: usize) -> Partial {
         let m = max_on(isa, z);
         if m == f32::NEG_INFINITY {
             return Partial::empty(dim);
@@ -83,11 +68,7 @@ impl Partial {
     /// The exact combination of attention over disjoint parts of the keys.
     pub fn merge(parts: &[Partial]) -> Partial {
         let dim = parts.first().map_or(0, |p| p.o.len());
-        let m = parts
-            .iter()
-            .filter(|p| !p.is_empty())
-            .map(|p| p.m)
-            .fold(f32::NEG_INFINITY, f32::max);
+        let m = parts.iter().filter(|p| !p.is_empty()).map(|p| p.m).fold(f32::NEG_INFINITY, f32::max);
         if m == f32::NEG_INFINITY {
             return Partial::empty(dim);
         }

@@ -20,11 +20,7 @@ pub fn max(z: &[f32]) -> f32 {
 pub fn exp_sub(z: &mut [f32], m: f32) -> f32 {
     let mut sum = 0.0;
     for x in z {
-        *x = if *x == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (*x - m).exp()
-        };
+        *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - m).exp() };
         sum += *x;
     }
     sum

@@ -37,15 +37,11 @@ impl Lanes for bf16 {
     // A bf16 is the upper half of an f32: widen and shift.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const Self) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-            _mm_loadu_si128(p as *const __m128i),
-        )))
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
     }
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const Self) -> __m512 {
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-            _mm256_loadu_si256(p as *const __m256i),
-        )))
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
     }
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -73,14 +69,7 @@ const EXP_LO: f32 = -87.336_55;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-const P: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    0.166_666_65,
-    0.5,
-];
+const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
 
 pub(crate) mod avx2 {
     use super::*;
@@ -104,11 +93,7 @@ pub(crate) mod avx2 {
         let mut i = 0;
         while i + 32 <= n {
             for (k, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(
-                    E::load8(xp.add(i + 8 * k)),
-                    _mm256_loadu_ps(qp.add(i + 8 * k)),
-                    *a,
-                );
+                *a = _mm256_fmadd_ps(E::load8(xp.add(i + 8 * k)), _mm256_loadu_ps(qp.add(i + 8 * k)), *a);
             }
             i += 32;
         }
@@ -116,10 +101,7 @@ pub(crate) mod avx2 {
             acc[0] = _mm256_fmadd_ps(E::load8(xp.add(i)), _mm256_loadu_ps(qp.add(i)), acc[0]);
             i += 8;
         }
-        let mut s = hsum(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ));
+        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         for j in i..n {
             s += x[j].to_f32() * q[j];
         }
@@ -147,37 +129,23 @@ pub(crate) mod avx2 {
         }
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        lanes
-            .iter()
-            .chain(&z[i..])
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max)
+        lanes.iter().chain(&z[i..]).copied().fold(f32::NEG_INFINITY, f32::max)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn exp(x: __m256) -> __m256 {
         let masked = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
-            _mm256_set1_ps(EXP_HI),
-        );
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-        );
-        let r = _mm256_fnmadd_ps(
-            n,
-            _mm256_set1_ps(LN2_LO),
-            _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x),
-        );
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(LOG2E),
+        ));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x));
         let mut y = _mm256_set1_ps(P[0]);
         for c in &P[1..] {
             y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
         }
-        y = _mm256_fmadd_ps(
-            y,
-            _mm256_mul_ps(r, r),
-            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-        );
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
         let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
             _mm256_cvtps_epi32(n),
             _mm256_set1_epi32(127),
@@ -212,10 +180,7 @@ pub(crate) mod avx2 {
             let mut i = 0;
             while i + 8 <= d {
                 let a = acc.as_mut_ptr().add(i);
-                _mm256_storeu_ps(
-                    a,
-                    _mm256_fmadd_ps(E::load8(v.as_ptr().add(i)), wv, _mm256_loadu_ps(a)),
-                );
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(E::load8(v.as_ptr().add(i)), wv, _mm256_loadu_ps(a)));
                 i += 8;
             }
             for j in i..d {
@@ -239,11 +204,7 @@ pub(crate) mod avx512 {
         let mut i = 0;
         while i + 32 <= n {
             acc[0] = _mm512_fmadd_ps(E::load16(xp.add(i)), _mm512_loadu_ps(qp.add(i)), acc[0]);
-            acc[1] = _mm512_fmadd_ps(
-                E::load16(xp.add(i + 16)),
-                _mm512_loadu_ps(qp.add(i + 16)),
-                acc[1],
-            );
+            acc[1] = _mm512_fmadd_ps(E::load16(xp.add(i + 16)), _mm512_loadu_ps(qp.add(i + 16)), acc[1]);
             i += 32;
         }
         while i + 16 <= n {
@@ -276,36 +237,23 @@ pub(crate) mod avx512 {
             m = _mm512_max_ps(m, _mm512_loadu_ps(z.as_ptr().add(i)));
             i += 16;
         }
-        z[i..]
-            .iter()
-            .copied()
-            .fold(_mm512_reduce_max_ps(m), f32::max)
+        z[i..].iter().copied().fold(_mm512_reduce_max_ps(m), f32::max)
     }
 
     #[target_feature(enable = "avx512f")]
     unsafe fn exp(x: __m512) -> __m512 {
         let masked = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
-        let x = _mm512_min_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(EXP_LO)),
-            _mm512_set1_ps(EXP_HI),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-        );
-        let r = _mm512_fnmadd_ps(
-            n,
-            _mm512_set1_ps(LN2_LO),
-            _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x),
-        );
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(LOG2E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x));
         let mut y = _mm512_set1_ps(P[0]);
         for c in &P[1..] {
             y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
         }
-        y = _mm512_fmadd_ps(
-            y,
-            _mm512_mul_ps(r, r),
-            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
-        );
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
         let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
             _mm512_cvtps_epi32(n),
             _mm512_set1_epi32(127),
@@ -340,10 +288,7 @@ pub(crate) mod avx512 {
             let mut i = 0;
             while i + 16 <= d {
                 let a = acc.as_mut_ptr().add(i);
-                _mm512_storeu_ps(
-                    a,
-                    _mm512_fmadd_ps(E::load16(v.as_ptr().add(i)), wv, _mm512_loadu_ps(a)),
-                );
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(E::load16(v.as_ptr().add(i)), wv, _mm512_loadu_ps(a)));
                 i += 16;
             }
             for j in i..d {

@@ -32,10 +32,7 @@ const LENGTHS: [usize; 14] = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 128, 100
 
 fn check_close(got: f32, want: f64, scale: f64, what: &str) {
     let tol = 1e-5 * scale.max(1e-30) + 1e-30;
-    assert!(
-        ((got as f64) - want).abs() <= tol,
-        "{what}: got {got}, want {want} (tolerance {tol})"
-    );
+    assert!(((got as f64) - want).abs() <= tol, "{what}: got {got}, want {want} (tolerance {tol})");
 }
 
 fn dot_cases<E: Element>(make: impl Fn(f32) -> E, huge: f32, tiny: f32) {
@@ -45,22 +42,9 @@ fn dot_cases<E: Element>(make: impl Fn(f32) -> E, huge: f32, tiny: f32) {
             for _ in 0..4 {
                 let x: Vec<E> = (0..n).map(|_| make(rng.wild(huge, tiny))).collect();
                 let q: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
-                let exact: f64 = x
-                    .iter()
-                    .zip(&q)
-                    .map(|(a, b)| a.to_f32() as f64 * *b as f64)
-                    .sum();
-                let magnitude: f64 = x
-                    .iter()
-                    .zip(&q)
-                    .map(|(a, b)| (a.to_f32() as f64 * *b as f64).abs())
-                    .sum();
-                check_close(
-                    dot_on(isa, &x, &q),
-                    exact,
-                    magnitude,
-                    &format!("{} dot n={n}", isa.name()),
-                );
+                let exact: f64 = x.iter().zip(&q).map(|(a, b)| a.to_f32() as f64 * *b as f64).sum();
+                let magnitude: f64 = x.iter().zip(&q).map(|(a, b)| (a.to_f32() as f64 * *b as f64).abs()).sum();
+                check_close(dot_on(isa, &x, &q), exact, magnitude, &format!("{} dot n={n}", isa.name()));
                 check_close(dot_on(Isa::Scalar, &x, &q), exact, magnitude, "scalar dot");
             }
         }
@@ -78,20 +62,11 @@ fn dot_products_match_the_reference_for_every_type() {
 
 #[test]
 fn subnormal_halves_convert_exactly() {
-    let tiny = [
-        f16::from_bits(1),
-        f16::from_bits(0x03ff),
-        f16::from_bits(0x8001),
-    ];
+    let tiny = [f16::from_bits(1), f16::from_bits(0x03ff), f16::from_bits(0x8001)];
     let q = [1.0f32, 1.0, 1.0];
     for isa in available() {
         let got = dot_on(isa, &tiny, &q);
-        assert_eq!(
-            got,
-            tiny.iter().map(|x| x.to_f32()).sum::<f32>(),
-            "{}",
-            isa.name()
-        );
+        assert_eq!(got, tiny.iter().map(|x| x.to_f32()).sum::<f32>(), "{}", isa.name());
         assert!(got > 0.0);
     }
 }
@@ -102,9 +77,7 @@ fn scores_over_a_block_of_keys_match() {
     for isa in available() {
         for d in [1, 8, 13, 64, 128, 130] {
             let n = 37;
-            let keys: Vec<f16> = (0..n * d)
-                .map(|_| f16::from_f32(rng.wild(1000.0, 1e-6)))
-                .collect();
+            let keys: Vec<f16> = (0..n * d).map(|_| f16::from_f32(rng.wild(1000.0, 1e-6))).collect();
             let q: Vec<f32> = (0..d).map(|_| rng.f32()).collect();
             let scale = 1.0 / (d as f32).sqrt();
             let mut got = vec![0.0; n];
@@ -112,17 +85,9 @@ fn scores_over_a_block_of_keys_match() {
             scores_on(isa, &keys, &q, scale, &mut got);
             scores_on(Isa::Scalar, &keys, &q, scale, &mut want);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let mag: f64 = keys[i * d..(i + 1) * d]
-                    .iter()
-                    .zip(&q)
-                    .map(|(k, q)| (k.to_f32() * q * scale).abs() as f64)
-                    .sum();
-                check_close(
-                    *g,
-                    *w as f64,
-                    mag,
-                    &format!("{} scores d={d} row {i}", isa.name()),
-                );
+                let mag: f64 =
+                    keys[i * d..(i + 1) * d].iter().zip(&q).map(|(k, q)| (k.to_f32() * q * scale).abs() as f64).sum();
+                check_close(*g, *w as f64, mag, &format!("{} scores d={d} row {i}", isa.name()));
             }
         }
     }
@@ -142,21 +107,12 @@ fn max_and_exp_sums_handle_masks_and_extremes() {
                 })
                 .collect();
             let m = max_on(isa, &z);
-            assert_eq!(
-                m,
-                z.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-                "{} max n={n}",
-                isa.name()
-            );
+            assert_eq!(m, z.iter().copied().fold(f32::NEG_INFINITY, f32::max), "{} max n={n}", isa.name());
             let mut e = z.clone();
             let sum = exp_sub_on(isa, &mut e, m);
             let mut want_sum = 0.0f64;
             for (i, (&zi, &ei)) in z.iter().zip(&e).enumerate() {
-                let want = if zi == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    ((zi - m) as f64).exp()
-                };
+                let want = if zi == f32::NEG_INFINITY { 0.0 } else { ((zi - m) as f64).exp() };
                 want_sum += want;
                 if zi == f32::NEG_INFINITY {
                     assert_eq!(ei, 0.0, "a masked score must weigh exactly 0");
@@ -167,20 +123,11 @@ fn max_and_exp_sums_handle_masks_and_extremes() {
                         isa.name()
                     );
                 } else {
-                    assert!(
-                        (0.0..=1e-30).contains(&(ei as f64)),
-                        "{} exp underflow: {ei}",
-                        isa.name()
-                    );
+                    assert!((0.0..=1e-30).contains(&(ei as f64)), "{} exp underflow: {ei}", isa.name());
                 }
                 assert!(ei.is_finite() && ei <= 1.0 + 1e-6);
             }
-            check_close(
-                sum,
-                want_sum,
-                want_sum,
-                &format!("{} exp sum n={n}", isa.name()),
-            );
+            check_close(sum, want_sum, want_sum, &format!("{} exp sum n={n}", isa.name()));
         }
         // All masked: nothing to weigh, and no NaN.
         let mut all = vec![f32::NEG_INFINITY; 40];
@@ -196,25 +143,16 @@ fn weighted_value_sums_match() {
     for isa in available() {
         for d in [1, 7, 16, 31, 128] {
             let n = 50;
-            let values: Vec<bf16> = (0..n * d)
-                .map(|_| bf16::from_f32(rng.wild(1e20, 1e-39)))
-                .collect();
+            let values: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.wild(1e20, 1e-39))).collect();
             let weights: Vec<f32> = (0..n).map(|_| rng.f32().abs()).collect();
             let mut got = vec![0.5; d];
             let mut want = vec![0.5; d];
             weighted_sum_on(isa, &mut got, &weights, &values);
             weighted_sum_on(Isa::Scalar, &mut want, &weights, &values);
             for j in 0..d {
-                let mag: f64 = 0.5
-                    + (0..n)
-                        .map(|i| (weights[i] * values[i * d + j].to_f32()).abs() as f64)
-                        .sum::<f64>();
-                check_close(
-                    got[j],
-                    want[j] as f64,
-                    mag,
-                    &format!("{} weighted d={d} j={j}", isa.name()),
-                );
+                let mag: f64 =
+                    0.5 + (0..n).map(|i| (weights[i] * values[i * d + j].to_f32()).abs() as f64).sum::<f64>();
+                check_close(got[j], want[j] as f64, mag, &format!("{} weighted d={d} j={j}", isa.name()));
             }
         }
     }
@@ -225,25 +163,13 @@ fn exact(q: &[f32], keys: &[f16], values: &[f16], scale: f32) -> Vec<f64> {
     let d = q.len();
     let z: Vec<f64> = keys
         .chunks(d)
-        .map(|k| {
-            k.iter()
-                .zip(q)
-                .map(|(a, b)| a.to_f32() as f64 * *b as f64)
-                .sum::<f64>()
-                * scale as f64
-        })
+        .map(|k| k.iter().zip(q).map(|(a, b)| a.to_f32() as f64 * *b as f64).sum::<f64>() * scale as f64)
         .collect();
     let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let w: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
     let l: f64 = w.iter().sum();
     (0..d)
-        .map(|j| {
-            w.iter()
-                .enumerate()
-                .map(|(i, wi)| wi * values[i * d + j].to_f32() as f64)
-                .sum::<f64>()
-                / l
-        })
+        .map(|j| w.iter().enumerate().map(|(i, wi)| wi * values[i * d + j].to_f32() as f64).sum::<f64>() / l)
         .collect()
 }
 
@@ -264,35 +190,15 @@ fn partial_attention_merges_exactly() {
         let cuts = [0, 13, 13, 400, n];
         let parts: Vec<Partial> = cuts
             .windows(2)
-            .map(|c| {
-                Partial::attend_on(
-                    isa,
-                    &q,
-                    &keys[c[0] * d..c[1] * d],
-                    &values[c[0] * d..c[1] * d],
-                    scale,
-                )
-            })
+            .map(|c| Partial::attend_on(isa, &q, &keys[c[0] * d..c[1] * d], &values[c[0] * d..c[1] * d], scale))
             .collect();
         assert!(parts[1].is_empty());
         let merged = Partial::merge(&parts);
         for o in [&whole.o, &merged.o] {
-            let err: f64 = o
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).powi(2))
-                .sum::<f64>()
-                .sqrt()
-                / norm;
+            let err: f64 = o.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
             assert!(err < 1e-5, "{}: relative error {err}", isa.name());
         }
-        assert!(
-            (whole.lse() - merged.lse()).abs() < 1e-4,
-            "{} lse {} vs {}",
-            isa.name(),
-            whole.lse(),
-            merged.lse()
-        );
+        assert!((whole.lse() - merged.lse()).abs() < 1e-4, "{} lse {} vs {}", isa.name(), whole.lse(), merged.lse());
     }
     assert!(Partial::merge(&[Partial::empty(4), Partial::empty(4)]).is_empty());
 }
@@ -311,12 +217,7 @@ fn masked_scores_take_no_weight() {
 
 #[test]
 fn this_machine_uses_its_best_instruction_set() {
-    println!(
-        "detected {:?}, active {:?}, available {:?}",
-        detected(),
-        active(),
-        available()
-    );
+    println!("detected {:?}, active {:?}, available {:?}", detected(), active(), available());
     assert!(available().contains(&Isa::Scalar));
     assert!(active() <= detected());
 }

@@ -25,10 +25,7 @@ pub fn scratch_name(bench: &str) -> String {
 /// Deletes a scratch context (if it is there) and commits once more, so the space it held is
 /// free for the next round.
 pub fn drop_scratch(store: &Store, name: &str) -> Result<()> {
-    match store
-        .begin()
-        .and_then(|mut t| t.delete_context(name).and_then(|()| t.commit()))
-    {
+    match store.begin().and_then(|mut t| t.delete_context(name).and_then(|()| t.commit())) {
         Ok(_) | Err(ctxfs_vfs::Error::NoSuchContext(_)) => {}
         Err(e) => return Err(e.into()),
     }
@@ -43,9 +40,6 @@ pub fn ensure_free(store: &Store, blocks: u64) -> Result<()> {
         store.begin()?.commit()?;
     }
     let free = store.space().free;
-    anyhow::ensure!(
-        free >= blocks,
-        "the store has {free} free blocks; the benchmark needs {blocks} (make it smaller)"
-    );
+    anyhow::ensure!(free >= blocks, "the store has {free} free blocks; the benchmark needs {blocks} (make it smaller)");
     Ok(())
 }

@@ -38,10 +38,7 @@ const HOT_BLOCKS: u64 = 1024;
 const HOT_HITS: u64 = 500_000;
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
-    ensure!(
-        args.mib > 0 && args.reads > 0 && args.threads > 0,
-        "--mib, --reads and --threads must be positive"
-    );
+    ensure!(args.mib > 0 && args.reads > 0 && args.threads > 0, "--mib, --reads and --threads must be positive");
     let store = Store::open_path(&args.store, choice)?;
     let dev = store.device().clone();
     let bs = dev.block_size();
@@ -79,11 +76,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         ratio_cold
     );
     println!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1);
-    println!(
-        "{:<44} {:>12.0}",
-        format!("hot hits/s per thread, {} threads", args.threads),
-        hot_n
-    );
+    println!("{:<44} {:>12.0}", format!("hot hits/s per thread, {} threads", args.threads), hot_n);
     print_stats(&stats);
     Ok(())
 }
@@ -94,13 +87,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     let bs = store.device().block_size();
     let bar = progress::bar((blocks + HOT_BLOCKS) * bs as u64, "write scratch");
     let payload = vec![0x5au8; max_payload(bs)];
-    let shape = ModelShape {
-        layers: 1,
-        q_heads: 1,
-        kv_heads: 1,
-        head_dim: 128,
-        dtype: DType::F16,
-    };
+    let shape = ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: DType::F16 };
     let mut txn = store.begin()?;
     txn.create_context(name, shape, &[])?;
     for _ in 0..blocks {
@@ -117,12 +104,10 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     let ctx = snap.context(name)?;
     let data = ctx.stream(0, 0, FileStream::Data)?;
     let index = ctx.stream(0, 0, FileStream::Index)?;
-    let data_reqs: Vec<BlockRequest> = (0..blocks)
-        .map(|l| BlockRequest::new(data.locate(l).expect("in range")))
-        .collect();
-    let hot_reqs: Vec<BlockRequest> = (0..HOT_BLOCKS)
-        .map(|l| BlockRequest::new(index.locate(l).expect("in range")))
-        .collect();
+    let data_reqs: Vec<BlockRequest> =
+        (0..blocks).map(|l| BlockRequest::new(data.locate(l).expect("in range"))).collect();
+    let hot_reqs: Vec<BlockRequest> =
+        (0..HOT_BLOCKS).map(|l| BlockRequest::new(index.locate(l).expect("in range"))).collect();
 
     // Cold: a data area of 1/64 of the data, so about 98% of random reads miss. The index
     // area holds the hot set twice over.
@@ -133,17 +118,12 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
         data_fraction: data_frames as f64 / (index_frames + data_frames) as f64,
         ..Default::default()
     };
-    let pool = Arc::new(BufferPool::new(
-        Arc::new(DeviceSource::new(store.device().clone())),
-        config,
-    )?);
+    let pool = Arc::new(BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?);
     let mut raw = RawFile::open(&args.store)?;
     let (mut pool_rounds, mut raw_rounds) = (Vec::new(), Vec::new());
     for round in 0..args.rounds {
         let mut rng = SplitMix64::new(round);
-        let picks: Vec<usize> = (0..args.reads)
-            .map(|_| rng.below(blocks) as usize)
-            .collect();
+        let picks: Vec<usize> = (0..args.reads).map(|_| rng.below(blocks) as usize).collect();
         let t = Instant::now();
         for batch in picks.chunks(QUEUE_DEPTH) {
             let reqs: Vec<BlockRequest> = batch.iter().map(|&i| data_reqs[i]).collect();
@@ -152,10 +132,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
             }
         }
         pool_rounds.push(args.reads as f64 / t.elapsed().as_secs_f64());
-        let offsets: Vec<u64> = picks
-            .iter()
-            .map(|&i| data_reqs[i].block * bs as u64)
-            .collect();
+        let offsets: Vec<u64> = picks.iter().map(|&i| data_reqs[i].block * bs as u64).collect();
         let t = Instant::now();
         raw.run(Dir::Read, &offsets, bs, QUEUE_DEPTH)?;
         raw_rounds.push(args.reads as f64 / t.elapsed().as_secs_f64());
@@ -177,9 +154,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
                         let start = Instant::now();
                         let mut sum = 0u64;
                         for _ in 0..HOT_HITS {
-                            let g = pool
-                                .get(&hot_reqs[rng.below(HOT_BLOCKS) as usize])
-                                .expect("resident block");
+                            let g = pool.get(&hot_reqs[rng.below(HOT_BLOCKS) as usize]).expect("resident block");
                             sum += g.payload()[0] as u64;
                         }
                         std::hint::black_box(sum);
@@ -187,22 +162,13 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("hot thread"))
-                .collect()
+            handles.into_iter().map(|h| h.join().expect("hot thread")).collect()
         });
         rates.iter().sum::<f64>() / rates.len() as f64
     };
     let hot1 = hot(1);
     let hot_n = hot(args.threads);
-    Ok((
-        median(pool_rounds),
-        median(raw_rounds),
-        hot1,
-        hot_n,
-        pool.stats(),
-    ))
+    Ok((median(pool_rounds), median(raw_rounds), hot1, hot_n, pool.stats()))
 }
 
 pub fn stats_json(s: &PoolStats) -> serde_json::Value {

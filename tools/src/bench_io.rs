@@ -94,32 +94,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     );
     println!("{:<28} {:>12} {:>12} {:>8}", "", "ctxfs", "raw", "ratio");
     let row = |what: &str, a: f64, b: f64, unit: &str| {
-        println!(
-            "{:<28} {:>9.0} {unit} {:>9.0} {unit} {:>8.2}",
-            what,
-            a,
-            b,
-            ratio(a, b)
-        )
+        println!("{:<28} {:>9.0} {unit} {:>9.0} {unit} {:>8.2}", what, a, b, ratio(a, b))
     };
-    row(
-        "sequential write (MiB/s)",
-        ours.seq_write_mib_s,
-        raw.seq_write_mib_s,
-        "  ",
-    );
-    row(
-        "sequential read (MiB/s)",
-        ours.seq_read_mib_s,
-        raw.seq_read_mib_s,
-        "  ",
-    );
-    row(
-        &format!("4 KiB random read, QD{QUEUE_DEPTH} (IOPS)"),
-        ours.random_read_iops,
-        raw.random_read_iops,
-        "  ",
-    );
+    row("sequential write (MiB/s)", ours.seq_write_mib_s, raw.seq_write_mib_s, "  ");
+    row("sequential read (MiB/s)", ours.seq_read_mib_s, raw.seq_read_mib_s, "  ");
+    row(&format!("4 KiB random read, QD{QUEUE_DEPTH} (IOPS)"), ours.random_read_iops, raw.random_read_iops, "  ");
     Ok(())
 }
 
@@ -127,22 +106,10 @@ fn mib_s(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / (1 << 20) as f64 / secs
 }
 
-fn measure_store(
-    store: &Store,
-    name: &str,
-    blocks: u64,
-    reads: u64,
-    bar: &indicatif::ProgressBar,
-) -> Result<Figures> {
+fn measure_store(store: &Store, name: &str, blocks: u64, reads: u64, bar: &indicatif::ProgressBar) -> Result<Figures> {
     let bs = store.device().block_size();
     let payload: Vec<u8> = (0..max_payload(bs)).map(|i| i as u8).collect();
-    let shape = ModelShape {
-        layers: 1,
-        q_heads: 1,
-        kv_heads: 1,
-        head_dim: 128,
-        dtype: DType::F16,
-    };
+    let shape = ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: DType::F16 };
     let t = Instant::now();
     let mut txn = store.begin()?;
     txn.create_context(name, shape, &[])?;
@@ -167,9 +134,7 @@ fn measure_store(
     let t = Instant::now();
     let mut done = 0;
     while done < reads {
-        let batch: Vec<u64> = (0..QUEUE_DEPTH.min((reads - done) as usize))
-            .map(|_| rng.below(blocks))
-            .collect();
+        let batch: Vec<u64> = (0..QUEUE_DEPTH.min((reads - done) as usize)).map(|_| rng.below(blocks)).collect();
         for r in stream.read_many(&batch) {
             r?;
         }
@@ -177,11 +142,7 @@ fn measure_store(
         bar.inc(blocks * bs as u64 / reads * batch.len() as u64);
     }
     let random = reads as f64 / t.elapsed().as_secs_f64();
-    Ok(Figures {
-        seq_write_mib_s: seq_write,
-        seq_read_mib_s: seq_read,
-        random_read_iops: random,
-    })
+    Ok(Figures { seq_write_mib_s: seq_write, seq_read_mib_s: seq_read, random_read_iops: random })
 }
 
 fn measure_raw(
@@ -192,9 +153,7 @@ fn measure_raw(
     bar: &indicatif::ProgressBar,
 ) -> Result<Figures> {
     let mut raw = RawFile::create(path, bytes)?;
-    let seq_ops: Vec<u64> = (0..bytes / SEQ_OP as u64)
-        .map(|i| i * SEQ_OP as u64)
-        .collect();
+    let seq_ops: Vec<u64> = (0..bytes / SEQ_OP as u64).map(|i| i * SEQ_OP as u64).collect();
     let t = Instant::now();
     raw.run(Dir::Write, &seq_ops, SEQ_OP, SEQ_DEPTH)?;
     raw.sync()?;
@@ -210,9 +169,5 @@ fn measure_raw(
     let t = Instant::now();
     raw.run(Dir::Read, &random_ops, bs, QUEUE_DEPTH)?;
     let random = reads as f64 / t.elapsed().as_secs_f64();
-    Ok(Figures {
-        seq_write_mib_s: seq_write,
-        seq_read_mib_s: seq_read,
-        random_read_iops: random,
-    })
+    Ok(Figures { seq_write_mib_s: seq_write, seq_read_mib_s: seq_read, random_read_iops: random })
 }

@@ -5,9 +5,7 @@
 use crate::mkfs::format_store;
 use crate::progress;
 use anyhow::{ensure, Result};
-use ctxfs_vfs::{
-    fsck, max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store,
-};
+use ctxfs_vfs::{fsck, max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
 use half::f16;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,23 +17,14 @@ pub struct Args {
     dir: PathBuf,
 }
 
-const SHAPE: ModelShape = ModelShape {
-    layers: 4,
-    q_heads: 8,
-    kv_heads: 2,
-    head_dim: 128,
-    dtype: DType::F16,
-};
+const SHAPE: ModelShape = ModelShape { layers: 4, q_heads: 8, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
 const TOKENS: usize = 16384;
 
 /// A deterministic vector for (layer, head, token, k-or-v).
 fn vector(layer: u16, head: u16, token: usize, value: bool) -> Vec<f16> {
-    let seed =
-        ((layer as u64) << 48) ^ ((head as u64) << 32) ^ ((token as u64) << 1) ^ value as u64;
+    let seed = ((layer as u64) << 48) ^ ((head as u64) << 32) ^ ((token as u64) << 1) ^ value as u64;
     let mut r = SplitMix64::new(seed);
-    (0..SHAPE.head_dim)
-        .map(|_| f16::from_f32((r.next_f64() as f32 - 0.5) * 4.0))
-        .collect()
+    (0..SHAPE.head_dim).map(|_| f16::from_f32((r.next_f64() as f32 - 0.5) * 4.0)).collect()
 }
 
 /// Whole vectors per block; vectors never straddle blocks.
@@ -44,10 +33,7 @@ fn per_block(bs: usize) -> usize {
 }
 
 fn block_payload(layer: u16, head: u16, first: usize, n: usize, value: bool) -> Vec<u8> {
-    (first..first + n)
-        .flat_map(|t| vector(layer, head, t, value))
-        .flat_map(|x| x.to_le_bytes())
-        .collect()
+    (first..first + n).flat_map(|t| vector(layer, head, t, value)).flat_map(|x| x.to_le_bytes()).collect()
 }
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
@@ -59,15 +45,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let mkfs_s = t.elapsed().as_secs_f64();
     let bs = store.device().block_size();
     let vpb = per_block(bs);
-    let tokens: Vec<u32> = (0..TOKENS as u32)
-        .map(|t| t.wrapping_mul(2_654_435_761) % 128_000)
-        .collect();
+    let tokens: Vec<u32> = (0..TOKENS as u32).map(|t| t.wrapping_mul(2_654_435_761) % 128_000).collect();
 
     let files = SHAPE.files();
-    let bar = progress::bar(
-        (files * TOKENS * 2 * SHAPE.head_dim as usize * 2) as u64,
-        "write context",
-    );
+    let bar = progress::bar((files * TOKENS * 2 * SHAPE.head_dim as usize * 2) as u64, "write context");
     let t = Instant::now();
     let mut txn = store.begin()?;
     txn.create_context("demo-book", SHAPE, &tokens)?;
@@ -128,11 +109,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let t = Instant::now();
     let report = fsck::check(store.device().as_ref())?;
     let fsck_s = t.elapsed().as_secs_f64();
-    ensure!(
-        report.is_clean(),
-        "fsck found problems: {:?}",
-        report.problems
-    );
+    ensure!(report.is_clean(), "fsck found problems: {:?}", report.problems);
 
     println!("ctxfs demo — store {}", path.display());
     println!("  {:<34} {:>10}", "step", "result");
@@ -153,10 +130,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         checked,
         kv_bytes / (1 << 20) as f64 / read_s
     );
-    println!(
-        "  {:<34} {:>8.2} s  ({} blocks, clean)",
-        "fsck", fsck_s, report.blocks_checked
-    );
+    println!("  {:<34} {:>8.2} s  ({} blocks, clean)", "fsck", fsck_s, report.blocks_checked);
     println!();
     crate::inspect::run(crate::inspect::Args::summary_of(path), choice)
 }

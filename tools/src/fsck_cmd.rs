@@ -28,10 +28,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
         }
         Err(e) => {
             if args.json {
-                println!(
-                    "{}",
-                    json!({"exit_code": EXIT_OPERATIONAL, "error": e.to_string()})
-                );
+                println!("{}", json!({"exit_code": EXIT_OPERATIONAL, "error": e.to_string()}));
             }
             eprintln!("ctxfs fsck: {e}");
             ExitCode::from(EXIT_OPERATIONAL as u8)
@@ -81,29 +78,13 @@ fn print(args: &Args, r: &Report) {
         println!("repaired: {action}");
     }
     for p in &r.problems {
-        let at = p
-            .block
-            .map(|b| format!("block {b}"))
-            .unwrap_or_else(|| "store".into());
-        let ctx = p
-            .context
-            .as_ref()
-            .map(|c| format!(", context {c:?}"))
-            .unwrap_or_default();
-        let fix = if p.fix == fsck::Fix::None {
-            String::new()
-        } else {
-            format!(" [repair: {}]", p.fix.name())
-        };
-        println!(
-            "{at}: {} (owner {}{ctx}): {}{fix}",
-            p.kind, p.owner, p.message
-        );
+        let at = p.block.map(|b| format!("block {b}")).unwrap_or_else(|| "store".into());
+        let ctx = p.context.as_ref().map(|c| format!(", context {c:?}")).unwrap_or_default();
+        let fix = if p.fix == fsck::Fix::None { String::new() } else { format!(" [repair: {}]", p.fix.name()) };
+        println!("{at}: {} (owner {}{ctx}): {}{fix}", p.kind, p.owner, p.message);
     }
-    let generation = r
-        .active_generation
-        .map(|g| format!("generation {g}"))
-        .unwrap_or_else(|| "no valid superblock".into());
+    let generation =
+        r.active_generation.map(|g| format!("generation {g}")).unwrap_or_else(|| "no valid superblock".into());
     let verdict = match r.exit_code() {
         fsck::EXIT_CLEAN => "clean".to_string(),
         fsck::EXIT_CORRECTED => "errors corrected".to_string(),

@@ -32,16 +32,7 @@ pub struct Args {
 impl Args {
     /// `inspect STORE` with no other options.
     pub fn summary_of(store: PathBuf) -> Args {
-        Args {
-            store,
-            context: None,
-            layer: None,
-            head: None,
-            blocks: false,
-            buffer: false,
-            budget: 0,
-            json: false,
-        }
+        Args { store, context: None, layer: None, head: None, blocks: false, buffer: false, budget: 0, json: false }
     }
 }
 
@@ -65,11 +56,8 @@ fn stream_json(s: &StreamRoot) -> Value {
 }
 
 fn context_blocks(c: &ContextRecord) -> (u64, u64) {
-    let streams =
-        std::iter::once(&c.tokens).chain(c.files.iter().flat_map(|f| [&f.index, &f.data]));
-    streams.fold((0, 0), |(b, n), s| {
-        (b + s.blocks + s.extents.len() as u64, n + s.bytes)
-    })
+    let streams = std::iter::once(&c.tokens).chain(c.files.iter().flat_map(|f| [&f.index, &f.data]));
+    streams.fold((0, 0), |(b, n), s| (b + s.blocks + s.extents.len() as u64, n + s.bytes))
 }
 
 fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
@@ -126,12 +114,7 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         sb.total_blocks,
         human_bytes(sb.total_blocks * bs)
     );
-    println!(
-        "superblock  generation {} in slot {}, store id {}",
-        sb.generation,
-        sb.slot(),
-        hex(&sb.store_id)
-    );
+    println!("superblock  generation {} in slot {}, store id {}", sb.generation, sb.slot(), hex(&sb.store_id));
     for s in store.slots() {
         match &s.result {
             Ok(o) => println!("  slot {}    valid, generation {}", s.slot, o.generation),
@@ -150,10 +133,7 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         human_bytes(available * bs),
         available,
         if space.reclaimable > 0 {
-            format!(
-                ", {} freed, reusable after the next commit",
-                human_bytes(space.reclaimable * bs)
-            )
+            format!(", {} freed, reusable after the next commit", human_bytes(space.reclaimable * bs))
         } else {
             String::new()
         }
@@ -178,10 +158,7 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         println!("    vector files (index blocks / data blocks):");
         let kv = sh.kv_heads as usize;
         for (layer, files) in c.files.chunks(kv).enumerate() {
-            let cells: Vec<String> = files
-                .iter()
-                .map(|f| format!("{}/{}", f.index.blocks, f.data.blocks))
-                .collect();
+            let cells: Vec<String> = files.iter().map(|f| format!("{}/{}", f.index.blocks, f.data.blocks)).collect();
             println!("      layer {layer:>3}: {}", cells.join("  "));
         }
     }
@@ -203,26 +180,17 @@ fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> 
     }
     let owner = ctxfs_vfs::format::Owner::file(ctx.record().id, layer, head);
     if json {
-        let mut v =
-            json!({"context": name, "layer": layer, "head": head, "owner": owner.to_string()});
+        let mut v = json!({"context": name, "layer": layer, "head": head, "owner": owner.to_string()});
         for (which, blocks, bytes, runs) in parts {
-            v[if which == FileStream::Index {
-                "index"
-            } else {
-                "data"
-            }] = json!({"blocks": blocks, "bytes": bytes, "extents": runs});
+            v[if which == FileStream::Index { "index" } else { "data" }] =
+                json!({"blocks": blocks, "bytes": bytes, "extents": runs});
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!("vector file {name:?} layer {layer} head {head} ({owner})");
     for (which, blocks, bytes, runs) in parts {
-        println!(
-            "  {:?} stream: {blocks} blocks, {} in {} extents",
-            which,
-            human_bytes(bytes),
-            runs.len()
-        );
+        println!("  {:?} stream: {blocks} blocks, {} in {} extents", which, human_bytes(bytes), runs.len());
         for r in runs.iter().take(20) {
             println!(
                 "    logical {:>8} → blocks {}..{}",
@@ -240,8 +208,7 @@ fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> 
 
 fn list_blocks(store: &Store, json: bool) -> Result<()> {
     let snap = store.snapshot();
-    let names: std::collections::BTreeMap<u32, &str> =
-        snap.contexts().map(|c| (c.id, c.name.as_str())).collect();
+    let names: std::collections::BTreeMap<u32, &str> = snap.contexts().map(|c| (c.id, c.name.as_str())).collect();
     let blocks = live_blocks(&snap)?;
     if json {
         let list: Vec<Value> = blocks
@@ -258,17 +225,8 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
     }
     println!("{:>10}  {:<10}  {:<7}  owner", "block", "kind", "stream");
     for b in &blocks {
-        let ctx = names
-            .get(&b.owner.context)
-            .map(|n| format!(" ({n:?})"))
-            .unwrap_or_default();
-        println!(
-            "{:>10}  {:<10}  {:<7}  {}{ctx}",
-            b.block,
-            b.kind.name(),
-            b.stream.name(),
-            b.owner
-        );
+        let ctx = names.get(&b.owner.context).map(|n| format!(" ({n:?})")).unwrap_or_default();
+        println!("{:>10}  {:<10}  {:<7}  {}{ctx}", b.block, b.kind.name(), b.stream.name(), b.owner);
     }
     Ok(())
 }
@@ -281,10 +239,7 @@ pub fn hex(bytes: &[u8]) -> String {
 /// store would, and reports what it cost and whether the index stays resident.
 fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig};
-    let config = PoolConfig {
-        budget_bytes: budget,
-        ..Default::default()
-    };
+    let config = PoolConfig { budget_bytes: budget, ..Default::default() };
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?;
     let snap = store.snapshot();
     let started = std::time::Instant::now();
@@ -307,27 +262,16 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!(
-        "loaded {} index blocks of {} contexts in {secs:.3} s",
-        index_blocks,
-        snap.contexts().count()
-    );
+    println!("loaded {} index blocks of {} contexts in {secs:.3} s", index_blocks, snap.contexts().count());
     crate::bench_buffer::print_stats(&stats);
     if fits {
         println!("the whole index stays resident in this budget");
     } else {
-        println!(
-            "the index does NOT fit: {} index evictions; raise --budget",
-            stats.index.evictions
-        );
+        println!("the index does NOT fit: {} index evictions; raise --budget", stats.index.evictions);
     }
     for f in &failed {
         println!("error: {f}");
     }
-    anyhow::ensure!(
-        failed.is_empty(),
-        "{} index blocks could not be read",
-        failed.len()
-    );
+    anyhow::ensure!(failed.is_empty(), "{} index blocks could not be read", failed.len());
     Ok(())
 }

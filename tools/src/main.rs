@@ -5,10 +5,12 @@ mod bench_buffer;
 mod bench_io;
 mod demo;
 mod fsck_cmd;
+mod gen;
 mod inspect;
 mod mkfs;
 mod progress;
 mod raw_uring;
+mod st_write;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -17,11 +19,7 @@ use ctxfs_vfs::DeviceChoice;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(
-    name = "ctxfs",
-    version,
-    about = "A persistent vector file system for the KV caches of long LLM prompts"
-)]
+#[command(name = "ctxfs", version, about = "A persistent vector file system for the KV caches of long LLM prompts")]
 struct Cli {
     /// Block device implementation: auto (io_uring, falling back to pread/pwrite when the
     /// kernel refuses io_uring), uring, or file. Defaults to $CTXFS_DEVICE or auto.
@@ -46,6 +44,9 @@ enum Command {
     },
     /// Run the end-to-end demonstration on an embedded default store.
     Demo(demo::Args),
+    /// Generate a synthetic context (KV cache, prefill queries, token ids) and decode queries
+    /// that look like real attention; print the statistics achieved.
+    Gen(gen::Args),
 }
 
 #[derive(Subcommand)]
@@ -71,13 +72,10 @@ fn main() -> ExitCode {
         Command::Mkfs(args) => mkfs::run(args, device),
         Command::Inspect(args) => inspect::run(args, device),
         Command::Fsck(args) => return fsck_cmd::run(args, device),
-        Command::Bench {
-            which: BenchCommand::Io(args),
-        } => bench_io::run(args, device),
-        Command::Bench {
-            which: BenchCommand::Buffer(args),
-        } => bench_buffer::run(args, device),
+        Command::Bench { which: BenchCommand::Io(args) } => bench_io::run(args, device),
+        Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
         Command::Demo(args) => demo::run(args, device),
+        Command::Gen(args) => gen::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

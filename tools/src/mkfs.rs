@@ -62,13 +62,9 @@ pub fn format_store(
     }
     let existed = path.exists();
     if existed {
-        let meta =
-            std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
+        let meta = std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
         if !(meta.is_file() || meta.file_type().is_block_device()) {
-            bail!(
-                "{} is neither a regular file nor a block device",
-                path.display()
-            );
+            bail!("{} is neither a regular file nor a block device", path.display());
         }
         if meta.file_type().is_block_device() && size.is_some() {
             bail!("--size does not apply to a block device: the store takes the whole device");
@@ -98,14 +94,11 @@ pub fn format_store(
             match size {
                 Some(size) => {
                     let size = size / block_size as u64 * block_size as u64;
-                    file.set_len(size).with_context(|| {
-                        format!("cannot size {} to {size} bytes", path.display())
-                    })?;
+                    file.set_len(size).with_context(|| format!("cannot size {} to {size} bytes", path.display()))?;
                 }
-                None if file.metadata()?.len() == 0 => bail!(
-                    "{} is new or empty: give --size, e.g. --size 64G",
-                    path.display()
-                ),
+                None if file.metadata()?.len() == 0 => {
+                    bail!("{} is new or empty: give --size, e.g. --size 64G", path.display())
+                }
                 None => {}
             }
         }

@@ -32,10 +32,7 @@ impl RawFile {
             .open(path)
             .with_context(|| format!("cannot create raw scratch file {}", path.display()))?;
         file.set_len(len)?;
-        Ok(RawFile {
-            file,
-            ring: IoUring::new(256)?,
-        })
+        Ok(RawFile { file, ring: IoUring::new(256)? })
     }
 
     /// Opens an existing file (a store) with O_DIRECT, to read it raw.
@@ -45,10 +42,7 @@ impl RawFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(RawFile {
-            file,
-            ring: IoUring::new(256)?,
-        })
+        Ok(RawFile { file, ring: IoUring::new(256)? })
     }
 
     /// Runs every (offset, len) operation with `depth` in flight; `len` ≤ `slot_len`.
@@ -66,28 +60,19 @@ impl RawFile {
                 let ptr = bufs[slot].as_mut_ptr();
                 let fd = types::Fd(self.file.as_raw_fd());
                 let entry = match dir {
-                    Dir::Read => opcode::Read::new(fd, ptr, op_len as u32)
-                        .offset(ops[next])
-                        .build(),
-                    Dir::Write => opcode::Write::new(fd, ptr, op_len as u32)
-                        .offset(ops[next])
-                        .build(),
+                    Dir::Read => opcode::Read::new(fd, ptr, op_len as u32).offset(ops[next]).build(),
+                    Dir::Write => opcode::Write::new(fd, ptr, op_len as u32).offset(ops[next]).build(),
                 };
                 // SAFETY: `bufs[slot]` lives until this function returns, which happens only
                 // after every pushed entry has completed; a slot is reused only after its
                 // completion was reaped; the ring has 256 entries and at most `depth` ≤ 256
                 // are pushed without a reap.
-                unsafe { self.ring.submission().push(&entry.user_data(slot as u64)) }
-                    .expect("queue has room");
+                unsafe { self.ring.submission().push(&entry.user_data(slot as u64)) }.expect("queue has room");
                 next += 1;
                 in_flight += 1;
             }
             self.ring.submit_and_wait(1)?;
-            let done: Vec<(u64, i32)> = self
-                .ring
-                .completion()
-                .map(|c| (c.user_data(), c.result()))
-                .collect();
+            let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
             for (slot, res) in done {
                 in_flight -= 1;
                 free.push(slot as usize);

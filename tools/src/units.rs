@@ -4,9 +4,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(digits);
-    let n: u64 = num.parse().map_err(|_| {
-        format!("invalid size {s:?}: expected a number with an optional K, M, G or T suffix")
-    })?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected a number with an optional K, M, G or T suffix"))?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
@@ -15,8 +15,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "t" | "tb" | "tib" => 40,
         other => return Err(format!("invalid size {s:?}: unknown unit {other:?}")),
     };
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("size {s:?} is too large"))
+    n.checked_mul(1 << shift).ok_or_else(|| format!("size {s:?} is too large"))
 }
 
 pub fn human_bytes(n: u64) -> String {

@@ -7,11 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn ctxfs(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-        .args(args)
-        .env_remove("CTXFS_DEVICE")
-        .output()
-        .expect("run ctxfs")
+    Command::new(env!("CARGO_BIN_EXE_ctxfs")).args(args).env_remove("CTXFS_DEVICE").output().expect("run ctxfs")
 }
 
 fn ok(args: &[&str]) -> String {
@@ -55,15 +51,7 @@ fn mkfs_creates_a_store_and_refuses_to_overwrite_one() {
     let again = ctxfs(&["mkfs", p(&store), "--size", "16M"]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a ctxfs store"));
-    ok(&[
-        "mkfs",
-        p(&store),
-        "--size",
-        "8M",
-        "--force",
-        "--block-size",
-        "8192",
-    ]);
+    ok(&["mkfs", p(&store), "--size", "8M", "--force", "--block-size", "8192"]);
     let v = json(&["inspect", p(&store), "--json"]);
     assert_eq!(v["superblock"]["block_size"], 8192);
     assert_eq!(v["superblock"]["blocks"], 1024);
@@ -75,20 +63,10 @@ fn mkfs_rejects_bad_input_and_leaves_nothing_behind() {
     let store = dir.path().join("new.ctxfs");
     let out = ctxfs(&["mkfs", p(&store)]);
     assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("give --size"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !store.exists(),
-        "a failed mkfs must not leave a file behind"
-    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give --size"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!store.exists(), "a failed mkfs must not leave a file behind");
     for (args, why) in [
-        (
-            vec!["--size", "16M", "--block-size", "5000"],
-            "power of two",
-        ),
+        (vec!["--size", "16M", "--block-size", "5000"], "power of two"),
         (vec!["--size", "12Q"], "unknown unit"),
         (vec!["--size", "64K"], "at least"),
     ] {
@@ -121,42 +99,21 @@ fn inspect_shows_contexts_files_and_every_live_block() {
     // 15 vectors of 128 f16 per 4 KiB block.
     assert_eq!(files[3]["data"]["blocks"], 16384_u64.div_ceil(15));
 
-    let one = json(&[
-        "inspect",
-        p(&store),
-        "demo-book",
-        "--layer",
-        "1",
-        "--head",
-        "1",
-        "--json",
-    ]);
+    let one = json(&["inspect", p(&store), "demo-book", "--layer", "1", "--head", "1", "--json"]);
     assert_eq!(one["owner"], "context 1 layer 1 head 1");
     assert_eq!(one["index"]["blocks"], 16384_u64.div_ceil(15));
-    let extents: u64 = one["data"]["extents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["blocks"].as_u64().unwrap())
-        .sum();
+    let extents: u64 = one["data"]["extents"].as_array().unwrap().iter().map(|e| e["blocks"].as_u64().unwrap()).sum();
     assert_eq!(extents, 16384_u64.div_ceil(15));
 
     let blocks = json(&["inspect", p(&store), "--blocks", "--json"]);
     let blocks = blocks.as_array().unwrap();
     let used = v["space"]["used_blocks"].as_u64().unwrap();
-    assert_eq!(
-        blocks.len() as u64,
-        used,
-        "every allocated block is listed once"
-    );
+    assert_eq!(blocks.len() as u64, used, "every allocated block is listed once");
     let mut seen = std::collections::BTreeSet::new();
     for b in blocks {
         assert!(seen.insert(b["block"].as_u64().unwrap()));
         let kind = b["kind"].as_str().unwrap();
-        assert!(
-            ["superblock", "catalog", "alloc", "extent", "index", "data"].contains(&kind),
-            "{kind}"
-        );
+        assert!(["superblock", "catalog", "alloc", "extent", "index", "data"].contains(&kind), "{kind}");
         assert!(b["owner"].is_string());
     }
     let count = |k: &str| blocks.iter().filter(|b| b["kind"] == k).count();
@@ -175,60 +132,26 @@ fn fsck_exit_codes_follow_e2fsck() {
 
     // Damage one data block: found, named, exit 4; repair without --drop-damaged leaves it.
     let blocks = json(&["inspect", p(&store), "--blocks", "--json"]);
-    let victim = blocks
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["kind"] == "data")
-        .unwrap()["block"]
-        .as_u64()
-        .unwrap();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&store)
-        .unwrap();
+    let victim = blocks.as_array().unwrap().iter().find(|b| b["kind"] == "data").unwrap()["block"].as_u64().unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&store).unwrap();
     f.write_all_at(&[0xFF; 64], victim * 4096 + 100).unwrap();
     f.sync_all().unwrap();
     let out = ctxfs(&["fsck", p(&store), "--json"]);
     assert_eq!(out.status.code(), Some(4));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let named: Vec<u64> = v["problems"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|p| p["block"].as_u64())
-        .collect();
+    let named: Vec<u64> = v["problems"].as_array().unwrap().iter().filter_map(|p| p["block"].as_u64()).collect();
     assert_eq!(named, vec![victim]);
     assert_eq!(v["problems"][0]["context"], "demo-book");
     let human = String::from_utf8(ctxfs(&["fsck", p(&store)]).stdout).unwrap();
     assert!(human.contains(&format!("block {victim}")), "{human}");
-    assert_eq!(
-        ctxfs(&["fsck", p(&store), "--repair"]).status.code(),
-        Some(4)
-    );
+    assert_eq!(ctxfs(&["fsck", p(&store), "--repair"]).status.code(), Some(4));
     // Dropping the damaged context is a correction: exit 1, then clean.
-    assert_eq!(
-        ctxfs(&["fsck", p(&store), "--repair", "--drop-damaged"])
-            .status
-            .code(),
-        Some(1)
-    );
+    assert_eq!(ctxfs(&["fsck", p(&store), "--repair", "--drop-damaged"]).status.code(), Some(1));
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
-    assert_eq!(
-        json(&["inspect", p(&store), "--json"])["contexts"]
-            .as_array()
-            .unwrap()
-            .len(),
-        0
-    );
+    assert_eq!(json(&["inspect", p(&store), "--json"])["contexts"].as_array().unwrap().len(), 0);
 
     // Not a store, or missing: operational error, exit 8 (or 4 when it is readable garbage).
-    assert_eq!(
-        ctxfs(&["fsck", p(&dir.path().join("missing"))])
-            .status
-            .code(),
-        Some(8)
-    );
+    assert_eq!(ctxfs(&["fsck", p(&dir.path().join("missing"))]).status.code(), Some(8));
     let junk = dir.path().join("junk");
     std::fs::write(&junk, vec![7u8; 1 << 20]).unwrap();
     assert_eq!(ctxfs(&["fsck", p(&junk)]).status.code(), Some(4));
@@ -256,29 +179,14 @@ fn bench_io_reports_ratios_and_cleans_up() {
     let dir = tmp();
     let store = dir.path().join("b.ctxfs");
     ok(&["mkfs", p(&store), "--size", "64M"]);
-    let v = json(&[
-        "bench",
-        "io",
-        p(&store),
-        "--mib",
-        "8",
-        "--random-reads",
-        "2048",
-        "--json",
-    ]);
+    let v = json(&["bench", "io", p(&store), "--mib", "8", "--random-reads", "2048", "--json"]);
     for k in ["seq_write_vs_raw", "seq_read_vs_raw", "random_read_vs_raw"] {
         let r = v["ratios"][k].as_f64().unwrap();
         assert!(r > 0.05 && r < 20.0, "{k} = {r}");
     }
     assert!(v["ctxfs"]["random_read_iops"].as_f64().unwrap() > 0.0);
     // The scratch context and the raw scratch file are gone; the store is clean.
-    assert_eq!(
-        json(&["inspect", p(&store), "--json"])["contexts"]
-            .as_array()
-            .unwrap()
-            .len(),
-        0
-    );
+    assert_eq!(json(&["inspect", p(&store), "--json"])["contexts"].as_array().unwrap().len(), 0);
     assert!(!store.with_extension("bench-raw").exists());
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
@@ -292,46 +200,19 @@ fn ctxfs_without_io_uring(args: &[&str]) -> Output {
         const SYS_IO_URING_SETUP: u32 = 425;
         // Classic BPF: load the syscall number; if io_uring_setup return EPERM, else allow.
         let filter = [
-            libc::sock_filter {
-                code: 0x20,
-                jt: 0,
-                jf: 0,
-                k: 0,
-            }, // ld  [nr]
-            libc::sock_filter {
-                code: 0x15,
-                jt: 0,
-                jf: 1,
-                k: SYS_IO_URING_SETUP,
-            }, // jeq
-            libc::sock_filter {
-                code: 0x06,
-                jt: 0,
-                jf: 0,
-                k: 0x0005_0000 | libc::EPERM as u32,
-            }, // ret ERRNO
-            libc::sock_filter {
-                code: 0x06,
-                jt: 0,
-                jf: 0,
-                k: 0x7fff_0000,
-            }, // ret ALLOW
+            libc::sock_filter { code: 0x20, jt: 0, jf: 0, k: 0 }, // ld  [nr]
+            libc::sock_filter { code: 0x15, jt: 0, jf: 1, k: SYS_IO_URING_SETUP }, // jeq
+            libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x0005_0000 | libc::EPERM as u32 }, // ret ERRNO
+            libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x7fff_0000 }, // ret ALLOW
         ];
-        let prog = libc::sock_fprog {
-            len: filter.len() as u16,
-            filter: filter.as_ptr() as *mut _,
-        };
+        let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut _ };
         // SAFETY: plain prctl calls with valid arguments; `prog` and `filter` outlive them
         // (the kernel copies the program during the call).
         let rc = unsafe {
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            libc::prctl(
-                libc::PR_SET_SECCOMP,
-                2, /* SECCOMP_MODE_FILTER */
-                &prog as *const libc::sock_fprog,
-            )
+            libc::prctl(libc::PR_SET_SECCOMP, 2 /* SECCOMP_MODE_FILTER */, &prog as *const libc::sock_fprog)
         };
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
@@ -352,31 +233,21 @@ fn a_refused_io_uring_falls_back_to_pread_and_inspect_says_so() {
     let dir = tmp();
     let store = dir.path().join("seccomp.ctxfs");
     let out = ctxfs_without_io_uring(&["mkfs", p(&store), "--size", "8M", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["device"], "file");
     let out = ctxfs_without_io_uring(&["inspect", p(&store), "--json"]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["device"]["kind"], "file");
     let note = v["device"]["note"].as_str().unwrap();
-    assert!(
-        note.contains("io_uring setup refused") && note.contains("pread/pwrite"),
-        "{note}"
-    );
+    assert!(note.contains("io_uring setup refused") && note.contains("pread/pwrite"), "{note}");
     let human = String::from_utf8(ctxfs_without_io_uring(&["inspect", p(&store)]).stdout).unwrap();
     assert!(human.contains("io_uring setup refused"), "{human}");
     // Asking for io_uring explicitly is an error, not a silent fallback.
     let out = ctxfs_without_io_uring(&["--device", "uring", "inspect", p(&store)]);
     assert!(!out.status.success());
     // Without the filter, the same store opens on io_uring again.
-    assert_eq!(
-        json(&["inspect", p(&store), "--json"])["device"]["kind"],
-        "uring"
-    );
+    assert_eq!(json(&["inspect", p(&store), "--json"])["device"]["kind"], "uring");
 }
 
 #[test]
@@ -405,24 +276,11 @@ fn bench_buffer_compares_cold_reads_with_raw_and_reports_hot_hits() {
     // The hot set is 1024 index blocks, read once each and then only hit.
     assert_eq!(stats["index"]["misses"], 1024);
     assert_eq!(stats["index"]["evictions"], 0);
-    let (hits, misses) = (
-        stats["data"]["hits"].as_u64().unwrap(),
-        stats["data"]["misses"].as_u64().unwrap(),
-    );
-    assert_eq!(
-        hits + misses,
-        2048,
-        "every read is a hit or a miss: {stats}"
-    );
+    let (hits, misses) = (stats["data"]["hits"].as_u64().unwrap(), stats["data"]["misses"].as_u64().unwrap());
+    assert_eq!(hits + misses, 2048, "every read is a hit or a miss: {stats}");
     assert!(misses >= 2048 * 9 / 10, "cold reads mostly miss: {stats}");
     assert!(stats["allocated_bytes"].as_u64().unwrap() <= stats["budget_bytes"].as_u64().unwrap());
-    assert_eq!(
-        json(&["inspect", p(&store), "--json"])["contexts"]
-            .as_array()
-            .unwrap()
-            .len(),
-        0
-    );
+    assert_eq!(json(&["inspect", p(&store), "--json"])["contexts"].as_array().unwrap().len(), 0);
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
 

@@ -18,10 +18,7 @@ pub struct Bitmap {
 
 impl Bitmap {
     pub fn new(len: u64) -> Self {
-        Bitmap {
-            words: vec![0; len.div_ceil(64) as usize],
-            len,
-        }
+        Bitmap { words: vec![0; len.div_ceil(64) as usize], len }
     }
     pub fn len(&self) -> u64 {
         self.len
@@ -77,9 +74,7 @@ impl Bitmap {
     /// Sets bits `[start, start+len)` from bytes written by [`Bitmap::to_bytes`].
     pub fn load_bytes(&mut self, start: u64, len: u64, bytes: &[u8]) {
         for i in 0..len.min(self.len.saturating_sub(start)) {
-            let bit = bytes
-                .get((i / 8) as usize)
-                .is_some_and(|b| b >> (i % 8) & 1 == 1);
+            let bit = bytes.get((i / 8) as usize).is_some_and(|b| b >> (i % 8) & 1 == 1);
             self.set(start + i, bit);
         }
     }
@@ -136,10 +131,7 @@ impl Allocator {
     }
     /// Blocks freed by commits but not yet reusable.
     pub fn quarantined(&self) -> u64 {
-        self.quarantine
-            .iter()
-            .map(|(_, b)| b.iter().filter(|&&b| !self.next.get(b)).count() as u64)
-            .sum()
+        self.quarantine.iter().map(|(_, b)| b.iter().filter(|&&b| !self.next.get(b)).count() as u64).sum()
     }
 
     /// Blocks that could be allocated now.
@@ -152,10 +144,7 @@ impl Allocator {
 
     /// Quarantines blocks that an older state references but the committed one does not.
     pub fn quarantine_from(&mut self, older: &Bitmap, generation: u64) {
-        let blocks: Vec<u64> = older
-            .iter_ones()
-            .filter(|&b| b < self.total() && !self.committed.get(b))
-            .collect();
+        let blocks: Vec<u64> = older.iter_ones().filter(|&b| b < self.total() && !self.committed.get(b)).collect();
         for &b in &blocks {
             self.in_use.set(b, true);
         }
@@ -171,11 +160,8 @@ impl Allocator {
 
     /// One free block, preferring `hint`.
     pub fn alloc(&mut self, hint: u64) -> Option<u64> {
-        let block = if hint < self.total() && !self.in_use.get(hint) {
-            hint
-        } else {
-            self.in_use.find_clear(self.cursor)?
-        };
+        let block =
+            if hint < self.total() && !self.in_use.get(hint) { hint } else { self.in_use.find_clear(self.cursor)? };
         self.in_use.set(block, true);
         self.mark(block, true);
         self.cursor = block + 1;
@@ -199,10 +185,7 @@ impl Allocator {
     /// Releases a block allocated by the open transaction and never referenced (an unused
     /// reservation): it can be reused at once.
     pub fn unreserve(&mut self, block: u64) {
-        debug_assert!(
-            !self.committed.get(block),
-            "unreserving committed block {block}"
-        );
+        debug_assert!(!self.committed.get(block), "unreserving committed block {block}");
         self.mark(block, false);
         self.in_use.set(block, false);
     }
@@ -280,10 +263,7 @@ mod tests {
         // Freed at 5: gen 4 is the fallback and a reader holds it.
         assert!(a.alloc(3) != Some(3));
         a.commit(6, Some(4));
-        assert!(
-            a.alloc(3) != Some(3),
-            "a reader of generation 4 can still see block 3"
-        );
+        assert!(a.alloc(3) != Some(3), "a reader of generation 4 can still see block 3");
         a.commit(7, None);
         assert_eq!(a.alloc(3), Some(3));
     }

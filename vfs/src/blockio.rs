@@ -50,9 +50,7 @@ pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
 
 /// Reads one block and checks it against what its reference says.
 pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Result<BlockBuf> {
-    read_many(dev, &[(block, *expect)])
-        .pop()
-        .expect("one result")
+    read_many(dev, &[(block, *expect)]).pop().expect("one result")
 }
 
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
@@ -62,11 +60,7 @@ pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<Bl
 }
 
 /// [`read_many`] with buffers from a [`ReadPool`].
-pub fn read_many_pooled(
-    dev: &dyn BlockDevice,
-    reqs: &[(u64, Expect)],
-    pool: &mut ReadPool,
-) -> Vec<Result<BlockBuf>> {
+pub fn read_many_pooled(dev: &dyn BlockDevice, reqs: &[(u64, Expect)], pool: &mut ReadPool) -> Vec<Result<BlockBuf>> {
     let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
     read_raw_many_pooled(dev, &blocks, pool)
         .into_iter()
@@ -91,11 +85,7 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<RawBlo
 pub type ReadPool = Vec<Arc<AlignedBuf>>;
 
 /// [`read_raw_many`], taking its buffers from `pool` where it can and leaving them there.
-pub fn read_raw_many_pooled(
-    dev: &dyn BlockDevice,
-    blocks: &[u64],
-    pool: &mut ReadPool,
-) -> Vec<Result<RawBlock>> {
+pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut ReadPool) -> Vec<Result<RawBlock>> {
     /// Longest coalesced read: 1 MiB of 4 KiB blocks.
     const MAX_RUN: usize = 256;
     let bs = dev.block_size();
@@ -110,55 +100,32 @@ pub fn read_raw_many_pooled(
             _ => runs.push((b, 1)),
         }
     }
-    let mut spare: Vec<AlignedBuf> = pool
-        .drain(..)
-        .filter_map(|b| Arc::try_unwrap(b).ok())
-        .collect();
+    let mut spare: Vec<AlignedBuf> = pool.drain(..).filter_map(|b| Arc::try_unwrap(b).ok()).collect();
     let mut bufs: Vec<AlignedBuf> = runs
         .iter()
-        .map(
-            |&(_, n)| match spare.iter().position(|b| b.len() == n * bs) {
-                Some(i) => spare.swap_remove(i),
-                None => AlignedBuf::zeroed(n * bs),
-            },
-        )
+        .map(|&(_, n)| match spare.iter().position(|b| b.len() == n * bs) {
+            Some(i) => spare.swap_remove(i),
+            None => AlignedBuf::zeroed(n * bs),
+        })
         .collect();
     let mut io: Vec<std::io::Result<()>> = {
-        let mut ops: Vec<IoOp<'_>> = runs
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&(block, _), buf)| IoOp::Read { block, buf })
-            .collect();
+        let mut ops: Vec<IoOp<'_>> =
+            runs.iter().zip(bufs.iter_mut()).map(|(&(block, _), buf)| IoOp::Read { block, buf }).collect();
         dev.submit(&mut ops)
     };
     // A failed coalesced read is retried block by block, so one bad block fails alone.
-    let failed: Vec<usize> = (0..runs.len())
-        .filter(|&r| io[r].is_err() && runs[r].1 > 1)
-        .collect();
+    let failed: Vec<usize> = (0..runs.len()).filter(|&r| io[r].is_err() && runs[r].1 > 1).collect();
     let mut split: BTreeMap<u64, std::io::Result<RawBlock>> = BTreeMap::new();
     for r in failed {
         let (start, n) = runs[r];
         let mut single: Vec<AlignedBuf> = (0..n).map(|_| AlignedBuf::zeroed(bs)).collect();
         let res = {
-            let mut ops: Vec<IoOp<'_>> = single
-                .iter_mut()
-                .enumerate()
-                .map(|(i, buf)| IoOp::Read {
-                    block: start + i as u64,
-                    buf,
-                })
-                .collect();
+            let mut ops: Vec<IoOp<'_>> =
+                single.iter_mut().enumerate().map(|(i, buf)| IoOp::Read { block: start + i as u64, buf }).collect();
             dev.submit(&mut ops)
         };
         for (i, (res, buf)) in res.into_iter().zip(single).enumerate() {
-            split.insert(
-                start + i as u64,
-                res.map(|()| RawBlock {
-                    buf: Arc::new(buf),
-                    at: 0,
-                    len: bs,
-                }),
-            );
+            split.insert(start + i as u64, res.map(|()| RawBlock { buf: Arc::new(buf), at: 0, len: bs }));
         }
         io[r] = Ok(());
     }
@@ -170,25 +137,15 @@ pub fn read_raw_many_pooled(
             if let Some(res) = split.get(&block) {
                 return match res {
                     Ok(buf) => Ok(buf.clone()),
-                    Err(e) => Err(Error::BlockIo {
-                        block,
-                        source: std::io::Error::new(e.kind(), e.to_string()),
-                    }),
+                    Err(e) => Err(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) }),
                 };
             }
             let r = runs.partition_point(|&(start, n)| start + n as u64 <= block);
             let (start, _) = runs[r];
             if let Err(e) = &io[r] {
-                return Err(Error::BlockIo {
-                    block,
-                    source: std::io::Error::new(e.kind(), e.to_string()),
-                });
+                return Err(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) });
             }
-            Ok(RawBlock {
-                buf: bufs[r].clone(),
-                at: (block - start) as usize * bs,
-                len: bs,
-            })
+            Ok(RawBlock { buf: bufs[r].clone(), at: (block - start) as usize * bs, len: bs })
         })
         .collect()
 }
@@ -208,12 +165,7 @@ impl WriteQueue {
 
     pub fn new(block_size: usize) -> Self {
         let capacity = (Self::BATCH_BYTES / block_size).max(1);
-        WriteQueue {
-            block_size,
-            capacity,
-            buf: AlignedBuf::zeroed(0),
-            addrs: Vec::new(),
-        }
+        WriteQueue { block_size, capacity, buf: AlignedBuf::zeroed(0), addrs: Vec::new() }
     }
 
     pub fn is_full(&self) -> bool {
@@ -251,10 +203,7 @@ impl WriteQueue {
         let results = {
             let mut ops: Vec<IoOp<'_>> = spans
                 .iter()
-                .map(|&(block, slot, n)| IoOp::Write {
-                    block,
-                    buf: &self.buf[slot * bs..(slot + n) * bs],
-                })
+                .map(|&(block, slot, n)| IoOp::Write { block, buf: &self.buf[slot * bs..(slot + n) * bs] })
                 .collect();
             dev.submit(&mut ops)
         };
@@ -307,21 +256,13 @@ pub fn write_chain(
         if queue.is_full() {
             queue.flush(dev)?;
         }
-        next = BlockRef {
-            block,
-            crc: queue.push(block, &header, &e.0),
-        };
+        next = BlockRef { block, crc: queue.push(block, &header, &e.0) };
     }
     Ok(next)
 }
 
 /// Reads a chain from its first reference. Returns the blob and the blocks it occupies.
-pub fn read_chain(
-    dev: &dyn BlockDevice,
-    first: BlockRef,
-    id: ChainId,
-    generation: u64,
-) -> Result<(Vec<u8>, Vec<u64>)> {
+pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generation: u64) -> Result<(Vec<u8>, Vec<u64>)> {
     let total = dev.num_blocks();
     let mut blob = Vec::new();
     let mut blocks = Vec::new();
@@ -336,11 +277,7 @@ pub fn read_chain(
             max_generation: generation,
         };
         if at.block < 2 || at.block >= total || blocks.len() as u64 >= total {
-            return Err(damaged(
-                at.block,
-                &expect,
-                BlockFault::Malformed("chain link out of range".into()),
-            ));
+            return Err(damaged(at.block, &expect, BlockFault::Malformed("chain link out of range".into())));
         }
         let b = read_verified(dev, at.block, &expect)?;
         let mut d = Dec::new(b.payload(), "chain block");

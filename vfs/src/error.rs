@@ -14,11 +14,7 @@ pub enum BlockFault {
     #[error("checksum {found:#010x} differs from {expected:#010x} recorded by its parent (lost or misdirected write)")]
     ReferenceMismatch { expected: u32, found: u32 },
     #[error("header says {field} = {found}, expected {expected} (misdirected write)")]
-    HeaderMismatch {
-        field: &'static str,
-        expected: u64,
-        found: u64,
-    },
+    HeaderMismatch { field: &'static str, expected: u64, found: u64 },
     #[error("malformed contents: {0}")]
     Malformed(String),
 }
@@ -41,11 +37,7 @@ pub enum Error {
     #[error("not a ctxfs store: {0}")]
     NotAStore(String),
     #[error("unsupported format version {found} (this build reads version {supported}); {hint}")]
-    UnsupportedVersion {
-        found: u32,
-        supported: u32,
-        hint: &'static str,
-    },
+    UnsupportedVersion { found: u32, supported: u32, hint: &'static str },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("no context named {0:?}")]
@@ -75,19 +67,8 @@ impl Error {
     }
 
     /// Damage found without a reference to compare against (structure checks).
-    pub fn damaged(
-        block: u64,
-        kind: &'static str,
-        owner: impl Into<String>,
-        fault: BlockFault,
-    ) -> Error {
-        Error::Damaged {
-            block,
-            kind,
-            owner: owner.into(),
-            fault,
-            expected: None,
-        }
+    pub fn damaged(block: u64, kind: &'static str, owner: impl Into<String>, fault: BlockFault) -> Error {
+        Error::Damaged { block, kind, owner: owner.into(), fault, expected: None }
     }
 
     /// The block this error is about, where it is about one.

@@ -12,9 +12,7 @@ use crate::error::{Error, Result};
 use crate::format::header::unseal;
 use crate::format::records::{decode_catalog, ContextRecord, StreamRoot};
 use crate::format::{BlockKind, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
-use crate::store::{
-    load_bitmap, pick, read_slots, record_chain, AllocSource, Store, CATALOG_CHAIN,
-};
+use crate::store::{load_bitmap, pick, read_slots, record_chain, AllocSource, Store, CATALOG_CHAIN};
 use crate::stream::{StreamId, StreamMap};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -129,44 +127,18 @@ impl Walk<'_> {
 
     fn problem(&mut self, e: &Error, context: Option<&str>, fix: Fix) {
         let (block, kind, owner, message) = match e {
-            Error::Damaged {
-                block,
-                kind,
-                owner,
-                fault,
-                expected,
-            } => {
+            Error::Damaged { block, kind, owner, fault, expected } => {
                 if let Some(expect) = expected {
                     self.failed.push((*block, **expect));
                 }
-                (
-                    Some(*block),
-                    kind.to_string(),
-                    owner.clone(),
-                    fault.to_string(),
-                )
+                (Some(*block), kind.to_string(), owner.clone(), fault.to_string())
             }
-            Error::BlockIo { block, source } => (
-                Some(*block),
-                "unknown".into(),
-                "unknown".into(),
-                format!("I/O error: {source}"),
-            ),
-            other => (
-                other.block(),
-                "unknown".into(),
-                "unknown".into(),
-                other.to_string(),
-            ),
+            Error::BlockIo { block, source } => {
+                (Some(*block), "unknown".into(), "unknown".into(), format!("I/O error: {source}"))
+            }
+            other => (other.block(), "unknown".into(), "unknown".into(), other.to_string()),
         };
-        self.problems.push(Problem {
-            block,
-            kind,
-            owner,
-            context: context.map(str::to_string),
-            message,
-            fix,
-        });
+        self.problems.push(Problem { block, kind, owner, context: context.map(str::to_string), message, fix });
     }
 
     fn note(
@@ -189,14 +161,7 @@ impl Walk<'_> {
     }
 
     /// Marks a block reachable; a second claim is a block used twice.
-    fn claim(
-        &mut self,
-        block: u64,
-        kind: &str,
-        owner: Owner,
-        context: Option<&str>,
-        seen: &mut Vec<u64>,
-    ) {
+    fn claim(&mut self, block: u64, kind: &str, owner: Owner, context: Option<&str>, seen: &mut Vec<u64>) {
         seen.push(block);
         if block >= self.reach.len() {
             self.note(
@@ -208,14 +173,7 @@ impl Walk<'_> {
                 Fix::None,
             );
         } else if self.reach.get(block) {
-            self.note(
-                Some(block),
-                kind,
-                owner.to_string(),
-                context,
-                "block is referenced twice".into(),
-                Fix::None,
-            );
+            self.note(Some(block), kind, owner.to_string(), context, "block is referenced twice".into(), Fix::None);
         } else {
             self.reach.set(block, true);
         }
@@ -282,10 +240,7 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
                                 "catalog",
                                 owner,
                                 Some(&entry.name),
-                                format!(
-                                    "context id {} or name repeats or is out of range",
-                                    entry.id
-                                ),
+                                format!("context id {} or name repeats or is out of range", entry.id),
                                 Fix::None,
                             );
                             w.catalog_damaged = true;
@@ -362,15 +317,9 @@ fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
     let candidates: Vec<u64> = match &w.persisted {
         Some(p) => p.iter_ones().filter(|&b| !w.reach.get(b)).collect(),
         // Without the bitmap free blocks cannot be told apart, so only misplaced blocks count.
-        None => (SUPERBLOCK_SLOTS..sb.total_blocks)
-            .filter(|&b| !w.reach.get(b))
-            .collect(),
+        None => (SUPERBLOCK_SLOTS..sb.total_blocks).filter(|&b| !w.reach.get(b)).collect(),
     };
-    let wanted: BTreeMap<u32, (u64, Expect)> = w
-        .failed
-        .iter()
-        .map(|&(block, e)| (e.crc, (block, e)))
-        .collect();
+    let wanted: BTreeMap<u32, (u64, Expect)> = w.failed.iter().map(|&(block, e)| (e.crc, (block, e))).collect();
     for chunk in candidates.chunks(256) {
         w.checked(chunk.len() as u64);
         for (&block, raw) in chunk.iter().zip(read_raw_many(dev, chunk)) {
@@ -383,15 +332,54 @@ fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
             };
             let buf = buf.bytes();
             match unseal(buf) {
-                Err(fault) if w.persisted.is_some() => w.note(Some(block), "unknown", "unknown".into(), None, format!("allocated block under unreadable metadata fails its own check: {fault}"), Fix::None),
+                Err(fault) if w.persisted.is_some() => w.note(
+                    Some(block),
+                    "unknown",
+                    "unknown".into(),
+                    None,
+                    format!("allocated block under unreadable metadata fails its own check: {fault}"),
+                    Fix::None,
+                ),
                 // A zeroed block may be free space that was never written.
-                Err(fault) if buf.iter().any(|&b| b != 0) => w.note(Some(block), "unknown", "unknown".into(), None, format!("block fails its own check (the allocator is unreadable, so it may be free space): {fault}"), Fix::None),
+                Err(fault) if buf.iter().any(|&b| b != 0) => w.note(
+                    Some(block),
+                    "unknown",
+                    "unknown".into(),
+                    None,
+                    format!(
+                        "block fails its own check (the allocator is unreadable, so it may be free space): {fault}"
+                    ),
+                    Fix::None,
+                ),
                 Err(_) => {}
                 Ok((h, crc)) => match wanted.get(&crc) {
-                    Some(&(home, e)) if home != block && h.kind == e.kind && h.owner == e.owner && h.logical == e.logical && h.stream == e.stream => {
-                        w.note(Some(block), h.kind.name(), h.owner.to_string(), None, format!("holds the {} block that belongs at block {home} (misdirected or swapped write)", h.kind.name()), Fix::None)
+                    Some(&(home, e))
+                        if home != block
+                            && h.kind == e.kind
+                            && h.owner == e.owner
+                            && h.logical == e.logical
+                            && h.stream == e.stream =>
+                    {
+                        w.note(
+                            Some(block),
+                            h.kind.name(),
+                            h.owner.to_string(),
+                            None,
+                            format!(
+                                "holds the {} block that belongs at block {home} (misdirected or swapped write)",
+                                h.kind.name()
+                            ),
+                            Fix::None,
+                        )
                     }
-                    _ if h.kind == BlockKind::Superblock => w.note(Some(block), "superblock", "system".into(), None, "superblock outside the superblock slots".into(), Fix::None),
+                    _ if h.kind == BlockKind::Superblock => w.note(
+                        Some(block),
+                        "superblock",
+                        "system".into(),
+                        None,
+                        "superblock outside the superblock slots".into(),
+                        Fix::None,
+                    ),
                     _ => {}
                 },
             }
@@ -453,29 +441,11 @@ fn walk_context(
         }
         Some(record) => {
             let kv = record.shape.kv_heads as usize;
-            let mut streams = vec![(
-                StreamId {
-                    owner: Owner::context(id),
-                    tag: StreamTag::Tokens,
-                },
-                &record.tokens,
-            )];
+            let mut streams = vec![(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }, &record.tokens)];
             for (i, f) in record.files.iter().enumerate() {
                 let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
-                streams.push((
-                    StreamId {
-                        owner,
-                        tag: StreamTag::Index,
-                    },
-                    &f.index,
-                ));
-                streams.push((
-                    StreamId {
-                        owner,
-                        tag: StreamTag::Data,
-                    },
-                    &f.data,
-                ));
+                streams.push((StreamId { owner, tag: StreamTag::Index }, &f.index));
+                streams.push((StreamId { owner, tag: StreamTag::Data }, &f.data));
             }
             for (sid, root) in streams {
                 walk_stream(dev, sb, w, sid, root, name, &mut seen);
@@ -530,21 +500,14 @@ fn walk_stream(
             }
         }
     }
-    let complete = !w
-        .problems
-        .iter()
-        .any(|p| p.context.as_deref() == Some(name));
+    let complete = !w.problems.iter().any(|p| p.context.as_deref() == Some(name));
     if complete && bytes != root.bytes {
         w.note(
             root.extents.first().map(|r| r.block),
             "extent",
             id.owner.to_string(),
             Some(name),
-            format!(
-                "{} stream holds {bytes} bytes, the record says {}",
-                id.tag.name(),
-                root.bytes
-            ),
+            format!("{} stream holds {bytes} bytes, the record says {}", id.tag.name(), root.bytes),
             Fix::DropContext,
         );
     }
@@ -562,12 +525,7 @@ fn walk_stream(
 
 fn read_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
     let mut buf = AlignedBuf::zeroed(dev.block_size());
-    dev.submit(&mut [IoOp::Read {
-        block,
-        buf: &mut buf,
-    }])
-    .pop()
-    .expect("one result")?;
+    dev.submit(&mut [IoOp::Read { block, buf: &mut buf }]).pop().expect("one result")?;
     Ok(buf)
 }
 
@@ -578,14 +536,7 @@ struct Checked<'p> {
 }
 
 fn superblock_problem(block: Option<u64>, message: String, fix: Fix) -> Problem {
-    Problem {
-        block,
-        kind: "superblock".into(),
-        owner: "system".into(),
-        context: None,
-        message,
-        fix,
-    }
+    Problem { block, kind: "superblock".into(), owner: "system".into(), context: None, message, fix }
 }
 
 fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Checked<'p>> {
@@ -596,19 +547,11 @@ fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Chec
         Err(e) => {
             for s in &slots {
                 if let Err(msg) = &s.result {
-                    report
-                        .problems
-                        .push(superblock_problem(Some(s.slot), msg.clone(), Fix::None));
+                    report.problems.push(superblock_problem(Some(s.slot), msg.clone(), Fix::None));
                 }
             }
-            report
-                .problems
-                .push(superblock_problem(None, e.to_string(), Fix::None));
-            return Ok(Checked {
-                report,
-                active: None,
-                fallback: None,
-            });
+            report.problems.push(superblock_problem(None, e.to_string(), Fix::None));
+            return Ok(Checked { report, active: None, fallback: None });
         }
     };
     report.active_generation = Some(active.generation);
@@ -626,11 +569,7 @@ fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Chec
     report.contexts = w.contexts;
     report.blocks_checked = w.blocks_checked;
     report.problems.extend(w.problems.iter().cloned());
-    Ok(Checked {
-        report,
-        active: Some((active, w)),
-        fallback,
-    })
+    Ok(Checked { report, active: Some((active, w)), fallback })
 }
 
 /// Checks a store without changing it.
@@ -650,11 +589,7 @@ pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
 }
 
 /// [`repair`], reporting progress of its checks as they read.
-pub fn repair_with(
-    dev: Arc<dyn BlockDevice>,
-    drop_damaged: bool,
-    progress: Progress<'_>,
-) -> Result<Report> {
+pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Progress<'_>) -> Result<Report> {
     let first = check_inner(dev.as_ref(), progress)?;
     if first.report.is_clean() {
         return Ok(first.report);
@@ -670,23 +605,14 @@ pub fn repair_with(
         if let Some(older) = first.fallback {
             let older_walk = self::walk(dev.as_ref(), &older, progress);
             if older_walk.problems.is_empty() {
-                let revived = Superblock {
-                    generation: active.generation + 2,
-                    ..older
-                };
+                let revived = Superblock { generation: active.generation + 2, ..older };
                 debug_assert_eq!(revived.slot(), active.slot());
                 let mut buf = AlignedBuf::zeroed(dev.block_size());
                 revived.encode_into(&mut buf);
-                dev.submit(&mut [IoOp::Write {
-                    block: revived.slot(),
-                    buf: &buf,
-                }])
-                .pop()
-                .expect("one result")
-                .map_err(|source| Error::BlockIo {
-                    block: revived.slot(),
-                    source,
-                })?;
+                dev.submit(&mut [IoOp::Write { block: revived.slot(), buf: &buf }])
+                    .pop()
+                    .expect("one result")
+                    .map_err(|source| Error::BlockIo { block: revived.slot(), source })?;
                 dev.flush()?;
                 repaired.push(format!(
                     "fell back to generation {} (as generation {}): generation {} had unreadable metadata",
@@ -702,11 +628,8 @@ pub fn repair_with(
         return Ok(report);
     }
 
-    let dropping: BTreeSet<String> = if drop_damaged {
-        walk.damaged.keys().cloned().collect()
-    } else {
-        BTreeSet::new()
-    };
+    let dropping: BTreeSet<String> =
+        if drop_damaged { walk.damaged.keys().cloned().collect() } else { BTreeSet::new() };
     let mut wanted = walk.reach.clone();
     for name in &dropping {
         for &b in &walk.damaged[name] {
@@ -715,16 +638,11 @@ pub fn repair_with(
             }
         }
     }
-    let can_rebuild =
-        walk.reach_complete || walk.record_damaged.iter().all(|n| dropping.contains(n));
+    let can_rebuild = walk.reach_complete || walk.record_damaged.iter().all(|n| dropping.contains(n));
     if !can_rebuild {
         return Ok(first.report);
     }
-    let store = Store::open_with(
-        dev.clone(),
-        AllocSource::Rebuilt(walk.reach.clone()),
-        &dropping,
-    )?;
+    let store = Store::open_with(dev.clone(), AllocSource::Rebuilt(walk.reach.clone()), &dropping)?;
     let mut txn = store.begin()?;
     for name in &dropping {
         txn.forget_context(name);

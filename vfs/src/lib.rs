@@ -48,9 +48,6 @@ pub use device::{BlockDevice, DeviceChoice, DeviceInfo};
 pub use error::{BlockFault, Error, Result};
 pub use format::records::{ContextRecord, DType, ModelShape};
 pub use rng::SplitMix64;
-pub use store::{
-    probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store,
-    StreamReader,
-};
+pub use store::{probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store, StreamReader};
 pub use stream::{StreamId, StreamMap};
 pub use txn::{format, Txn, MIN_STORE_BLOCKS};

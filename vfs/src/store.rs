@@ -1,14 +1,10 @@
 //! A mounted store: recovery on open, immutable snapshots for readers, one writer at a time.
 
 use crate::alloc::{Allocator, Bitmap};
-use crate::blockio::{
-    read_chain, read_many, read_many_pooled, read_verified, BlockBuf, ChainId, ReadPool,
-};
+use crate::blockio::{read_chain, read_many, read_many_pooled, read_verified, BlockBuf, ChainId, ReadPool};
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
-use crate::format::records::{
-    bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot,
-};
+use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot};
 use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
 use crate::stream::{StreamId, StreamMap};
 use crate::txn::Txn;
@@ -45,10 +41,7 @@ impl Readers {
     }
     pub fn ticket(self: &Arc<Self>, generation: u64) -> ReaderTicket {
         *self.lock().entry(generation).or_default() += 1;
-        ReaderTicket {
-            readers: self.clone(),
-            generation,
-        }
+        ReaderTicket { readers: self.clone(), generation }
     }
 }
 
@@ -78,11 +71,7 @@ pub(crate) struct LazyStream {
 
 impl LazyStream {
     pub fn new(id: StreamId, root: StreamRoot) -> Self {
-        LazyStream {
-            id,
-            root,
-            map: OnceLock::new(),
-        }
+        LazyStream { id, root, map: OnceLock::new() }
     }
     pub fn with_map(id: StreamId, root: StreamRoot, map: StreamMap) -> Self {
         let s = Self::new(id, root);
@@ -109,19 +98,10 @@ pub(crate) struct ContextMeta {
 }
 
 impl ContextMeta {
-    pub fn from_record(
-        record: ContextRecord,
-        record_ref: BlockRef,
-        record_blocks: Vec<u64>,
-    ) -> Self {
+    pub fn from_record(record: ContextRecord, record_ref: BlockRef, record_blocks: Vec<u64>) -> Self {
         let id = record.id;
-        let tokens = LazyStream::new(
-            StreamId {
-                owner: Owner::context(id),
-                tag: StreamTag::Tokens,
-            },
-            record.tokens.clone(),
-        );
+        let tokens =
+            LazyStream::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }, record.tokens.clone());
         let kv = record.shape.kv_heads as usize;
         let files = record
             .files
@@ -130,30 +110,12 @@ impl ContextMeta {
             .map(|(i, f)| {
                 let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
                 [
-                    LazyStream::new(
-                        StreamId {
-                            owner,
-                            tag: StreamTag::Index,
-                        },
-                        f.index.clone(),
-                    ),
-                    LazyStream::new(
-                        StreamId {
-                            owner,
-                            tag: StreamTag::Data,
-                        },
-                        f.data.clone(),
-                    ),
+                    LazyStream::new(StreamId { owner, tag: StreamTag::Index }, f.index.clone()),
+                    LazyStream::new(StreamId { owner, tag: StreamTag::Data }, f.data.clone()),
                 ]
             })
             .collect();
-        ContextMeta {
-            record,
-            record_ref,
-            record_blocks,
-            tokens,
-            files,
-        }
+        ContextMeta { record, record_ref, record_blocks, tokens, files }
     }
 
     pub fn streams(&self) -> impl Iterator<Item = &LazyStream> {
@@ -183,10 +145,7 @@ impl Snapshot {
         self.contexts.values().map(|c| &c.record)
     }
     pub fn context(&self, name: &str) -> Result<Context<'_>> {
-        let meta = self
-            .contexts
-            .get(name)
-            .ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+        let meta = self.contexts.get(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
         Ok(Context { snap: self, meta })
     }
     pub(crate) fn catalog_blocks(&self) -> &[u64] {
@@ -214,12 +173,7 @@ impl<'a> Context<'a> {
         let mut out = Vec::with_capacity(self.token_count() as usize);
         for block in s.read_range(0, s.blocks()) {
             let block = block?;
-            out.extend(
-                block
-                    .payload()
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))),
-            );
+            out.extend(block.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))));
         }
         Ok(out)
     }
@@ -238,12 +192,7 @@ impl<'a> Context<'a> {
 
     fn stream_of(&self, lazy: &'a LazyStream) -> Result<StreamReader<'a>> {
         let map = lazy.map(self.snap.dev.as_ref(), self.snap.generation())?;
-        Ok(StreamReader {
-            dev: self.snap.dev.as_ref(),
-            lazy,
-            map,
-            generation: self.snap.generation(),
-        })
+        Ok(StreamReader { dev: self.snap.dev.as_ref(), lazy, map, generation: self.snap.generation() })
     }
 }
 
@@ -271,10 +220,7 @@ impl StreamReader<'_> {
     /// Where logical block `logical` is, and what reading it must find.
     pub fn locate(&self, logical: u64) -> Option<(u64, Expect)> {
         let r = self.map.locate(logical)?;
-        Some((
-            r.block,
-            self.lazy.id.expect(logical, r.crc, self.generation),
-        ))
+        Some((r.block, self.lazy.id.expect(logical, r.crc, self.generation)))
     }
 
     fn request(&self, logical: u64) -> Result<(u64, Expect)> {
@@ -307,11 +253,7 @@ impl StreamReader<'_> {
         }
         let mut read = read_many(self.dev, &reqs).into_iter();
         (0..logicals.len())
-            .map(|i| {
-                errors
-                    .remove(&i)
-                    .map_or_else(|| read.next().expect("one per request"), Err)
-            })
+            .map(|i| errors.remove(&i).map_or_else(|| read.next().expect("one per request"), Err))
             .collect()
     }
 
@@ -348,9 +290,8 @@ impl Iterator for RangeReader<'_> {
             return None;
         }
         let last = (self.next + BATCH).min(self.end);
-        let reqs: Vec<(u64, Expect)> = (self.next..last)
-            .map(|l| self.stream.locate(l).expect("within the stream"))
-            .collect();
+        let reqs: Vec<(u64, Expect)> =
+            (self.next..last).map(|l| self.stream.locate(l).expect("within the stream")).collect();
         self.next = last;
         self.batch = read_many_pooled(self.stream.dev, &reqs, &mut self.pool).into_iter();
         self.batch.next()
@@ -405,19 +346,9 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
     let mut out = Vec::new();
     for slot in 0..SUPERBLOCK_SLOTS {
         let mut buf = device::AlignedBuf::zeroed(dev.block_size());
-        let io = dev
-            .submit(&mut [device::IoOp::Read {
-                block: slot,
-                buf: &mut buf,
-            }])
-            .pop()
-            .expect("one result");
+        let io = dev.submit(&mut [device::IoOp::Read { block: slot, buf: &mut buf }]).pop().expect("one result");
         let result = match io {
-            Err(source) => Err(Error::BlockIo {
-                block: slot,
-                source,
-            }
-            .to_string()),
+            Err(source) => Err(Error::BlockIo { block: slot, source }.to_string()),
             Ok(()) => match Superblock::decode(&buf, slot) {
                 // Everything sized from a superblock (bitmaps, scans) trusts this bound.
                 Ok(sb) if sb.total_blocks > dev.num_blocks() => Err(format!(
@@ -437,46 +368,27 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
 
 /// The newest valid superblock, and the other slot's if it is valid and older.
 pub(crate) fn pick(slots: &[SlotStatus]) -> Result<(Superblock, Option<Superblock>)> {
-    let mut valid: Vec<Superblock> = slots
-        .iter()
-        .filter_map(|s| s.result.as_ref().ok().copied())
-        .collect();
+    let mut valid: Vec<Superblock> = slots.iter().filter_map(|s| s.result.as_ref().ok().copied()).collect();
     valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
     match valid.as_slice() {
         [] => Err(Error::NotAStore(format!(
             "no valid superblock ({})",
             slots
                 .iter()
-                .map(|s| format!(
-                    "slot {}: {}",
-                    s.slot,
-                    s.result.as_ref().err().map_or("ok", |e| e)
-                ))
+                .map(|s| format!("slot {}: {}", s.slot, s.result.as_ref().err().map_or("ok", |e| e)))
                 .collect::<Vec<_>>()
                 .join("; ")
         ))),
         [only] => Ok((*only, None)),
-        [a, b, ..] => Ok((
-            *a,
-            (b.generation < a.generation && b.store_id == a.store_id).then_some(*b),
-        )),
+        [a, b, ..] => Ok((*a, (b.generation < a.generation && b.store_id == a.store_id).then_some(*b))),
     }
 }
 
-pub(crate) const CATALOG_CHAIN: ChainId = ChainId {
-    kind: BlockKind::Catalog,
-    owner: Owner::SYSTEM,
-};
-pub(crate) const ALLOC_CHAIN: ChainId = ChainId {
-    kind: BlockKind::Alloc,
-    owner: Owner::SYSTEM,
-};
+pub(crate) const CATALOG_CHAIN: ChainId = ChainId { kind: BlockKind::Catalog, owner: Owner::SYSTEM };
+pub(crate) const ALLOC_CHAIN: ChainId = ChainId { kind: BlockKind::Alloc, owner: Owner::SYSTEM };
 
 pub(crate) fn record_chain(id: u32) -> ChainId {
-    ChainId {
-        kind: BlockKind::Catalog,
-        owner: Owner::context(id),
-    }
+    ChainId { kind: BlockKind::Catalog, owner: Owner::context(id) }
 }
 
 pub(crate) fn chunk_expect(chunk: u64, crc: u32, generation: u64) -> Expect {
@@ -492,33 +404,17 @@ pub(crate) fn chunk_expect(chunk: u64, crc: u32, generation: u64) -> Expect {
 
 /// Reads the allocator bitmap a superblock references. Returns it with the chunk references
 /// and the directory chain's blocks.
-pub(crate) fn load_bitmap(
-    dev: &dyn BlockDevice,
-    sb: &Superblock,
-) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
+pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
     let (blob, dir_blocks) = read_chain(dev, sb.alloc, ALLOC_CHAIN, sb.generation)?;
-    let bad = |what: String| {
-        Error::damaged(
-            sb.alloc.block,
-            "alloc",
-            "system",
-            BlockFault::Malformed(what),
-        )
-    };
+    let bad = |what: String| Error::damaged(sb.alloc.block, "alloc", "system", BlockFault::Malformed(what));
     let (total, chunks) = decode_alloc_dir(&blob).map_err(|f| bad(f.to_string()))?;
     let bpc = bits_per_chunk(dev.block_size());
     if total != sb.total_blocks || chunks.len() as u64 != total.div_ceil(bpc) {
-        return Err(bad(format!(
-            "directory describes {total} blocks in {} chunks",
-            chunks.len()
-        )));
+        return Err(bad(format!("directory describes {total} blocks in {} chunks", chunks.len())));
     }
     let mut bitmap = Bitmap::new(total);
-    let reqs: Vec<(u64, Expect)> = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.block, chunk_expect(i as u64, r.crc, sb.generation)))
-        .collect();
+    let reqs: Vec<(u64, Expect)> =
+        chunks.iter().enumerate().map(|(i, r)| (r.block, chunk_expect(i as u64, r.crc, sb.generation))).collect();
     for (i, res) in read_many(dev, &reqs).into_iter().enumerate() {
         let b = res?;
         let start = i as u64 * bpc;
@@ -537,9 +433,7 @@ pub(crate) fn load_catalog(
     skip: &BTreeSet<String>,
 ) -> Result<(Contexts, Vec<u64>)> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
-    let bad = |block, what: String| {
-        Error::damaged(block, "catalog", "system", BlockFault::Malformed(what))
-    };
+    let bad = |block, what: String| Error::damaged(block, "catalog", "system", BlockFault::Malformed(what));
     let entries = decode_catalog(&blob).map_err(|f| bad(sb.catalog.block, f.to_string()))?;
     let mut contexts = BTreeMap::new();
     let mut ids = BTreeSet::new();
@@ -547,40 +441,21 @@ pub(crate) fn load_catalog(
         if entry.id == 0 || entry.id >= sb.next_context_id || !ids.insert(entry.id) {
             return Err(bad(
                 sb.catalog.block,
-                format!(
-                    "context {:?} has id {}: repeated or outside 1..{}",
-                    entry.name, entry.id, sb.next_context_id
-                ),
+                format!("context {:?} has id {}: repeated or outside 1..{}", entry.name, entry.id, sb.next_context_id),
             ));
         }
-        let (rblob, rblocks) =
-            read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
-        let record = ContextRecord::decode(&rblob).map_err(|f| {
-            Error::damaged(
-                entry.record.block,
-                "catalog",
-                Owner::context(entry.id).to_string(),
-                f,
-            )
-        })?;
+        let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
+        let record = ContextRecord::decode(&rblob)
+            .map_err(|f| Error::damaged(entry.record.block, "catalog", Owner::context(entry.id).to_string(), f))?;
         if record.id != entry.id || record.name != entry.name {
             return Err(bad(
                 entry.record.block,
-                format!(
-                    "record {} {:?} listed as {} {:?}",
-                    record.id, record.name, entry.id, entry.name
-                ),
+                format!("record {} {:?} listed as {} {:?}", record.id, record.name, entry.id, entry.name),
             ));
         }
         let meta = ContextMeta::from_record(record, entry.record, rblocks);
-        if contexts
-            .insert(entry.name.clone(), Arc::new(meta))
-            .is_some()
-        {
-            return Err(bad(
-                sb.catalog.block,
-                format!("context name {:?} listed twice", entry.name),
-            ));
+        if contexts.insert(entry.name.clone(), Arc::new(meta)).is_some() {
+            return Err(bad(sb.catalog.block, format!("context name {:?} listed twice", entry.name)));
         }
     }
     Ok((contexts, blocks))
@@ -600,11 +475,7 @@ impl Store {
     }
 
     /// `skip` names contexts left out of the catalog (fsck dropping damaged ones).
-    pub(crate) fn open_with(
-        dev: Arc<dyn BlockDevice>,
-        source: AllocSource,
-        skip: &BTreeSet<String>,
-    ) -> Result<Store> {
+    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource, skip: &BTreeSet<String>) -> Result<Store> {
         let slots = read_slots(dev.as_ref())?;
         let (sb, fallback) = pick(&slots)?;
         if sb.block_size as usize != dev.block_size() {
@@ -644,12 +515,7 @@ impl Store {
         Ok(Store {
             dev,
             current: RwLock::new(Arc::new(snapshot)),
-            writer: Mutex::new(WriterState {
-                alloc,
-                chunk_refs,
-                alloc_dir_blocks,
-                poisoned: None,
-            }),
+            writer: Mutex::new(WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None }),
             readers,
             slots,
         })
@@ -657,10 +523,7 @@ impl Store {
 
     /// The newest committed state. Hold it to read consistently while others commit.
     pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Starts the (single) write transaction; waits while another is open.
@@ -725,9 +588,5 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
         }
         bs *= 2;
     }
-    Err(Error::NotAStore(format!(
-        "{}: no valid superblock ({})",
-        path.display(),
-        errors.join("; ")
-    )))
+    Err(Error::NotAStore(format!("{}: no valid superblock ({})", path.display(), errors.join("; "))))
 }

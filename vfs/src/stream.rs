@@ -26,14 +26,7 @@ impl StreamId {
 
     /// What block `logical` of this stream must be, given its recorded CRC.
     pub fn expect(&self, logical: u64, crc: u32, generation: u64) -> Expect {
-        Expect {
-            kind: self.kind(),
-            stream: self.tag,
-            owner: self.owner,
-            logical,
-            crc,
-            max_generation: generation,
-        }
+        Expect { kind: self.kind(), stream: self.tag, owner: self.owner, logical, crc, max_generation: generation }
     }
 
     pub fn extent_expect(&self, position: u64, crc: u32, generation: u64) -> Expect {
@@ -76,10 +69,7 @@ impl StreamMap {
     pub fn locate(&self, logical: u64) -> Option<BlockRef> {
         let i = self.runs.partition_point(|r| r.logical + r.len <= logical);
         let run = self.runs.get(i).filter(|r| r.logical <= logical)?;
-        Some(BlockRef {
-            block: run.start + (logical - run.logical),
-            crc: self.crcs[logical as usize],
-        })
+        Some(BlockRef { block: run.start + (logical - run.logical), crc: self.crcs[logical as usize] })
     }
 
     /// Device blocks holding the stream's content, in logical order.
@@ -96,11 +86,7 @@ impl StreamMap {
         let logical = self.len();
         match self.runs.last_mut() {
             Some(r) if r.start + r.len == block => r.len += 1,
-            _ => self.runs.push(MapRun {
-                logical,
-                start: block,
-                len: 1,
-            }),
+            _ => self.runs.push(MapRun { logical, start: block, len: 1 }),
         }
         self.crcs.push(crc);
     }
@@ -117,12 +103,7 @@ impl StreamMap {
     }
 
     /// Reads and checks a stream's extent blocks. Every problem names its block.
-    pub fn load(
-        dev: &dyn BlockDevice,
-        id: StreamId,
-        root: &StreamRoot,
-        generation: u64,
-    ) -> Result<StreamMap> {
+    pub fn load(dev: &dyn BlockDevice, id: StreamId, root: &StreamRoot, generation: u64) -> Result<StreamMap> {
         let reqs: Vec<(u64, Expect)> = root
             .extents
             .iter()
@@ -132,22 +113,11 @@ impl StreamMap {
         let mut map = StreamMap::default();
         for (res, (block, expect)) in read_many(dev, &reqs).into_iter().zip(&reqs) {
             let b = res?;
-            let bad = |what: String| {
-                Error::damaged(
-                    *block,
-                    "extent",
-                    expect.owner.to_string(),
-                    BlockFault::Malformed(what),
-                )
-            };
-            let eb = ExtentBlock::decode(b.payload(), dev.num_blocks())
-                .map_err(|f| bad(f.to_string()))?;
+            let bad =
+                |what: String| Error::damaged(*block, "extent", expect.owner.to_string(), BlockFault::Malformed(what));
+            let eb = ExtentBlock::decode(b.payload(), dev.num_blocks()).map_err(|f| bad(f.to_string()))?;
             if eb.first_logical != map.len() {
-                return Err(bad(format!(
-                    "starts at logical {}, expected {}",
-                    eb.first_logical,
-                    map.len()
-                )));
+                return Err(bad(format!("starts at logical {}, expected {}", eb.first_logical, map.len())));
             }
             map.extent_first.push(eb.first_logical);
             let mut crcs = eb.crcs.iter();
@@ -162,11 +132,7 @@ impl StreamMap {
                 root.extents.last().map_or(0, |r| r.block),
                 "extent",
                 id.owner.to_string(),
-                BlockFault::Malformed(format!(
-                    "extents map {} blocks, the record says {}",
-                    map.len(),
-                    root.blocks
-                )),
+                BlockFault::Malformed(format!("extents map {} blocks, the record says {}", map.len(), root.blocks)),
             ));
         }
         Ok(map)
@@ -176,37 +142,19 @@ impl StreamMap {
     fn pack(&self, from: u64, block_size: usize) -> Vec<ExtentBlock> {
         let cap = max_payload(block_size);
         let mut out: Vec<ExtentBlock> = Vec::new();
-        let mut cur = ExtentBlock {
-            first_logical: from,
-            ..Default::default()
-        };
+        let mut cur = ExtentBlock { first_logical: from, ..Default::default() };
         for logical in from..self.len() {
             let at = self.locate(logical).expect("logical within map");
-            let extends = cur
-                .runs
-                .last()
-                .is_some_and(|r| r.start + r.len as u64 == at.block && r.len < u32::MAX);
+            let extends = cur.runs.last().is_some_and(|r| r.start + r.len as u64 == at.block && r.len < u32::MAX);
             let runs = cur.runs.len() + usize::from(!extends);
             if ExtentBlock::encoded_len(runs, cur.crcs.len() + 1) > cap {
                 let first_logical = logical;
-                out.push(std::mem::replace(
-                    &mut cur,
-                    ExtentBlock {
-                        first_logical,
-                        ..Default::default()
-                    },
-                ));
-                cur.runs.push(Run {
-                    start: at.block,
-                    len: 1,
-                });
+                out.push(std::mem::replace(&mut cur, ExtentBlock { first_logical, ..Default::default() }));
+                cur.runs.push(Run { start: at.block, len: 1 });
             } else if extends {
                 cur.runs.last_mut().expect("extends implies a run").len += 1;
             } else {
-                cur.runs.push(Run {
-                    start: at.block,
-                    len: 1,
-                });
+                cur.runs.push(Run { start: at.block, len: 1 });
             }
             cur.crcs.push(at.crc);
         }
@@ -252,11 +200,7 @@ impl StreamDraft {
     }
 
     pub fn root(&self) -> StreamRoot {
-        StreamRoot {
-            blocks: self.map.len(),
-            bytes: self.bytes,
-            extents: self.extent_refs.clone(),
-        }
+        StreamRoot { blocks: self.map.len(), bytes: self.bytes, extents: self.extent_refs.clone() }
     }
 
     fn mark_dirty(&mut self, logical: u64) {
@@ -267,13 +211,9 @@ impl StreamDraft {
     fn take_block(&mut self, alloc: &mut Allocator) -> Result<u64> {
         if self.reserved.is_empty() {
             let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
-            let (first, n) =
-                alloc
-                    .alloc_run(hint, self.next_reservation)
-                    .ok_or(Error::StoreFull {
-                        needed: 1,
-                        free: alloc.available(),
-                    })?;
+            let (first, n) = alloc
+                .alloc_run(hint, self.next_reservation)
+                .ok_or(Error::StoreFull { needed: 1, free: alloc.available() })?;
             self.reserved = first..first + n;
             self.next_reservation = (self.next_reservation * 2).min(MAX_RESERVATION);
         }
@@ -347,28 +287,15 @@ impl StreamDraft {
             return Ok(());
         };
         // The extent block holding `from` and every later one are rewritten.
-        let keep = self
-            .map
-            .extent_first
-            .partition_point(|&f| f <= from)
-            .saturating_sub(1)
-            .min(self.extent_refs.len());
+        let keep = self.map.extent_first.partition_point(|&f| f <= from).saturating_sub(1).min(self.extent_refs.len());
         let start = self.map.extent_first.get(keep).copied().unwrap_or(0);
         for r in self.extent_refs.drain(keep..) {
             alloc.free(r.block);
         }
         self.map.extent_first.truncate(keep);
         let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
-        for (i, eb) in self
-            .map
-            .pack(start, dev.block_size())
-            .into_iter()
-            .enumerate()
-        {
-            let block = alloc.alloc(hint).ok_or(Error::StoreFull {
-                needed: 1,
-                free: alloc.available(),
-            })?;
+        for (i, eb) in self.map.pack(start, dev.block_size()).into_iter().enumerate() {
+            let block = alloc.alloc(hint).ok_or(Error::StoreFull { needed: 1, free: alloc.available() })?;
             let payload = eb.encode();
             let header = BlockHeader {
                 kind: BlockKind::Extent,

@@ -8,13 +8,12 @@ use crate::blockio::{chain_blocks, read_verified, write_chain, WriteQueue};
 use crate::device::{self, AlignedBuf, BlockDevice, IoOp};
 use crate::error::{Error, Result};
 use crate::format::records::{
-    bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots,
-    ModelShape, MAX_NAME_LEN,
+    bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, MAX_NAME_LEN,
 };
 use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, HEADER_LEN};
 use crate::store::{
-    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store,
-    WriterState, ALLOC_CHAIN, CATALOG_CHAIN,
+    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
+    ALLOC_CHAIN, CATALOG_CHAIN,
 };
 use crate::stream::{StreamDraft, StreamId, StreamMap};
 use std::collections::BTreeMap;
@@ -66,17 +65,13 @@ fn validate_name(name: &str) -> Result<()> {
         )));
     }
     if name.chars().any(char::is_control) {
-        return Err(Error::InvalidArgument(format!(
-            "context name {name:?} contains control characters"
-        )));
+        return Err(Error::InvalidArgument(format!("context name {name:?} contains control characters")));
     }
     Ok(())
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl<'s> Txn<'s> {
@@ -87,11 +82,7 @@ impl<'s> Txn<'s> {
         }
         let base = store.snapshot();
         w.alloc.release(base.generation(), store.readers.oldest());
-        let contexts = base
-            .contexts
-            .iter()
-            .map(|(k, v)| (k.clone(), Slot::Clean(v.clone())))
-            .collect();
+        let contexts = base.contexts.iter().map(|(k, v)| (k.clone(), Slot::Clean(v.clone()))).collect();
         Ok(Txn {
             generation: base.generation() + 1,
             next_context_id: base.superblock.next_context_id,
@@ -116,9 +107,7 @@ impl<'s> Txn<'s> {
 
     fn check(&self) -> Result<()> {
         match &self.failed {
-            Some(why) => Err(Error::Poisoned(format!(
-                "an earlier write of this transaction failed: {why}"
-            ))),
+            Some(why) => Err(Error::Poisoned(format!("an earlier write of this transaction failed: {why}"))),
             None => Ok(()),
         }
     }
@@ -141,22 +130,15 @@ impl<'s> Txn<'s> {
             return Err(Error::ContextExists(name.to_string()));
         }
         let id = self.next_context_id;
-        self.next_context_id = id
-            .checked_add(1)
-            .ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
+        self.next_context_id =
+            id.checked_add(1).ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
         let kv = shape.kv_heads as usize;
         let files = (0..shape.files())
             .map(|i| {
                 let owner = Owner::file(id, (i / kv) as u16, (i % kv) as u16);
                 [
-                    StreamDraft::new(StreamId {
-                        owner,
-                        tag: StreamTag::Index,
-                    }),
-                    StreamDraft::new(StreamId {
-                        owner,
-                        tag: StreamTag::Data,
-                    }),
+                    StreamDraft::new(StreamId { owner, tag: StreamTag::Index }),
+                    StreamDraft::new(StreamId { owner, tag: StreamTag::Data }),
                 ]
             })
             .collect();
@@ -170,15 +152,11 @@ impl<'s> Txn<'s> {
                 files: Vec::new(),
             },
             old: None,
-            tokens: StreamDraft::new(StreamId {
-                owner: Owner::context(id),
-                tag: StreamTag::Tokens,
-            }),
+            tokens: StreamDraft::new(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }),
             token_tail: Vec::new(),
             files,
         };
-        self.contexts
-            .insert(name.to_string(), Slot::Draft(Box::new(draft)));
+        self.contexts.insert(name.to_string(), Slot::Draft(Box::new(draft)));
         self.append_tokens(name, tokens)
     }
 
@@ -196,25 +174,14 @@ impl<'s> Txn<'s> {
             if d.token_tail.is_empty() && d.tokens.bytes % (per_block as u64 * 4) != 0 {
                 let last = d.tokens.map.len() - 1;
                 let at = d.tokens.map.locate(last).expect("last block exists");
-                let b = read_verified(
-                    dev,
-                    at.block,
-                    &d.tokens.id.expect(last, at.crc, base_generation),
-                )?;
-                d.token_tail = b
-                    .payload()
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect();
+                let b = read_verified(dev, at.block, &d.tokens.id.expect(last, at.crc, base_generation))?;
+                d.token_tail =
+                    b.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
                 d.tokens.pop(alloc, b.payload().len() as u64);
             }
             d.token_tail.extend_from_slice(tokens);
             while d.token_tail.len() >= per_block {
-                let block: Vec<u8> = d
-                    .token_tail
-                    .drain(..per_block)
-                    .flat_map(u32::to_le_bytes)
-                    .collect();
+                let block: Vec<u8> = d.token_tail.drain(..per_block).flat_map(u32::to_le_bytes).collect();
                 d.tokens.push(alloc, queue, dev, generation, &block)?;
             }
             Ok(())
@@ -245,8 +212,7 @@ impl<'s> Txn<'s> {
                     shape.layers, shape.kv_heads
                 )));
             }
-            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize]
-                [which as usize];
+            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize][which as usize];
             stream.push(&mut self.w.alloc, &mut self.queue, dev, generation, payload)
         })();
         self.guard(r)
@@ -261,10 +227,7 @@ impl<'s> Txn<'s> {
             None => return Err(Error::NoSuchContext(name.to_string())),
             Some(Slot::Clean(meta)) => {
                 // Read every extent map first, so a failure changes nothing.
-                let maps = meta
-                    .streams()
-                    .map(|s| s.map(dev, generation))
-                    .collect::<Result<Vec<_>>>()?;
+                let maps = meta.streams().map(|s| s.map(dev, generation)).collect::<Result<Vec<_>>>()?;
                 let alloc = &mut self.w.alloc;
                 for (s, map) in meta.streams().zip(&maps) {
                     StreamDraft::free_all(map, &s.root, alloc);
@@ -274,9 +237,7 @@ impl<'s> Txn<'s> {
                 }
             }
             Some(Slot::Draft(_)) => {
-                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else {
-                    unreachable!()
-                };
+                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else { unreachable!() };
                 let alloc = &mut self.w.alloc;
                 for s in d.streams_mut() {
                     s.unreserve(alloc);
@@ -342,8 +303,7 @@ impl<'s> Txn<'s> {
                 Slot::Draft(mut d) => {
                     debug_assert!(d.token_tail.len() < per_block);
                     if !d.token_tail.is_empty() {
-                        let block: Vec<u8> =
-                            d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
+                        let block: Vec<u8> = d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
                         d.tokens.push(alloc, &mut queue, dev, generation, &block)?;
                     }
                     for s in d.streams_mut() {
@@ -351,14 +311,8 @@ impl<'s> Txn<'s> {
                         s.write_extents(alloc, &mut queue, dev, generation)?;
                     }
                     d.record.tokens = d.tokens.root();
-                    d.record.files = d
-                        .files
-                        .iter()
-                        .map(|[i, dd]| FileRoots {
-                            index: i.root(),
-                            data: dd.root(),
-                        })
-                        .collect();
+                    d.record.files =
+                        d.files.iter().map(|[i, dd]| FileRoots { index: i.root(), data: dd.root() }).collect();
                     if let Some(old) = &d.old {
                         for &b in &old.record_blocks {
                             alloc.free(b);
@@ -366,20 +320,9 @@ impl<'s> Txn<'s> {
                     }
                     let blob = d.record.encode();
                     let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-                    let record_ref = write_chain(
-                        &mut queue,
-                        dev,
-                        record_chain(d.record.id),
-                        generation,
-                        &blob,
-                        &blocks,
-                    )?;
-                    let ContextDraft {
-                        record,
-                        tokens,
-                        files,
-                        ..
-                    } = *d;
+                    let record_ref =
+                        write_chain(&mut queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
+                    let ContextDraft { record, tokens, files, .. } = *d;
                     let mut meta = ContextMeta::from_record(record, record_ref, blocks);
                     // The new snapshot starts with the maps already in memory.
                     meta.tokens = LazyStream::with_map(tokens.id, tokens.root(), tokens.map);
@@ -401,25 +344,14 @@ impl<'s> Txn<'s> {
         // 2. The catalog.
         let entries: Vec<CatalogEntry> = metas
             .values()
-            .map(|m| CatalogEntry {
-                id: m.record.id,
-                name: m.record.name.clone(),
-                record: m.record_ref,
-            })
+            .map(|m| CatalogEntry { id: m.record.id, name: m.record.name.clone(), record: m.record_ref })
             .collect();
         let blob = encode_catalog(&entries);
         for &b in self.base.catalog_blocks() {
             alloc.free(b);
         }
         let catalog_blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-        let catalog = write_chain(
-            &mut queue,
-            dev,
-            CATALOG_CHAIN,
-            generation,
-            &blob,
-            &catalog_blocks,
-        )?;
+        let catalog = write_chain(&mut queue, dev, CATALOG_CHAIN, generation, &blob, &catalog_blocks)?;
 
         // 3. The allocator: new copies of changed bitmap chunks and a new directory. Taking
         // blocks for them changes the bitmap too, so repeat until every change has a block.
@@ -438,16 +370,9 @@ impl<'s> Txn<'s> {
         let mut new_chunk: BTreeMap<u64, u64> = BTreeMap::new();
         loop {
             let pending: Vec<u64> = if old_chunks.len() != chunks {
-                (0..chunks as u64)
-                    .filter(|c| !new_chunk.contains_key(c))
-                    .collect()
+                (0..chunks as u64).filter(|c| !new_chunk.contains_key(c)).collect()
             } else {
-                alloc
-                    .dirty_chunks()
-                    .iter()
-                    .copied()
-                    .filter(|c| !new_chunk.contains_key(c))
-                    .collect()
+                alloc.dirty_chunks().iter().copied().filter(|c| !new_chunk.contains_key(c)).collect()
             };
             if pending.is_empty() {
                 break;
@@ -475,25 +400,14 @@ impl<'s> Txn<'s> {
             if queue.is_full() {
                 queue.flush(dev)?;
             }
-            chunk_refs[c as usize] = BlockRef {
-                block,
-                crc: queue.push(block, &header, &bits),
-            };
+            chunk_refs[c as usize] = BlockRef { block, crc: queue.push(block, &header, &bits) };
         }
-        debug_assert!(chunk_refs.iter().enumerate().all(|(c, r)| chunk_expect(
-            c as u64, r.crc, generation
-        )
-        .kind
-            == BlockKind::Alloc
-            && r.block >= 2));
-        let alloc_root = write_chain(
-            &mut queue,
-            dev,
-            ALLOC_CHAIN,
-            generation,
-            &encode_alloc_dir(total, &chunk_refs),
-            &dir_blocks,
-        )?;
+        debug_assert!(chunk_refs
+            .iter()
+            .enumerate()
+            .all(|(c, r)| chunk_expect(c as u64, r.crc, generation).kind == BlockKind::Alloc && r.block >= 2));
+        let alloc_root =
+            write_chain(&mut queue, dev, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
 
         // 4. Everything new is written and durable before the superblock points at it.
         queue.flush(dev)?;
@@ -512,13 +426,7 @@ impl<'s> Txn<'s> {
         };
         let mut buf = AlignedBuf::zeroed(bs);
         sb.encode_into(&mut buf);
-        let written = dev
-            .submit(&mut [IoOp::Write {
-                block: sb.slot(),
-                buf: &buf,
-            }])
-            .pop()
-            .expect("one result");
+        let written = dev.submit(&mut [IoOp::Write { block: sb.slot(), buf: &buf }]).pop().expect("one result");
         let durable = written.and_then(|()| dev.flush());
         if let Err(e) = durable {
             // The superblock may or may not have reached the medium: only reopening can tell.
@@ -529,9 +437,7 @@ impl<'s> Txn<'s> {
 
         // 6. Publish.
         let oldest = self.store.readers.oldest();
-        self.w
-            .alloc
-            .commit(generation, oldest.map(|g| g.min(self.base.generation())));
+        self.w.alloc.commit(generation, oldest.map(|g| g.min(self.base.generation())));
         self.w.chunk_refs = chunk_refs;
         self.w.alloc_dir_blocks = dir_blocks;
         self.store.publish(Snapshot {
@@ -553,23 +459,13 @@ fn draft_in<'a>(
     generation: u64,
     name: &str,
 ) -> Result<&'a mut ContextDraft> {
-    let slot = contexts
-        .get_mut(name)
-        .ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
+    let slot = contexts.get_mut(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
     if let Slot::Clean(meta) = slot {
         let draft_of = |s: &LazyStream| -> Result<StreamDraft> {
-            Ok(StreamDraft::from_committed(
-                s.id,
-                StreamMap::clone(&*s.map(dev, generation)?),
-                &s.root,
-            ))
+            Ok(StreamDraft::from_committed(s.id, StreamMap::clone(&*s.map(dev, generation)?), &s.root))
         };
         let tokens = draft_of(&meta.tokens)?;
-        let files = meta
-            .files
-            .iter()
-            .map(|[i, d]| Ok([draft_of(i)?, draft_of(d)?]))
-            .collect::<Result<Vec<_>>>()?;
+        let files = meta.files.iter().map(|[i, d]| Ok([draft_of(i)?, draft_of(d)?])).collect::<Result<Vec<_>>>()?;
         *slot = Slot::Draft(Box::new(ContextDraft {
             record: meta.record.clone(),
             old: Some(meta.clone()),
@@ -588,10 +484,8 @@ fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {
     let mut out = Vec::with_capacity(n);
     let mut hint = 2;
     for _ in 0..n {
-        let b = alloc.alloc(hint).ok_or(Error::StoreFull {
-            needed: (n - out.len()) as u64,
-            free: alloc.available(),
-        })?;
+        let b =
+            alloc.alloc(hint).ok_or(Error::StoreFull { needed: (n - out.len()) as u64, free: alloc.available() })?;
         hint = b + 1;
         out.push(b);
     }
@@ -629,13 +523,10 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
     }
     // Old superblocks must not outlive a half-finished mkfs.
     let zero = AlignedBuf::zeroed(2 * bs);
-    dev.submit(&mut [IoOp::Write {
-        block: 0,
-        buf: &zero,
-    }])
-    .pop()
-    .expect("one result")
-    .map_err(|source| Error::BlockIo { block: 0, source })?;
+    dev.submit(&mut [IoOp::Write { block: 0, buf: &zero }])
+        .pop()
+        .expect("one result")
+        .map_err(|source| Error::BlockIo { block: 0, source })?;
     dev.flush()?;
     let mut bitmap = Bitmap::new(total);
     bitmap.set(0, true);
@@ -680,13 +571,8 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
 /// A random store id from the kernel; a clock-derived id if that fails.
 fn getrandom(out: &mut [u8; 16]) {
     use std::io::Read;
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(out))
-        .is_err()
-    {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(out)).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         *out = (t ^ std::process::id() as u128).to_le_bytes();
     }
 }

@@ -33,10 +33,7 @@ fn open_dev(path: &Path, choice: DeviceChoice) -> Arc<dyn BlockDevice> {
 
 fn read_raw(path: &Path, block: u64) -> Vec<u8> {
     let mut buf = vec![0; BS];
-    std::fs::File::open(path)
-        .unwrap()
-        .read_exact_at(&mut buf, block * BS as u64)
-        .unwrap();
+    std::fs::File::open(path).unwrap().read_exact_at(&mut buf, block * BS as u64).unwrap();
     buf
 }
 
@@ -81,17 +78,9 @@ fn corruption_trials(choice: DeviceChoice) {
     let dir = tmpdir();
     let pristine = dir.path().join("pristine.img");
     let (_, live) = build(&pristine, choice);
-    let active_slot = Store::open(open_dev(&pristine, choice))
-        .unwrap()
-        .snapshot()
-        .superblock()
-        .slot();
+    let active_slot = Store::open(open_dev(&pristine, choice)).unwrap().snapshot().superblock().slot();
     // Damage to the active superblock is a fallback case of its own (tested below).
-    let candidates: Vec<u64> = live
-        .iter()
-        .map(|b| b.block)
-        .filter(|&b| b != active_slot)
-        .collect();
+    let candidates: Vec<u64> = live.iter().map(|b| b.block).filter(|&b| b != active_slot).collect();
     let mut rng = SplitMix64::new(11);
     let mut trials = 0;
     let mut blind_trials = 0;
@@ -99,14 +88,8 @@ fn corruption_trials(choice: DeviceChoice) {
         let img = dir.path().join(format!("trial{trial}.img"));
         std::fs::copy(&pristine, &img).unwrap();
         let how = [Damage::FlipBit, Damage::Zero, Damage::Swap][trial % 3];
-        let n = if matches!(how, Damage::Swap) {
-            2
-        } else {
-            1 + rng.below(3) as usize
-        };
-        let mut targets: Vec<u64> = (0..n)
-            .map(|_| candidates[rng.below(candidates.len() as u64) as usize])
-            .collect();
+        let n = if matches!(how, Damage::Swap) { 2 } else { 1 + rng.below(3) as usize };
+        let mut targets: Vec<u64> = (0..n).map(|_| candidates[rng.below(candidates.len() as u64) as usize]).collect();
         targets.sort();
         targets.dedup();
         if matches!(how, Damage::Swap) && targets.len() != 2 {
@@ -115,27 +98,14 @@ fn corruption_trials(choice: DeviceChoice) {
         let changed = damage(&img, &mut rng, how, &targets);
         let dev = open_dev(&img, choice);
         let report = fsck::check(dev.as_ref()).unwrap();
-        assert_eq!(
-            report.exit_code(),
-            fsck::EXIT_UNCORRECTED,
-            "trial {trial} {how:?} {changed:?}: {report:?}"
-        );
+        assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "trial {trial} {how:?} {changed:?}: {report:?}");
         let named = report.damaged_blocks();
-        let blind = report
-            .problems
-            .iter()
-            .any(|p| p.fix == fsck::Fix::FallBackToOlderState)
-            && report
-                .problems
-                .iter()
-                .any(|p| p.fix == fsck::Fix::RebuildAllocator);
+        let blind = report.problems.iter().any(|p| p.fix == fsck::Fix::FallBackToOlderState)
+            && report.problems.iter().any(|p| p.fix == fsck::Fix::RebuildAllocator);
         if blind {
             // The newest state's catalog and allocator are both unreadable: a zeroed block
             // below them cannot be located. The damaged metadata itself is still named.
-            assert!(
-                changed.iter().any(|b| named.contains(b)),
-                "trial {trial}: nothing named"
-            );
+            assert!(changed.iter().any(|b| named.contains(b)), "trial {trial}: nothing named");
             blind_trials += 1;
             continue;
         }
@@ -151,10 +121,7 @@ fn corruption_trials(choice: DeviceChoice) {
         std::fs::remove_file(&img).unwrap();
     }
     println!("{choice:?}: {trials} corruption trials, {blind_trials} with catalog and allocator both unreadable");
-    assert!(
-        trials >= 45 && blind_trials <= 5,
-        "{trials} trials, {blind_trials} blind"
-    );
+    assert!(trials >= 45 && blind_trials <= 5, "{trials} trials, {blind_trials} blind");
 }
 
 /// Opening refuses damaged metadata with an error naming a damaged block; damaged content
@@ -163,24 +130,14 @@ fn check_reads(img: &Path, choice: DeviceChoice, live: &[LiveBlock], changed: &[
     let kind_of = |b: u64| live.iter().find(|l| l.block == b).map(|l| l.kind).unwrap();
     let metadata_hit = changed.iter().any(|&b| {
         matches!(kind_of(b), BlockKind::Catalog | BlockKind::Alloc)
-            && live
-                .iter()
-                .any(|l| l.block == b && l.stream == ctxfs_vfs::format::StreamTag::Meta)
+            && live.iter().any(|l| l.block == b && l.stream == ctxfs_vfs::format::StreamTag::Meta)
     });
     let store = match Store::open(open_dev(img, choice)) {
         Ok(store) => store,
         Err(e) => {
-            assert!(
-                metadata_hit,
-                "open failed though no metadata was damaged: {e}"
-            );
-            let block = e
-                .block()
-                .unwrap_or_else(|| panic!("open error names no block: {e}"));
-            assert!(
-                changed.contains(&block),
-                "open error names block {block}, damaged were {changed:?}: {e}"
-            );
+            assert!(metadata_hit, "open failed though no metadata was damaged: {e}");
+            let block = e.block().unwrap_or_else(|| panic!("open error names no block: {e}"));
+            assert!(changed.contains(&block), "open error names block {block}, damaged were {changed:?}: {e}");
             return;
         }
     };
@@ -193,20 +150,14 @@ fn check_reads(img: &Path, choice: DeviceChoice, live: &[LiveBlock], changed: &[
                     let stream = match c.stream(layer, head, which) {
                         Ok(s) => s,
                         Err(e) => {
-                            assert!(
-                                e.block().is_some_and(|b| changed.contains(&b)),
-                                "stream open error {e}"
-                            );
+                            assert!(e.block().is_some_and(|b| changed.contains(&b)), "stream open error {e}");
                             continue;
                         }
                     };
                     for l in 0..stream.blocks() {
                         let (block, _) = stream.locate(l).unwrap();
                         match stream.read(l) {
-                            Ok(_) => assert!(
-                                !changed.contains(&block),
-                                "damaged block {block} read as good"
-                            ),
+                            Ok(_) => assert!(!changed.contains(&block), "damaged block {block} read as good"),
                             Err(Error::Damaged { block: b, .. }) => assert_eq!(b, block),
                             Err(e) => panic!("unexpected error {e}"),
                         }
@@ -242,12 +193,8 @@ fn damaged_active_superblock_falls_back_and_repair_revives_the_older_state() {
     // Recovery takes the newest valid superblock: the previous commit.
     let store = Store::open(open_dev(&img, DeviceChoice::Uring)).unwrap();
     let mut models = Vec::new();
-    workload(
-        &file_store(&dir.path().join("replay.img"), SIZE, DeviceChoice::Uring),
-        8,
-        |m| models.push(m.clone()),
-    )
-    .unwrap();
+    workload(&file_store(&dir.path().join("replay.img"), SIZE, DeviceChoice::Uring), 8, |m| models.push(m.clone()))
+        .unwrap();
     assert_matches(&store, &models[models.len() - 2]);
     drop(store);
     let report = fsck::check(open_dev(&img, DeviceChoice::Uring).as_ref()).unwrap();
@@ -255,9 +202,7 @@ fn damaged_active_superblock_falls_back_and_repair_revives_the_older_state() {
     assert!(report.damaged_blocks().contains(&slot));
     let repaired = fsck::repair(open_dev(&img, DeviceChoice::Uring), false).unwrap();
     assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:?}");
-    assert!(fsck::check(open_dev(&img, DeviceChoice::Uring).as_ref())
-        .unwrap()
-        .is_clean());
+    assert!(fsck::check(open_dev(&img, DeviceChoice::Uring).as_ref()).unwrap().is_clean());
 }
 
 #[test]
@@ -277,9 +222,7 @@ fn repair_falls_back_when_the_newest_catalog_is_damaged() {
     drop(snap);
     drop(store);
     write_raw(&img, catalog, &vec![0; BS]);
-    let err = Store::open(open_dev(&img, DeviceChoice::Uring))
-        .err()
-        .expect("open must refuse a damaged catalog");
+    let err = Store::open(open_dev(&img, DeviceChoice::Uring)).err().expect("open must refuse a damaged catalog");
     assert_eq!(err.block(), Some(catalog), "{err}");
     let report = fsck::repair(open_dev(&img, DeviceChoice::Uring), false).unwrap();
     assert_eq!(report.exit_code(), fsck::EXIT_CORRECTED, "{report:?}");
@@ -298,27 +241,15 @@ fn repair_drops_a_damaged_context_only_when_asked() {
     let victim = live.iter().find(|b| b.kind == BlockKind::Data).unwrap();
     write_raw(&img, victim.block, &vec![0xAB; BS]);
     let report = fsck::repair(open_dev(&img, DeviceChoice::Uring), false).unwrap();
-    assert_eq!(
-        report.exit_code(),
-        fsck::EXIT_UNCORRECTED,
-        "without --drop-damaged nothing is dropped"
-    );
+    assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "without --drop-damaged nothing is dropped");
     let store = Store::open(open_dev(&img, DeviceChoice::Uring)).unwrap();
     assert_eq!(store.snapshot().contexts().count(), model.len());
     drop(store);
     let report = fsck::repair(open_dev(&img, DeviceChoice::Uring), true).unwrap();
     assert_eq!(report.exit_code(), fsck::EXIT_CORRECTED, "{report:?}");
     let store = Store::open(open_dev(&img, DeviceChoice::Uring)).unwrap();
-    let names: Vec<String> = store
-        .snapshot()
-        .contexts()
-        .map(|c| c.name.clone())
-        .collect();
-    assert_eq!(
-        names.len(),
-        model.len() - 1,
-        "exactly the damaged context is dropped: {names:?}"
-    );
+    let names: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).collect();
+    assert_eq!(names.len(), model.len() - 1, "exactly the damaged context is dropped: {names:?}");
     assert!(fsck::check(store.device().as_ref()).unwrap().is_clean());
 }
 
@@ -359,20 +290,11 @@ fn a_superblock_claiming_more_blocks_than_the_device_is_invalid() {
     payload[16..24].copy_from_slice(&(1u64 << 56).to_le_bytes());
     let mut buf = device::AlignedBuf::zeroed(BS);
     ctxfs_vfs::format::header::seal(&mut buf, &h, &payload);
-    dev.submit(&mut [device::IoOp::Write {
-        block: slot,
-        buf: &buf,
-    }])
-    .pop()
-    .unwrap()
-    .unwrap();
+    dev.submit(&mut [device::IoOp::Write { block: slot, buf: &buf }]).pop().unwrap().unwrap();
     let report = fsck::check(dev.as_ref()).unwrap();
     assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED);
     assert!(
-        report
-            .problems
-            .iter()
-            .any(|p| p.block == Some(slot) && p.message.contains("describes")),
+        report.problems.iter().any(|p| p.block == Some(slot) && p.message.contains("describes")),
         "{:?}",
         report.problems
     );
@@ -380,8 +302,5 @@ fn a_superblock_claiming_more_blocks_than_the_device_is_invalid() {
     let store = Store::open(dev.clone()).unwrap();
     assert_eq!(store.snapshot().generation() % 2, 1 - slot);
     drop(store);
-    assert_eq!(
-        fsck::repair(dev.clone(), false).unwrap().exit_code(),
-        fsck::EXIT_CORRECTED
-    );
+    assert_eq!(fsck::repair(dev.clone(), false).unwrap().exit_code(), fsck::EXIT_CORRECTED);
 }

@@ -11,18 +11,9 @@ const BLOCKS: u64 = 1024;
 
 /// Runs the workload with a crash after `crash_after` operations; returns the recovered store,
 /// the last committed model and the model of the commit in flight.
-fn crash_at(
-    crash_after: u64,
-    mode: CrashMode,
-    seed: u64,
-) -> Option<(Arc<MemDevice>, Store, Model, Model)> {
+fn crash_at(crash_after: u64, mode: CrashMode, seed: u64) -> Option<(Arc<MemDevice>, Store, Model, Model)> {
     let (mem, store) = mem_store(BLOCKS);
-    mem.set_faults(FaultPlan {
-        seed,
-        crash_after_ops: Some(crash_after),
-        crash_mode: mode,
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { seed, crash_after_ops: Some(crash_after), crash_mode: mode, ..Default::default() });
     let (committed, attempted) = match workload(&store, seed, |_| {}) {
         Ok(_) => return None, // the workload finished before the crash point
         Err(stop) => (stop.committed, stop.attempted),
@@ -30,8 +21,8 @@ fn crash_at(
     mem.crash();
     drop(store);
     let recovered = Arc::new(MemDevice::from_image(mem.durable_image(), BS));
-    let store = Store::open(recovered.clone())
-        .unwrap_or_else(|e| panic!("crash point {crash_after}: reopen failed: {e}"));
+    let store =
+        Store::open(recovered.clone()).unwrap_or_else(|e| panic!("crash point {crash_after}: reopen failed: {e}"));
     Some((recovered, store, committed, attempted))
 }
 
@@ -60,10 +51,7 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
             "crash point {point}: recovered state is neither the committed nor the attempted one"
         );
         if mode == CrashMode::DropUnflushed {
-            assert!(
-                is_old,
-                "crash point {point}: an unflushed commit became visible"
-            );
+            assert!(is_old, "crash point {point}: an unflushed commit became visible");
         }
         let report = fsck::check(dev.as_ref()).unwrap();
         let real: Vec<_> = report
@@ -74,16 +62,11 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
         assert!(real.is_empty(), "crash point {point}: fsck found {real:?}");
         // The recovered store takes new commits and stays consistent.
         let mut txn = store.begin().unwrap();
-        txn.create_context("after-crash", shape(1, 1), &[1, 2, 3])
-            .unwrap();
+        txn.create_context("after-crash", shape(1, 1), &[1, 2, 3]).unwrap();
         txn.commit().unwrap();
         drop(store);
         let report = fsck::check(dev.as_ref()).unwrap();
-        assert!(
-            report.is_clean(),
-            "crash point {point}: fsck after a new commit found {:?}",
-            report.problems
-        );
+        assert!(report.is_clean(), "crash point {point}: fsck after a new commit found {:?}", report.problems);
     }
     println!("{mode:?}: tried {tried} crash points of {total} operations");
     assert!(tried > 100, "too few crash points: {tried}");
@@ -92,9 +75,7 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
 
 #[test]
 fn crash_after_every_write_and_flush_drops_unflushed_writes() {
-    let tried: u64 = (1..=4)
-        .map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false))
-        .sum();
+    let tried: u64 = (1..=4).map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false)).sum();
     println!("crash points tried in all: {tried}");
 }
 
@@ -118,18 +99,12 @@ fn crash_then_repair_rewrites_a_torn_fallback_superblock() {
     let total = workload_ops(4);
     let mut torn_superblocks = 0;
     for point in 0..total {
-        let Some((dev, store, committed, _)) =
-            crash_at(point, CrashMode::TearLast { keep: 100 }, 4)
-        else {
+        let Some((dev, store, committed, _)) = crash_at(point, CrashMode::TearLast { keep: 100 }, 4) else {
             continue;
         };
         drop(store);
         let report = fsck::check(dev.as_ref()).unwrap();
-        if report
-            .problems
-            .iter()
-            .any(|p| p.fix == fsck::Fix::RewriteFallbackSuperblock)
-        {
+        if report.problems.iter().any(|p| p.fix == fsck::Fix::RewriteFallbackSuperblock) {
             torn_superblocks += 1;
             let repaired = fsck::repair(dev.clone(), false).unwrap();
             assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:?}");
@@ -137,8 +112,5 @@ fn crash_then_repair_rewrites_a_torn_fallback_superblock() {
             assert_matches(&store, &committed);
         }
     }
-    assert!(
-        torn_superblocks >= 5,
-        "only {torn_superblocks} crash points tore a superblock"
-    );
+    assert!(torn_superblocks >= 5, "only {torn_superblocks} crash points tore a superblock");
 }

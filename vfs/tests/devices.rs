@@ -12,14 +12,7 @@ fn workload_round_trips_on_real_devices() {
         let dir = tmpdir();
         let path = dir.path().join("store.img");
         let store = file_store(&path, 16 << 20, choice);
-        assert_eq!(
-            store.device_info().kind,
-            if choice == DeviceChoice::Uring {
-                "uring"
-            } else {
-                "file"
-            }
-        );
+        assert_eq!(store.device_info().kind, if choice == DeviceChoice::Uring { "uring" } else { "file" });
         let mut models = Vec::new();
         let model = workload(&store, 21, |m| {
             models.push(m.clone());
@@ -32,11 +25,7 @@ fn workload_round_trips_on_real_devices() {
         let report = fsck::check(store.device().as_ref()).unwrap();
         assert!(report.is_clean(), "{choice:?}: {:?}", report.problems);
         let live = ctxfs_vfs::inspect::live_blocks(&store.snapshot()).unwrap();
-        assert_eq!(
-            report.blocks_checked,
-            live.len() as u64,
-            "fsck reads every live block once"
-        );
+        assert_eq!(report.blocks_checked, live.len() as u64, "fsck reads every live block once");
     }
 }
 
@@ -47,10 +36,7 @@ fn auto_device_is_uring_here() {
     file_store(&path, 1 << 20, DeviceChoice::File);
     let store = Store::open_path(&path, DeviceChoice::Auto).unwrap();
     let info = store.device_info();
-    assert_eq!(
-        info.kind, "uring",
-        "io_uring is available on the test machines: {info:?}"
-    );
+    assert_eq!(info.kind, "uring", "io_uring is available on the test machines: {info:?}");
     assert!(info.note.is_none());
 }
 
@@ -79,10 +65,7 @@ fn readers_keep_reading_while_a_writer_commits() {
                     let head = (t % 2) as u16;
                     let stream = ctx.stream(0, head, FileStream::Data).unwrap();
                     let l = reads % stream.blocks();
-                    assert_eq!(
-                        stream.read(l).unwrap().payload(),
-                        &expected.streams[&(0, head, 1)][l as usize][..]
-                    );
+                    assert_eq!(stream.read(l).unwrap().payload(), &expected.streams[&(0, head, 1)][l as usize][..]);
                     reads += 1;
                 }
                 reads
@@ -120,8 +103,7 @@ fn open_refuses_a_store_of_another_format_version() {
     let path = dir.path().join("v2.img");
     drop(file_store(&path, 1 << 20, DeviceChoice::Uring));
     // Rewrite both superblocks as version 2, with valid checksums.
-    let dev: Arc<dyn BlockDevice> =
-        Arc::from(device::open_path(&path, DeviceChoice::File, BS).unwrap());
+    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::File, BS).unwrap());
     for slot in 0..2u64 {
         let raw = fsck::raw_block(dev.as_ref(), slot).unwrap();
         let (h, _) = ctxfs_vfs::format::header::unseal(&raw).unwrap();
@@ -129,20 +111,12 @@ fn open_refuses_a_store_of_another_format_version() {
         payload[8..12].copy_from_slice(&2u32.to_le_bytes());
         let mut buf = device::AlignedBuf::zeroed(BS);
         ctxfs_vfs::format::header::seal(&mut buf, &h, &payload);
-        let r = dev.submit(&mut [device::IoOp::Write {
-            block: slot,
-            buf: &buf,
-        }]);
+        let r = dev.submit(&mut [device::IoOp::Write { block: slot, buf: &buf }]);
         r.into_iter().for_each(|r| r.unwrap());
     }
-    let err = Store::open_path(&path, DeviceChoice::Uring)
-        .err()
-        .expect("must refuse");
+    let err = Store::open_path(&path, DeviceChoice::Uring).err().expect("must refuse");
     let msg = err.to_string();
-    assert!(
-        msg.contains("unsupported format version 2") && msg.contains("reads version 1"),
-        "{msg}"
-    );
+    assert!(msg.contains("unsupported format version 2") && msg.contains("reads version 1"), "{msg}");
 }
 
 #[test]
@@ -151,40 +125,21 @@ fn bad_input_is_refused_and_nothing_is_written() {
     let before = mem.current_image();
     let mut txn = store.begin().unwrap();
     assert!(txn.create_context("", shape(1, 1), &[]).is_err());
-    assert!(txn
-        .create_context(&"x".repeat(256), shape(1, 1), &[])
-        .is_err());
+    assert!(txn.create_context(&"x".repeat(256), shape(1, 1), &[]).is_err());
     let mut bad = shape(1, 2);
     bad.q_heads = 3;
     assert!(txn.create_context("bad-gqa", bad, &[]).is_err());
     txn.create_context("ok", shape(1, 1), &[]).unwrap();
-    assert!(matches!(
-        txn.create_context("ok", shape(1, 1), &[]),
-        Err(ctxfs_vfs::Error::ContextExists(_))
-    ));
-    assert!(
-        txn.append_block("ok", 1, 0, FileStream::Data, &[1])
-            .is_err(),
-        "layer out of range"
-    );
-    assert!(
-        txn.append_block("ok", 0, 0, FileStream::Data, &vec![0; BS])
-            .is_err(),
-        "payload too large"
-    );
+    assert!(matches!(txn.create_context("ok", shape(1, 1), &[]), Err(ctxfs_vfs::Error::ContextExists(_))));
+    assert!(txn.append_block("ok", 1, 0, FileStream::Data, &[1]).is_err(), "layer out of range");
+    assert!(txn.append_block("ok", 0, 0, FileStream::Data, &vec![0; BS]).is_err(), "payload too large");
     drop(txn);
-    assert_eq!(
-        mem.current_image(),
-        before,
-        "an abandoned transaction changes nothing visible"
-    );
+    assert_eq!(mem.current_image(), before, "an abandoned transaction changes nothing visible");
     // A full store refuses with StoreFull and keeps its committed state.
     let mut txn = store.begin().unwrap();
     txn.create_context("big", shape(1, 1), &[]).unwrap();
-    let err = (0..1000)
-        .map(|_| txn.append_block("big", 0, 0, FileStream::Data, &[9; 100]))
-        .find_map(Result::err)
-        .unwrap();
+    let err =
+        (0..1000).map(|_| txn.append_block("big", 0, 0, FileStream::Data, &[9; 100])).find_map(Result::err).unwrap();
     assert!(matches!(err, ctxfs_vfs::Error::StoreFull { .. }), "{err}");
     drop(txn);
     assert!(fsck::check(mem.as_ref()).unwrap().is_clean());
@@ -197,20 +152,11 @@ fn fsck_reports_progress_up_to_every_allocated_block() {
     let allocated = store.snapshot().superblock().allocated_blocks;
     drop(store);
     let seen = std::sync::Mutex::new(Vec::new());
-    let report = fsck::check_with(mem.as_ref(), &|done, total| {
-        seen.lock().unwrap().push((done, total))
-    })
-    .unwrap();
+    let report = fsck::check_with(mem.as_ref(), &|done, total| seen.lock().unwrap().push((done, total))).unwrap();
     assert!(report.is_clean());
     let seen = seen.into_inner().unwrap();
     assert!(seen.len() > 3, "progress was reported {} times", seen.len());
-    assert!(
-        seen.windows(2).all(|w| w[0].0 <= w[1].0),
-        "progress never goes back"
-    );
+    assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0), "progress never goes back");
     assert_eq!(*seen.last().unwrap(), (report.blocks_checked, allocated));
-    assert_eq!(
-        report.blocks_checked, allocated,
-        "a clean store: every allocated block is checked once"
-    );
+    assert_eq!(report.blocks_checked, allocated, "a clean store: every allocated block is checked once");
 }

@@ -19,20 +19,13 @@ fn write_errors_fail_the_commit_and_keep_the_previous_state() {
     let mut failures = 0;
     for seed in 0..40 {
         let (mem, store) = mem_store(1024);
-        mem.set_faults(FaultPlan {
-            seed,
-            write_error_rate: 0.02,
-            ..Default::default()
-        });
+        mem.set_faults(FaultPlan { seed, write_error_rate: 0.02, ..Default::default() });
         let (committed, err) = match workload(&store, seed, |_| {}) {
             Ok(_) => continue,
             Err(stop) => (stop.committed, stop.error),
         };
         failures += 1;
-        assert!(
-            matches!(err, Error::BlockIo { .. } | Error::Poisoned(_)),
-            "seed {seed}: {err}"
-        );
+        assert!(matches!(err, Error::BlockIo { .. } | Error::Poisoned(_)), "seed {seed}: {err}");
         mem.set_faults(FaultPlan::default());
         if !matches!(err, Error::Poisoned(_)) {
             // Same process: the store still serves the last commit and takes new ones.
@@ -45,10 +38,7 @@ fn write_errors_fail_the_commit_and_keep_the_previous_state() {
         let (dev, store) = reopen(&mem);
         let snap = store.snapshot();
         for name in committed.keys() {
-            assert!(
-                snap.context(name).is_ok(),
-                "seed {seed}: committed context {name} lost"
-            );
+            assert!(snap.context(name).is_ok(), "seed {seed}: committed context {name} lost");
         }
         drop(snap);
         let report = fsck::check(dev.as_ref()).unwrap();
@@ -62,10 +52,7 @@ fn a_failed_flush_poisons_the_store_until_it_is_reopened() {
     let (mem, store) = mem_store(1024);
     let committed = workload(&store, 1, |_| {}).unwrap();
     // Flushes fail from now on: the commit fails before or at its superblock.
-    mem.set_faults(FaultPlan {
-        fail_flush_from_op: Some(0),
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { fail_flush_from_op: Some(0), ..Default::default() });
     let mut txn = store.begin().unwrap();
     txn.create_context("doomed", shape(1, 1), &[1]).unwrap();
     let err = txn.commit().unwrap_err();
@@ -91,18 +78,12 @@ fn a_failed_superblock_flush_is_reported_and_recovery_decides() {
         t.commit().unwrap();
         probe.ops()
     };
-    mem.set_faults(FaultPlan {
-        fail_flush_from_op: Some(probe_ops - 1),
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { fail_flush_from_op: Some(probe_ops - 1), ..Default::default() });
     let mut txn = store.begin().unwrap();
     txn.create_context("maybe", shape(1, 1), &[1]).unwrap();
     let err = txn.commit().unwrap_err();
     assert!(matches!(err, Error::Poisoned(_)), "{err}");
-    assert!(
-        matches!(store.begin().err(), Some(Error::Poisoned(_))),
-        "no writes after an unknown outcome"
-    );
+    assert!(matches!(store.begin().err(), Some(Error::Poisoned(_))), "no writes after an unknown outcome");
     assert_matches(&store, &committed); // readers keep the last known state
     mem.set_faults(FaultPlan::default());
     let (dev, store) = reopen(&mem);
@@ -120,22 +101,13 @@ fn read_errors_name_the_block_and_fsck_reports_them() {
     let ctx = snap.context("gamma").unwrap();
     let stream = ctx.stream(0, 1, ctxfs_vfs::FileStream::Data).unwrap();
     let (bad, _) = stream.locate(1).unwrap();
-    mem.set_faults(FaultPlan {
-        bad_read_blocks: [bad].into(),
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { bad_read_blocks: [bad].into(), ..Default::default() });
     match stream.read(1) {
         Err(Error::BlockIo { block, .. }) => assert_eq!(block, bad),
-        other => panic!(
-            "expected an I/O error on block {bad}, got {:?}",
-            other.map(|_| ())
-        ),
+        other => panic!("expected an I/O error on block {bad}, got {:?}", other.map(|_| ())),
     }
     let results = stream.read_many(&[0, 1, 2]);
-    assert!(
-        results[0].is_ok() && results[2].is_ok(),
-        "a read error spoils only its own block"
-    );
+    assert!(results[0].is_ok() && results[2].is_ok(), "a read error spoils only its own block");
     assert_eq!(results[1].as_ref().err().and_then(Error::block), Some(bad));
     let report = fsck::check(mem.as_ref()).unwrap();
     assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED);
@@ -146,21 +118,13 @@ fn read_errors_name_the_block_and_fsck_reports_them() {
 fn random_read_errors_never_give_wrong_bytes() {
     let (mem, store) = mem_store(1024);
     let model = workload(&store, 4, |_| {}).unwrap();
-    mem.set_faults(FaultPlan {
-        seed: 5,
-        read_error_rate: 0.1,
-        ..Default::default()
-    });
+    mem.set_faults(FaultPlan { seed: 5, read_error_rate: 0.1, ..Default::default() });
     let snap = store.snapshot();
     let (mut ok, mut failed) = (0, 0);
     for (name, want) in &model {
         let ctx = snap.context(name).unwrap();
         for ((layer, head, s), blocks) in &want.streams {
-            let which = if *s == 0 {
-                ctxfs_vfs::FileStream::Index
-            } else {
-                ctxfs_vfs::FileStream::Data
-            };
+            let which = if *s == 0 { ctxfs_vfs::FileStream::Index } else { ctxfs_vfs::FileStream::Data };
             let Ok(stream) = ctx.stream(*layer, *head, which) else {
                 continue;
             };
@@ -196,19 +160,10 @@ fn torn_and_misdirected_writes_are_caught_by_checksums() {
     assert!(writes.end - writes.start >= 10);
     let mut cases = Vec::new();
     for op in writes.step_by(3) {
-        cases.push((
-            format!("torn write at op {op}"),
-            FaultPlan {
-                torn_write: Some((op, 20)),
-                ..Default::default()
-            },
-        ));
+        cases.push((format!("torn write at op {op}"), FaultPlan { torn_write: Some((op, 20)), ..Default::default() }));
         cases.push((
             format!("misdirected write at op {op}"),
-            FaultPlan {
-                misdirected_write: Some((op, 1000)),
-                ..Default::default()
-            },
+            FaultPlan { misdirected_write: Some((op, 1000)), ..Default::default() },
         ));
     }
     for (name, plan) in cases {
@@ -220,11 +175,6 @@ fn torn_and_misdirected_writes_are_caught_by_checksums() {
         drop(store);
         let image = Arc::new(MemDevice::from_image(mem.current_image(), BS));
         let report = fsck::check(image.as_ref()).unwrap();
-        assert_eq!(
-            report.exit_code(),
-            fsck::EXIT_UNCORRECTED,
-            "{name}: {:?}",
-            report.problems
-        );
+        assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "{name}: {:?}", report.problems);
     }
 }

@@ -17,13 +17,8 @@ pub struct AlignedBuf {
 impl AlignedBuf {
     /// A buffer of `len` bytes; `len` must be a multiple of [`PAGE`].
     pub fn zeroed(len: usize) -> Self {
-        assert!(
-            len.is_multiple_of(PAGE),
-            "aligned buffer length {len} is not a multiple of {PAGE}"
-        );
-        AlignedBuf {
-            pages: vec![Page([0; PAGE]); len / PAGE],
-        }
+        assert!(len.is_multiple_of(PAGE), "aligned buffer length {len} is not a multiple of {PAGE}");
+        AlignedBuf { pages: vec![Page([0; PAGE]); len / PAGE] }
     }
 
     pub fn len(&self) -> usize {

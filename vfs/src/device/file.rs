@@ -15,19 +15,9 @@ pub struct FileDevice {
 }
 
 impl FileDevice {
-    pub(crate) fn new(
-        path: &Path,
-        file: File,
-        block_size: usize,
-        note: Option<String>,
-    ) -> io::Result<Self> {
+    pub(crate) fn new(path: &Path, file: File, block_size: usize, note: Option<String>) -> io::Result<Self> {
         let geo = Geometry::of(&file, block_size)?;
-        Ok(FileDevice {
-            file,
-            path: path.display().to_string(),
-            geo,
-            note,
-        })
+        Ok(FileDevice { file, path: path.display().to_string(), geo, note })
     }
 
     fn run(&self, op: &mut IoOp<'_>) -> io::Result<()> {
@@ -45,12 +35,7 @@ impl BlockDevice for FileDevice {
         self.geo
     }
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            kind: "file",
-            path: self.path.clone(),
-            note: self.note.clone(),
-            queue_depth: 1,
-        }
+        DeviceInfo { kind: "file", path: self.path.clone(), note: self.note.clone(), queue_depth: 1 }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
         ops.iter_mut().map(|op| self.run(op)).collect()

@@ -78,10 +78,7 @@ impl MemDevice {
         assert!(image.len().is_multiple_of(block_size));
         let num_blocks = (image.len() / block_size) as u64;
         MemDevice {
-            geo: Geometry {
-                block_size,
-                num_blocks,
-            },
+            geo: Geometry { block_size, num_blocks },
             state: Mutex::new(State {
                 durable: image,
                 cache: BTreeMap::new(),
@@ -149,9 +146,7 @@ impl MemDevice {
         s.ops += 1;
         let roll = s.rng.next_f64();
         if s.plan.bad_write_blocks.contains(&block) || roll < s.plan.write_error_rate {
-            return Err(io::Error::other(format!(
-                "injected write error on block {block}"
-            )));
+            return Err(io::Error::other(format!("injected write error on block {block}")));
         }
         let target = match s.plan.misdirected_write {
             Some((at, to)) if at == op => to,
@@ -191,9 +186,7 @@ impl MemDevice {
                     let block = first + i as u64;
                     let roll = s.rng.next_f64();
                     if s.plan.bad_read_blocks.contains(&block) || roll < s.plan.read_error_rate {
-                        return Err(io::Error::other(format!(
-                            "injected read error on block {block}"
-                        )));
+                        return Err(io::Error::other(format!("injected read error on block {block}")));
                     }
                     chunk.copy_from_slice(&self.cached_block(s, block));
                 }
@@ -243,12 +236,7 @@ impl BlockDevice for MemDevice {
         self.geo
     }
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            kind: "mem",
-            path: "(memory)".into(),
-            note: None,
-            queue_depth: 1,
-        }
+        DeviceInfo { kind: "mem", path: "(memory)".into(), note: None, queue_depth: 1 }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
         let mut s = self.state();

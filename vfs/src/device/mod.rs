@@ -74,10 +74,7 @@ pub struct Geometry {
 impl Geometry {
     /// The geometry of an open file or block device.
     fn of(file: &File, block_size: usize) -> io::Result<Geometry> {
-        Ok(Geometry {
-            block_size,
-            num_blocks: byte_len(file)? / block_size as u64,
-        })
+        Ok(Geometry { block_size, num_blocks: byte_len(file)? / block_size as u64 })
     }
 }
 
@@ -100,10 +97,7 @@ pub trait BlockDevice: Send + Sync {
 
 /// Rejects an operation that is out of range or not O_DIRECT-safe, before it reaches a device.
 pub(crate) fn check_op(op: &IoOp<'_>, geo: Geometry) -> io::Result<()> {
-    let Geometry {
-        block_size,
-        num_blocks,
-    } = geo;
+    let Geometry { block_size, num_blocks } = geo;
     let len = op.len();
     if len == 0 || !len.is_multiple_of(block_size) {
         return Err(io::Error::new(
@@ -112,24 +106,13 @@ pub(crate) fn check_op(op: &IoOp<'_>, geo: Geometry) -> io::Result<()> {
         ));
     }
     if !op.addr().is_multiple_of(PAGE) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "I/O buffer is not page aligned",
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "I/O buffer is not page aligned"));
     }
     let blocks = (len / block_size) as u64;
-    if op
-        .block()
-        .checked_add(blocks)
-        .is_none_or(|end| end > num_blocks)
-    {
+    if op.block().checked_add(blocks).is_none_or(|end| end > num_blocks) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!(
-                "blocks {}..{} lie beyond the device end ({num_blocks} blocks)",
-                op.block(),
-                op.block() + blocks
-            ),
+            format!("blocks {}..{} lie beyond the device end ({num_blocks} blocks)", op.block(), op.block() + blocks),
         ));
     }
     Ok(())
@@ -152,9 +135,7 @@ impl std::str::FromStr for DeviceChoice {
             "auto" => Ok(DeviceChoice::Auto),
             "uring" => Ok(DeviceChoice::Uring),
             "file" => Ok(DeviceChoice::File),
-            _ => Err(format!(
-                "unknown device {s:?} (expected auto, uring or file)"
-            )),
+            _ => Err(format!("unknown device {s:?} (expected auto, uring or file)")),
         }
     }
 }
@@ -182,10 +163,7 @@ pub(crate) fn open_direct(path: &Path, create: bool) -> io::Result<File> {
     match file {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
             io::ErrorKind::Unsupported,
-            format!(
-                "{}: the file system does not support O_DIRECT",
-                path.display()
-            ),
+            format!("{}: the file system does not support O_DIRECT", path.display()),
         )),
         other => other,
     }
@@ -204,11 +182,7 @@ pub(crate) fn byte_len(file: &File) -> io::Result<u64> {
 }
 
 /// Opens a store path with the chosen real device.
-pub fn open_path(
-    path: &Path,
-    choice: DeviceChoice,
-    block_size: usize,
-) -> io::Result<Box<dyn BlockDevice>> {
+pub fn open_path(path: &Path, choice: DeviceChoice, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
     let file = open_direct(path, false)?;
     open_file(path, file, choice, block_size)
 }
@@ -227,12 +201,7 @@ pub(crate) fn open_file(
             match UringDevice::new(path, file, block_size) {
                 Ok(dev) => Ok(Box::new(dev)),
                 Err(e) => match refusal_note(&e) {
-                    Some(note) => Ok(Box::new(FileDevice::new(
-                        path,
-                        spare,
-                        block_size,
-                        Some(note),
-                    )?)),
+                    Some(note) => Ok(Box::new(FileDevice::new(path, spare, block_size, Some(note))?)),
                     None => Err(e),
                 },
             }
@@ -271,8 +240,7 @@ mod tests {
 
     #[test]
     fn only_a_refused_ring_falls_back() {
-        assert!(refusal_note(&io::Error::from_raw_os_error(libc::EPERM))
-            .is_some_and(|n| n.contains("pread/pwrite")));
+        assert!(refusal_note(&io::Error::from_raw_os_error(libc::EPERM)).is_some_and(|n| n.contains("pread/pwrite")));
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOSYS)).is_some());
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOMEM)).is_none());
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::EINVAL)).is_none());

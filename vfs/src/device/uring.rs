@@ -27,18 +27,10 @@ pub struct UringDevice {
 impl UringDevice {
     pub(crate) fn new(path: &Path, file: File, block_size: usize) -> io::Result<Self> {
         let geo = Geometry::of(&file, block_size)?;
-        let dev = UringDevice {
-            file,
-            path: path.display().to_string(),
-            geo,
-            rings: Mutex::new(Vec::new()),
-        };
+        let dev = UringDevice { file, path: path.display().to_string(), geo, rings: Mutex::new(Vec::new()) };
         // Set up one ring now, so that a refusal (EPERM, ENOSYS) shows at open time.
         let ring = dev.new_ring()?;
-        dev.rings
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(ring);
+        dev.rings.lock().unwrap_or_else(|p| p.into_inner()).push(ring);
         Ok(dev)
     }
 
@@ -57,10 +49,7 @@ impl UringDevice {
     }
 
     fn return_ring(&self, ring: IoUring) {
-        self.rings
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(ring);
+        self.rings.lock().unwrap_or_else(|p| p.into_inner()).push(ring);
     }
 
     /// Runs the valid operations of a batch through `ring`, resubmitting short transfers,
@@ -76,15 +65,11 @@ impl UringDevice {
                 let entry = match &mut ops[i] {
                     IoOp::Read { buf, .. } => {
                         let rest = &mut buf[done[i]..];
-                        opcode::Read::new(types::Fixed(0), rest.as_mut_ptr(), rest.len() as u32)
-                            .offset(offset)
-                            .build()
+                        opcode::Read::new(types::Fixed(0), rest.as_mut_ptr(), rest.len() as u32).offset(offset).build()
                     }
                     IoOp::Write { buf, .. } => {
                         let rest = &buf[done[i]..];
-                        opcode::Write::new(types::Fixed(0), rest.as_ptr(), rest.len() as u32)
-                            .offset(offset)
-                            .build()
+                        opcode::Write::new(types::Fixed(0), rest.as_ptr(), rest.len() as u32).offset(offset).build()
                     }
                 };
                 // SAFETY: the entry points into a buffer borrowed by `ops` for the whole of this
@@ -101,10 +86,7 @@ impl UringDevice {
             if let Err(e) = ring.submit_and_wait(1) {
                 // EINTR, EAGAIN and EBUSY are transient. Anything else: entries are still in
                 // flight, so keep reaping and waiting; buffers must not be released early.
-                if !matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
-                ) {
+                if !matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)) {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
             }
@@ -117,10 +99,7 @@ impl UringDevice {
                 } else if res < 0 {
                     results[i] = Err(io::Error::from_raw_os_error(-res));
                 } else if res == 0 {
-                    results[i] = Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "device returned no data",
-                    ));
+                    results[i] = Err(io::Error::new(io::ErrorKind::UnexpectedEof, "device returned no data"));
                 } else {
                     done[i] += res as usize;
                     if done[i] < ops[i].len() {
@@ -137,24 +116,13 @@ impl BlockDevice for UringDevice {
         self.geo
     }
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            kind: "uring",
-            path: self.path.clone(),
-            note: None,
-            queue_depth: RING_DEPTH,
-        }
+        DeviceInfo { kind: "uring", path: self.path.clone(), note: None, queue_depth: RING_DEPTH }
     }
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<()>> {
-        let mut results: Vec<io::Result<()>> =
-            ops.iter().map(|op| check_op(op, self.geo)).collect();
+        let mut results: Vec<io::Result<()>> = ops.iter().map(|op| check_op(op, self.geo)).collect();
         let mut ring = match self.take_ring() {
             Ok(ring) => ring,
-            Err(e) => {
-                return ops
-                    .iter()
-                    .map(|_| Err(io::Error::new(e.kind(), e.to_string())))
-                    .collect()
-            }
+            Err(e) => return ops.iter().map(|_| Err(io::Error::new(e.kind(), e.to_string()))).collect(),
         };
         self.run_batch(&mut ring, ops, &mut results);
         self.return_ring(ring);

@@ -80,19 +80,13 @@ impl<'a> Dec<'a> {
     pub fn str(&mut self) -> Result<String, BlockFault> {
         let len = self.u16()? as usize;
         if len == 0 || len > crate::format::records::MAX_NAME_LEN {
-            return Err(BlockFault::Malformed(format!(
-                "{}: name of {len} bytes",
-                self.what
-            )));
+            return Err(BlockFault::Malformed(format!("{}: name of {len} bytes", self.what)));
         }
         let raw = self.bytes(len)?;
         let name = String::from_utf8(raw.to_vec())
             .map_err(|_| BlockFault::Malformed(format!("{}: name is not UTF-8", self.what)))?;
         if name.chars().any(char::is_control) {
-            return Err(BlockFault::Malformed(format!(
-                "{}: name has control characters",
-                self.what
-            )));
+            return Err(BlockFault::Malformed(format!("{}: name has control characters", self.what)));
         }
         Ok(name)
     }
@@ -101,30 +95,20 @@ impl<'a> Dec<'a> {
     pub fn count(&mut self, min_item: usize) -> Result<usize, BlockFault> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_item) > self.remaining() {
-            return Err(BlockFault::Malformed(format!(
-                "{}: count {n} exceeds the bytes left",
-                self.what
-            )));
+            return Err(BlockFault::Malformed(format!("{}: count {n} exceeds the bytes left", self.what)));
         }
         Ok(n)
     }
     pub fn expect_magic(&mut self, magic: &[u8; 4]) -> Result<(), BlockFault> {
         let found = self.array::<4>()?;
         if &found != magic {
-            return Err(BlockFault::Malformed(format!(
-                "{}: magic {:?}, expected {:?}",
-                self.what, found, magic
-            )));
+            return Err(BlockFault::Malformed(format!("{}: magic {:?}, expected {:?}", self.what, found, magic)));
         }
         Ok(())
     }
     pub fn finish(&self) -> Result<(), BlockFault> {
         if self.remaining() != 0 {
-            return Err(BlockFault::Malformed(format!(
-                "{}: {} trailing bytes",
-                self.what,
-                self.remaining()
-            )));
+            return Err(BlockFault::Malformed(format!("{}: {} trailing bytes", self.what, self.remaining())));
         }
         Ok(())
     }

@@ -83,25 +83,13 @@ pub struct Owner {
 
 impl Owner {
     pub const ALL: u16 = u16::MAX;
-    pub const SYSTEM: Owner = Owner {
-        context: 0,
-        layer: 0,
-        head: 0,
-    };
+    pub const SYSTEM: Owner = Owner { context: 0, layer: 0, head: 0 };
 
     pub fn context(context: u32) -> Owner {
-        Owner {
-            context,
-            layer: Self::ALL,
-            head: Self::ALL,
-        }
+        Owner { context, layer: Self::ALL, head: Self::ALL }
     }
     pub fn file(context: u32, layer: u16, head: u16) -> Owner {
-        Owner {
-            context,
-            layer,
-            head,
-        }
+        Owner { context, layer, head }
     }
 }
 
@@ -112,11 +100,7 @@ impl std::fmt::Display for Owner {
         } else if self.layer == Owner::ALL {
             write!(f, "context {}", self.context)
         } else {
-            write!(
-                f,
-                "context {} layer {} head {}",
-                self.context, self.layer, self.head
-            )
+            write!(f, "context {} layer {} head {}", self.context, self.layer, self.head)
         }
     }
 }
@@ -159,11 +143,7 @@ fn crc_of(block: &[u8]) -> u32 {
 
 /// Writes `header` and `payload` into `block` (zero-filling the rest) and returns the CRC.
 pub fn seal(block: &mut [u8], header: &BlockHeader, payload: &[u8]) -> u32 {
-    assert!(
-        HEADER_LEN + payload.len() <= block.len(),
-        "payload of {} bytes overflows the block",
-        payload.len()
-    );
+    assert!(HEADER_LEN + payload.len() <= block.len(), "payload of {} bytes overflows the block", payload.len());
     assert_eq!(header.payload_len as usize, payload.len());
     block[HEADER_LEN..HEADER_LEN + payload.len()].copy_from_slice(payload);
     block[HEADER_LEN + payload.len()..].fill(0);
@@ -189,9 +169,7 @@ pub fn seal(block: &mut [u8], header: &BlockHeader, payload: &[u8]) -> u32 {
 /// Decodes a header and checks the block's own checksum. Returns the header and the CRC.
 pub fn unseal(block: &[u8]) -> Result<(BlockHeader, u32), BlockFault> {
     if block.len() < HEADER_LEN {
-        return Err(BlockFault::Malformed(
-            "block shorter than its header".into(),
-        ));
+        return Err(BlockFault::Malformed("block shorter than its header".into()));
     }
     let mut d = Dec::new(&block[..HEADER_LEN], "block header");
     let magic = d.u32()?;
@@ -204,36 +182,20 @@ pub fn unseal(block: &[u8]) -> Result<(BlockHeader, u32), BlockFault> {
         return Err(BlockFault::ChecksumMismatch { stored, computed });
     }
     let kind_raw = d.u8()?;
-    let kind = BlockKind::from_u8(kind_raw)
-        .ok_or_else(|| BlockFault::Malformed(format!("unknown block kind {kind_raw}")))?;
+    let kind =
+        BlockKind::from_u8(kind_raw).ok_or_else(|| BlockFault::Malformed(format!("unknown block kind {kind_raw}")))?;
     let stream_raw = d.u8()?;
     let stream = StreamTag::from_u8(stream_raw)
         .ok_or_else(|| BlockFault::Malformed(format!("unknown stream tag {stream_raw}")))?;
     let _reserved = d.u16()?;
-    let owner = Owner {
-        context: d.u32()?,
-        layer: d.u16()?,
-        head: d.u16()?,
-    };
+    let owner = Owner { context: d.u32()?, layer: d.u16()?, head: d.u16()? };
     let payload_len = d.u32()?;
     if HEADER_LEN + payload_len as usize > block.len() {
-        return Err(BlockFault::Malformed(format!(
-            "payload length {payload_len} overflows the block"
-        )));
+        return Err(BlockFault::Malformed(format!("payload length {payload_len} overflows the block")));
     }
     let logical = d.u64()?;
     let generation = d.u64()?;
-    Ok((
-        BlockHeader {
-            kind,
-            stream,
-            owner,
-            payload_len,
-            logical,
-            generation,
-        },
-        stored,
-    ))
+    Ok((BlockHeader { kind, stream, owner, payload_len, logical, generation }, stored))
 }
 
 /// What a reference says a block must be.
@@ -253,18 +215,9 @@ pub struct Expect {
 pub fn verify(block: &[u8], expect: &Expect) -> Result<BlockHeader, BlockFault> {
     let (h, crc) = unseal(block)?;
     if crc != expect.crc {
-        return Err(BlockFault::ReferenceMismatch {
-            expected: expect.crc,
-            found: crc,
-        });
+        return Err(BlockFault::ReferenceMismatch { expected: expect.crc, found: crc });
     }
-    let mismatch = |field, expected: u64, found: u64| {
-        Err(BlockFault::HeaderMismatch {
-            field,
-            expected,
-            found,
-        })
-    };
+    let mismatch = |field, expected: u64, found: u64| Err(BlockFault::HeaderMismatch { field, expected, found });
     if h.kind != expect.kind {
         return mismatch("kind", expect.kind as u64, h.kind as u64);
     }
@@ -272,18 +225,10 @@ pub fn verify(block: &[u8], expect: &Expect) -> Result<BlockHeader, BlockFault> 
         return mismatch("stream", expect.stream as u64, h.stream as u64);
     }
     if h.owner.context != expect.owner.context {
-        return mismatch(
-            "owner.context",
-            expect.owner.context.into(),
-            h.owner.context.into(),
-        );
+        return mismatch("owner.context", expect.owner.context.into(), h.owner.context.into());
     }
     if h.owner.layer != expect.owner.layer {
-        return mismatch(
-            "owner.layer",
-            expect.owner.layer.into(),
-            h.owner.layer.into(),
-        );
+        return mismatch("owner.layer", expect.owner.layer.into(), h.owner.layer.into());
     }
     if h.owner.head != expect.owner.head {
         return mismatch("owner.head", expect.owner.head.into(), h.owner.head.into());

@@ -57,30 +57,18 @@ pub struct ModelShape {
 
 impl ModelShape {
     pub fn validate(&self) -> Result<(), String> {
-        let ModelShape {
-            layers,
-            q_heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = *self;
+        let ModelShape { layers, q_heads, kv_heads, head_dim, .. } = *self;
         if layers == 0 || layers > MAX_LAYERS {
             return Err(format!("layers must be 1..={MAX_LAYERS}, got {layers}"));
         }
         if kv_heads == 0 || q_heads == 0 || q_heads > MAX_HEADS || kv_heads > MAX_HEADS {
-            return Err(format!(
-                "heads must be 1..={MAX_HEADS}, got {q_heads} q heads and {kv_heads} kv heads"
-            ));
+            return Err(format!("heads must be 1..={MAX_HEADS}, got {q_heads} q heads and {kv_heads} kv heads"));
         }
         if q_heads % kv_heads != 0 {
-            return Err(format!(
-                "q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})"
-            ));
+            return Err(format!("q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})"));
         }
         if head_dim == 0 || head_dim > MAX_HEAD_DIM {
-            return Err(format!(
-                "head dim must be 1..={MAX_HEAD_DIM}, got {head_dim}"
-            ));
+            return Err(format!("head dim must be 1..={MAX_HEAD_DIM}, got {head_dim}"));
         }
         Ok(())
     }
@@ -91,13 +79,7 @@ impl ModelShape {
     }
 
     fn encode(&self, e: &mut Enc) {
-        e.u16(self.layers)
-            .u16(self.q_heads)
-            .u16(self.kv_heads)
-            .u16(self.head_dim)
-            .u8(self.dtype as u8)
-            .u8(0)
-            .u16(0);
+        e.u16(self.layers).u16(self.q_heads).u16(self.kv_heads).u16(self.head_dim).u8(self.dtype as u8).u8(0).u16(0);
     }
 
     fn decode(d: &mut Dec<'_>) -> Result<Self, BlockFault> {
@@ -111,13 +93,7 @@ impl ModelShape {
             other => return Err(BlockFault::Malformed(format!("unknown dtype code {other}"))),
         };
         let _reserved = (d.u8()?, d.u16()?);
-        let shape = ModelShape {
-            layers,
-            q_heads,
-            kv_heads,
-            head_dim,
-            dtype,
-        };
+        let shape = ModelShape { layers, q_heads, kv_heads, head_dim, dtype };
         shape.validate().map_err(BlockFault::Malformed)?;
         Ok(shape)
     }
@@ -134,9 +110,7 @@ pub struct StreamRoot {
 
 impl StreamRoot {
     fn encode(&self, e: &mut Enc) {
-        e.u64(self.blocks)
-            .u64(self.bytes)
-            .u32(self.extents.len() as u32);
+        e.u64(self.blocks).u64(self.bytes).u32(self.extents.len() as u32);
         for r in &self.extents {
             r.encode(e);
         }
@@ -145,14 +119,8 @@ impl StreamRoot {
         let blocks = d.u64()?;
         let bytes = d.u64()?;
         let n = d.count(REF_LEN)?;
-        let extents = (0..n)
-            .map(|_| BlockRef::decode(d))
-            .collect::<Result<_, _>>()?;
-        Ok(StreamRoot {
-            blocks,
-            bytes,
-            extents,
-        })
+        let extents = (0..n).map(|_| BlockRef::decode(d)).collect::<Result<_, _>>()?;
+        Ok(StreamRoot { blocks, bytes, extents })
     }
 }
 
@@ -203,28 +171,13 @@ impl ContextRecord {
         let tokens = StreamRoot::decode(&mut d)?;
         let n = d.count(2 * 20)?;
         if n != shape.files() {
-            return Err(BlockFault::Malformed(format!(
-                "{n} vector files, shape says {}",
-                shape.files()
-            )));
+            return Err(BlockFault::Malformed(format!("{n} vector files, shape says {}", shape.files())));
         }
         let files = (0..n)
-            .map(|_| {
-                Ok(FileRoots {
-                    index: StreamRoot::decode(&mut d)?,
-                    data: StreamRoot::decode(&mut d)?,
-                })
-            })
+            .map(|_| Ok(FileRoots { index: StreamRoot::decode(&mut d)?, data: StreamRoot::decode(&mut d)? }))
             .collect::<Result<_, BlockFault>>()?;
         d.finish()?;
-        Ok(ContextRecord {
-            id,
-            name,
-            shape,
-            created_unix_ms,
-            tokens,
-            files,
-        })
+        Ok(ContextRecord { id, name, shape, created_unix_ms, tokens, files })
     }
 }
 
@@ -250,13 +203,7 @@ pub fn decode_catalog(blob: &[u8]) -> Result<Vec<CatalogEntry>, BlockFault> {
     d.expect_magic(CATALOG_MAGIC)?;
     let n = d.count(4 + 2 + REF_LEN)?;
     let entries = (0..n)
-        .map(|_| {
-            Ok(CatalogEntry {
-                id: d.u32()?,
-                name: d.str()?,
-                record: BlockRef::decode(&mut d)?,
-            })
-        })
+        .map(|_| Ok(CatalogEntry { id: d.u32()?, name: d.str()?, record: BlockRef::decode(&mut d)? }))
         .collect::<Result<Vec<_>, BlockFault>>()?;
     d.finish()?;
     Ok(entries)
@@ -265,9 +212,7 @@ pub fn decode_catalog(blob: &[u8]) -> Result<Vec<CatalogEntry>, BlockFault> {
 /// The allocator directory: the bitmap chunk blocks, in order.
 pub fn encode_alloc_dir(total_blocks: u64, chunks: &[BlockRef]) -> Vec<u8> {
     let mut e = Enc::default();
-    e.bytes(ALLOC_MAGIC)
-        .u64(total_blocks)
-        .u32(chunks.len() as u32);
+    e.bytes(ALLOC_MAGIC).u64(total_blocks).u32(chunks.len() as u32);
     for c in chunks {
         c.encode(&mut e);
     }
@@ -279,9 +224,7 @@ pub fn decode_alloc_dir(blob: &[u8]) -> Result<(u64, Vec<BlockRef>), BlockFault>
     d.expect_magic(ALLOC_MAGIC)?;
     let total = d.u64()?;
     let n = d.count(REF_LEN)?;
-    let chunks = (0..n)
-        .map(|_| BlockRef::decode(&mut d))
-        .collect::<Result<_, _>>()?;
+    let chunks = (0..n).map(|_| BlockRef::decode(&mut d)).collect::<Result<_, _>>()?;
     d.finish()?;
     Ok((total, chunks))
 }
@@ -317,9 +260,7 @@ impl ExtentBlock {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Enc::default();
-        e.u64(self.first_logical)
-            .u32(self.crcs.len() as u32)
-            .u32(self.runs.len() as u32);
+        e.u64(self.first_logical).u32(self.crcs.len() as u32).u32(self.runs.len() as u32);
         for r in &self.runs {
             e.u64(r.start).u32(r.len).u32(0);
         }
@@ -343,36 +284,21 @@ impl ExtentBlock {
         let mut runs = Vec::with_capacity(nruns);
         let mut covered = 0u64;
         for _ in 0..nruns {
-            let run = Run {
-                start: d.u64()?,
-                len: d.u32()?,
-            };
+            let run = Run { start: d.u64()?, len: d.u32()? };
             let _reserved = d.u32()?;
             if run.len == 0
-                || run
-                    .start
-                    .checked_add(run.len as u64)
-                    .is_none_or(|end| end > total_blocks)
+                || run.start.checked_add(run.len as u64).is_none_or(|end| end > total_blocks)
                 || run.start < 2
             {
-                return Err(BlockFault::Malformed(format!(
-                    "run {}+{} lies outside the device",
-                    run.start, run.len
-                )));
+                return Err(BlockFault::Malformed(format!("run {}+{} lies outside the device", run.start, run.len)));
             }
             covered += run.len as u64;
             runs.push(run);
         }
         if covered != entries as u64 {
-            return Err(BlockFault::Malformed(format!(
-                "runs cover {covered} blocks, {entries} entries"
-            )));
+            return Err(BlockFault::Malformed(format!("runs cover {covered} blocks, {entries} entries")));
         }
         let crcs = (0..entries).map(|_| d.u32()).collect::<Result<_, _>>()?;
-        Ok(ExtentBlock {
-            first_logical,
-            runs,
-            crcs,
-        })
+        Ok(ExtentBlock { first_logical, runs, crcs })
     }
 }

@@ -2,9 +2,7 @@
 //! valid one with the higher generation.
 
 use super::codec::{Dec, Enc};
-use super::header::{
-    payload, seal, unseal, BlockHeader, BlockKind, BlockRef, Owner, StreamTag, HEADER_LEN,
-};
+use super::header::{payload, seal, unseal, BlockHeader, BlockKind, BlockRef, Owner, StreamTag, HEADER_LEN};
 use crate::error::{BlockFault, Error};
 
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"ctxfs-sb";
@@ -40,10 +38,7 @@ impl Superblock {
             .bytes(&self.store_id);
         self.catalog.encode(&mut e);
         self.alloc.encode(&mut e);
-        e.u64(self.allocated_blocks)
-            .u32(self.next_context_id)
-            .u32(0)
-            .u64(self.commit_unix_ms);
+        e.u64(self.allocated_blocks).u32(self.next_context_id).u32(0).u64(self.commit_unix_ms);
         debug_assert_eq!(e.0.len(), PAYLOAD_LEN);
         let header = BlockHeader {
             kind: BlockKind::Superblock,
@@ -71,10 +66,7 @@ impl Superblock {
         let (h, _) = unseal(block).map_err(damaged)?;
         let mut d = Dec::new(payload(block, &h), "superblock");
         if d.bytes(8).map_err(damaged)? != SUPERBLOCK_MAGIC || h.kind != BlockKind::Superblock {
-            return Err(damaged(BlockFault::Malformed(format!(
-                "{} block where a superblock belongs",
-                h.kind.name()
-            ))));
+            return Err(damaged(BlockFault::Malformed(format!("{} block where a superblock belongs", h.kind.name()))));
         }
         let version = d.u32().map_err(damaged)?;
         if version != FORMAT_VERSION {
@@ -113,17 +105,10 @@ impl Superblock {
         };
         let bad = |what: String| Err(damaged(BlockFault::Malformed(what)));
         if sb.generation != h.generation || sb.slot() != slot {
-            return bad(format!(
-                "generation {} does not belong in slot {slot}",
-                sb.generation
-            ));
+            return bad(format!("generation {} does not belong in slot {slot}", sb.generation));
         }
         if sb.block_size as usize != block.len() {
-            return bad(format!(
-                "block size {} but the slot was read as {} bytes",
-                sb.block_size,
-                block.len()
-            ));
+            return bad(format!("block size {} but the slot was read as {} bytes", sb.block_size, block.len()));
         }
         if sb.total_blocks < crate::txn::MIN_STORE_BLOCKS
             || sb.catalog.block >= sb.total_blocks

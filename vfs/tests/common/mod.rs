@@ -3,9 +3,7 @@
 #![allow(dead_code)]
 
 use ctxfs_vfs::device::{self, MemDevice};
-use ctxfs_vfs::{
-    BlockDevice, DType, DeviceChoice, Error, FileStream, ModelShape, SplitMix64, Store, Txn,
-};
+use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, Error, FileStream, ModelShape, SplitMix64, Store, Txn};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,13 +22,7 @@ pub struct ModelContext {
 pub type Model = BTreeMap<String, ModelContext>;
 
 pub fn shape(layers: u16, kv_heads: u16) -> ModelShape {
-    ModelShape {
-        layers,
-        q_heads: kv_heads * 2,
-        kv_heads,
-        head_dim: 16,
-        dtype: DType::F16,
-    }
+    ModelShape { layers, q_heads: kv_heads * 2, kv_heads, head_dim: 16, dtype: DType::F16 }
 }
 
 fn which(s: u8) -> FileStream {
@@ -60,14 +52,7 @@ pub fn create(
 ) -> Result<(), Error> {
     let toks: Vec<u32> = (0..tokens).map(|_| rng.next_u64() as u32).collect();
     txn.create_context(name, shape, &toks)?;
-    model.insert(
-        name.into(),
-        ModelContext {
-            shape,
-            tokens: toks,
-            streams: BTreeMap::new(),
-        },
-    );
+    model.insert(name.into(), ModelContext { shape, tokens: toks, streams: BTreeMap::new() });
     append(txn, model, rng, name, 0, 2)
 }
 
@@ -110,11 +95,7 @@ pub struct Interrupted {
 
 /// A workload of commits: creates, appends and deletes. `on_commit` sees the model after each
 /// successful commit. Returns the first error (a crash or an injected fault) or the final model.
-pub fn workload(
-    store: &Store,
-    seed: u64,
-    mut on_commit: impl FnMut(&Model),
-) -> Result<Model, Box<Interrupted>> {
+pub fn workload(store: &Store, seed: u64, mut on_commit: impl FnMut(&Model)) -> Result<Model, Box<Interrupted>> {
     let mut rng = SplitMix64::new(seed);
     let mut model = Model::new();
     type Step = fn(&mut Txn<'_>, &mut Model, &mut SplitMix64) -> Result<(), Error>;
@@ -145,13 +126,7 @@ pub fn workload(
                 model = attempt;
                 on_commit(&model);
             }
-            Err(error) => {
-                return Err(Box::new(Interrupted {
-                    committed: model,
-                    attempted: attempt,
-                    error,
-                }))
-            }
+            Err(error) => return Err(Box::new(Interrupted { committed: model, attempted: attempt, error })),
         }
     }
     Ok(model)
@@ -171,21 +146,11 @@ pub fn difference(store: &Store, model: &Model) -> Option<String> {
             Err(e) => return Some(format!("{name}: {e}")),
         };
         if ctx.record().shape != want.shape {
-            return Some(format!(
-                "{name}: shape {:?}, expected {:?}",
-                ctx.record().shape,
-                want.shape
-            ));
+            return Some(format!("{name}: shape {:?}, expected {:?}", ctx.record().shape, want.shape));
         }
         match ctx.tokens() {
             Ok(t) if t == want.tokens => {}
-            Ok(t) => {
-                return Some(format!(
-                    "{name}: {} tokens differ from the {} expected",
-                    t.len(),
-                    want.tokens.len()
-                ))
-            }
+            Ok(t) => return Some(format!("{name}: {} tokens differ from the {} expected", t.len(), want.tokens.len())),
             Err(e) => return Some(format!("{name}: tokens: {e}")),
         }
         for layer in 0..want.shape.layers {
@@ -196,25 +161,12 @@ pub fn difference(store: &Store, model: &Model) -> Option<String> {
                         Ok(st) => st,
                         Err(e) => return Some(format!("{at}: {e}")),
                     };
-                    let blocks = want
-                        .streams
-                        .get(&(layer, head, s))
-                        .cloned()
-                        .unwrap_or_default();
+                    let blocks = want.streams.get(&(layer, head, s)).cloned().unwrap_or_default();
                     if stream.blocks() != blocks.len() as u64 {
-                        return Some(format!(
-                            "{at}: {} blocks, expected {}",
-                            stream.blocks(),
-                            blocks.len()
-                        ));
+                        return Some(format!("{at}: {} blocks, expected {}", stream.blocks(), blocks.len()));
                     }
                     let logicals: Vec<u64> = (0..stream.blocks()).collect();
-                    for (l, (got, want)) in stream
-                        .read_many(&logicals)
-                        .into_iter()
-                        .zip(&blocks)
-                        .enumerate()
-                    {
+                    for (l, (got, want)) in stream.read_many(&logicals).into_iter().zip(&blocks).enumerate() {
                         match got {
                             Ok(b) if b.payload() == &want[..] => {}
                             Ok(_) => return Some(format!("{at}: block {l} holds other bytes")),

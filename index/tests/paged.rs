@@ -1,0 +1,108 @@
+//! An index stored in a vfs vector file and searched directly on buffered pages gives exactly
+//! the answers of the same index in memory; storage errors come back as errors.
+
+use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
+use ctxfs_index::paged::{index_payloads, PagedIndex};
+use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::synth::{head, SynthParams};
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
+use ctxfs_vfs::device::{FaultPlan, MemDevice};
+use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
+use std::sync::Arc;
+
+struct Mem<'a> {
+    keys: &'a MemKeys,
+    graph: &'a MemGraph,
+}
+impl Keys for Mem<'_> {
+    fn dim(&self) -> usize {
+        self.keys.dim()
+    }
+    fn len(&self) -> u32 {
+        self.keys.len()
+    }
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
+        self.keys.score(ids, q, out, stats)
+    }
+}
+impl Graph for Mem<'_> {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
+        self.graph.neighbors(node, out, stats)
+    }
+    fn entry(&self) -> u32 {
+        self.graph.entry
+    }
+}
+
+fn store_index(dev: Arc<dyn BlockDevice>, keys: &MemKeys, graph: &MemGraph) -> (Store, Vec<BlockRequest>) {
+    let store = ctxfs_vfs::format(dev).unwrap();
+    let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: keys.dim() as u16, dtype: DType::F16 };
+    let (_, blocks) = index_payloads(keys, graph, max_payload(4096));
+    let mut txn = store.begin().unwrap();
+    txn.create_context("c", shape, &[]).unwrap();
+    for b in &blocks {
+        txn.append_block("c", 0, 0, FileStream::Index, b).unwrap();
+    }
+    txn.commit().unwrap();
+    let snap = store.snapshot();
+    let s = snap.context("c").unwrap().stream(0, 0, FileStream::Index).unwrap();
+    let reqs = (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect();
+    drop(snap);
+    (store, reqs)
+}
+
+fn data() -> (MemKeys, MemGraph, Vec<f32>) {
+    let p = SynthParams { tokens: 3000, head_dim: 64, group: 2, seed: 9 };
+    let h = head(&p, 1, 0, 1500, 8);
+    let keys = MemKeys::new(64, h.keys.clone());
+    let (graph, _) =
+        build(&keys, &h.prefill.concat(), &BuildParams { degree: 16, extra_degree: 8, ..Default::default() });
+    (keys, graph, h.decode.concat())
+}
+
+#[test]
+fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
+    let (keys, graph, queries) = data();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("idx.img");
+    std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
+    let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
+    let (store, reqs) = store_index(dev, &keys, &graph);
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let paged = PagedIndex::open(&pool, reqs).unwrap();
+    assert_eq!(paged.layout().tokens, 3000);
+    let mem = Mem { keys: &keys, graph: &graph };
+    let beta = 5.0 * 8.0;
+    for q in queries.chunks(64) {
+        let params = DiprsParams { beta, l0: 64, ..Default::default() };
+        let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&paged, q, &params).unwrap());
+        assert_eq!(a.ids, b.ids);
+        assert_eq!((a.stats.keys_scored, a.stats.hops), (b.stats.keys_scored, b.stats.hops));
+        assert!(b.stats.blocks_touched > 0);
+        assert_eq!(topk(&mem, q, 50, 64, Some(1000)).unwrap().ids, topk(&paged, q, 50, 64, Some(1000)).unwrap().ids);
+        assert_eq!(
+            flat::dipr(&mem, q, beta, f32::NEG_INFINITY, None).unwrap().ids,
+            flat::dipr(&paged, q, beta, f32::NEG_INFINITY, None).unwrap().ids
+        );
+    }
+    // The index stayed resident: the second pass reads nothing.
+    let misses = pool.stats().index.misses;
+    for q in queries.chunks(64) {
+        diprs(&paged, q, &DiprsParams { beta, l0: 64, ..Default::default() }).unwrap();
+    }
+    assert_eq!(pool.stats().index.misses, misses);
+}
+
+#[test]
+fn an_unreadable_index_block_is_an_error_not_a_panic() {
+    let (keys, graph, queries) = data();
+    let mem = Arc::new(MemDevice::new(4096, 2048));
+    let (store, reqs) = store_index(mem.clone(), &keys, &graph);
+    let bad = reqs[reqs.len() / 2].block; // a key block
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let paged = PagedIndex::open(&pool, reqs).unwrap();
+    mem.set_faults(FaultPlan { bad_read_blocks: [bad].into(), ..Default::default() });
+    let q = &queries[..64];
+    let err = flat::dipr(&paged, q, 40.0, f32::NEG_INFINITY, None).unwrap_err();
+    assert_eq!(err.block(), Some(bad), "{err}");
+}

@@ -1,0 +1,126 @@
+//! `ctxfs gen`: a synthetic context (KV cache, prefill queries, token ids) and a file of
+//! held-out decode queries, with the statistics the generator achieved.
+
+use crate::progress;
+use crate::st_write::{Dtype, StreamWriter, TensorSpec};
+use anyhow::{ensure, Result};
+use ctxfs_index::synth::{head, stats, SynthParams};
+use half::f16;
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Output file; the decode queries go to OUT.queries.safetensors beside it.
+    out: PathBuf,
+    #[arg(long)]
+    tokens: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 8)]
+    q_heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// Prefill queries per q head (they train the index). Default: tokens / 4, at most 4096.
+    #[arg(long)]
+    queries: Option<usize>,
+    /// Held-out decode queries per q head, at consecutive decode steps.
+    #[arg(long, default_value_t = 16)]
+    decode_queries: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
+}
+
+fn f16_bytes(v: &[f16]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    ensure!(
+        a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.head_dim > 0,
+        "tokens, layers, kv heads and head dim must be positive"
+    );
+    ensure!(a.q_heads % a.kv_heads == 0, "q heads ({}) must be a multiple of kv heads ({})", a.q_heads, a.kv_heads);
+    ensure!(a.tokens <= u32::MAX as usize, "at most {} tokens", u32::MAX);
+    let group = a.q_heads / a.kv_heads;
+    let m = a.queries.unwrap_or((a.tokens / 4).clamp(1, 4096));
+    let (d, n) = (a.head_dim, a.tokens);
+    let queries_path = a.out.with_extension("queries.safetensors");
+    let mut specs = Vec::new();
+    for l in 0..a.layers {
+        specs.push(TensorSpec { name: format!("layers.{l}.k"), dtype: Dtype::F16, shape: vec![a.kv_heads, n, d] });
+        specs.push(TensorSpec { name: format!("layers.{l}.v"), dtype: Dtype::F16, shape: vec![a.kv_heads, n, d] });
+        specs.push(TensorSpec { name: format!("layers.{l}.q"), dtype: Dtype::F16, shape: vec![a.q_heads, m, d] });
+    }
+    specs.push(TensorSpec { name: "tokens".into(), dtype: Dtype::I64, shape: vec![n] });
+    let qspecs: Vec<TensorSpec> = (0..a.layers)
+        .map(|l| TensorSpec {
+            name: format!("layers.{l}.q"),
+            dtype: Dtype::F32,
+            shape: vec![a.q_heads, a.decode_queries, d],
+        })
+        .collect();
+    let meta = [("generator", "ctxfs gen".to_string()), ("seed", a.seed.to_string())];
+    let mut out = StreamWriter::create(&a.out, &specs, &meta)?;
+    let mut qout = StreamWriter::create(&queries_path, &qspecs, &meta)?;
+    let p = SynthParams { tokens: n, head_dim: d, group, seed: a.seed };
+    let bar = progress::bar((a.layers * a.kv_heads * n * d * 4) as u64, "generate");
+    let mut per_head = Vec::new();
+    for l in 0..a.layers {
+        let heads: Vec<_> = (0..a.kv_heads).map(|h| head(&p, l, h, m, a.decode_queries)).collect();
+        for h in &heads {
+            out.write(f16_bytes(&h.keys))?;
+        }
+        for h in &heads {
+            out.write(f16_bytes(&h.values))?;
+            bar.inc((n * d * 4) as u64);
+        }
+        for h in &heads {
+            for q in &h.prefill {
+                let halves: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+                out.write(f16_bytes(&halves))?;
+            }
+        }
+        for h in &heads {
+            for q in &h.decode {
+                qout.write(bytemuck::cast_slice(q))?;
+            }
+        }
+        for (kv, h) in heads.iter().enumerate() {
+            per_head.push((l, kv, h.sharpness, stats(h, d)));
+        }
+    }
+    let tokens: Vec<i64> = (0..n as i64).map(|t| (t * 2_654_435_761) % 128_000).collect();
+    out.write(bytemuck::cast_slice(&tokens))?;
+    out.finish()?;
+    qout.finish()?;
+    bar.finish_and_clear();
+    let ratio: Vec<f64> = per_head.iter().map(|h| h.3.mahalanobis_ratio).collect();
+    let mean_ratio = ratio.iter().sum::<f64>() / ratio.len() as f64;
+    if a.json {
+        let heads: Vec<_> = per_head
+            .iter()
+            .map(|(l, kv, s, st)| json!({"layer": l, "kv_head": kv, "sharpness": s, "mahalanobis_ratio": st.mahalanobis_ratio, "tokens_for_90_percent": st.tokens_for_90, "sink_mass": st.sink_mass}))
+            .collect();
+        println!(
+            "{}",
+            json!({"out": a.out, "queries": queries_path, "tokens": n, "mahalanobis_ratio": mean_ratio, "heads": heads})
+        );
+        return Ok(());
+    }
+    println!("wrote {} and {}", a.out.display(), queries_path.display());
+    println!(
+        "{n} tokens, {} layers, {} q heads / {} kv heads, head dim {d}; {m} prefill and {} decode queries per q head",
+        a.layers, a.q_heads, a.kv_heads, a.decode_queries
+    );
+    println!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys");
+    println!("{:>6} {:>8} {:>10} {:>22} {:>10}", "layer", "kv head", "sharpness", "tokens for 90% mass", "sink mass");
+    for (l, kv, s, st) in &per_head {
+        println!("{l:>6} {kv:>8} {s:>10.2} {:>22} {:>9.1}%", st.tokens_for_90, st.sink_mass * 100.0);
+    }
+    Ok(())
+}

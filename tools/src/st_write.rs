@@ -1,0 +1,129 @@
+//! Writing safetensors files as a stream: the header is computed up front from the tensors'
+//! shapes, then each tensor's bytes are written in order, so a book-scale file never has to
+//! be held in memory. The file appears under its name only once complete.
+
+use anyhow::{ensure, Context, Result};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F16,
+    F32,
+    I64,
+}
+
+impl Dtype {
+    fn name(self) -> &'static str {
+        match self {
+            Dtype::F16 => "F16",
+            Dtype::F32 => "F32",
+            Dtype::I64 => "I64",
+        }
+    }
+    fn size(self) -> u64 {
+        match self {
+            Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            Dtype::I64 => 8,
+        }
+    }
+}
+
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    fn bytes(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.size()
+    }
+}
+
+pub struct StreamWriter {
+    out: BufWriter<std::fs::File>,
+    tmp: PathBuf,
+    path: PathBuf,
+    sizes: Vec<(String, u64)>,
+    next: usize,
+    written: u64,
+}
+
+impl StreamWriter {
+    pub fn create(path: &Path, specs: &[TensorSpec], metadata: &[(&str, String)]) -> Result<StreamWriter> {
+        let mut header = serde_json::Map::new();
+        let meta: serde_json::Map<String, serde_json::Value> =
+            metadata.iter().map(|(k, v)| (k.to_string(), v.clone().into())).collect();
+        header.insert("__metadata__".into(), meta.into());
+        let mut at = 0u64;
+        for s in specs {
+            let end = at + s.bytes();
+            header.insert(
+                s.name.clone(),
+                serde_json::json!({"dtype": s.dtype.name(), "shape": s.shape, "data_offsets": [at, end]}),
+            );
+            at = end;
+        }
+        let mut json = serde_json::to_vec(&serde_json::Value::Object(header))?;
+        while json.len() % 8 != 0 {
+            json.push(b' ');
+        }
+        let tmp = path.with_extension("safetensors.partial");
+        let file = std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&(json.len() as u64).to_le_bytes())?;
+        out.write_all(&json)?;
+        Ok(StreamWriter {
+            out,
+            tmp,
+            path: path.to_path_buf(),
+            sizes: specs.iter().map(|s| (s.name.clone(), s.bytes())).collect(),
+            next: 0,
+            written: 0,
+        })
+    }
+
+    /// Appends bytes of the current tensor; moves to the next tensor when it is complete.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            ensure!(self.next < self.sizes.len(), "more data than the tensors declared");
+            let (name, size) = &self.sizes[self.next];
+            let take = ((size - self.written) as usize).min(rest.len());
+            self.out.write_all(&rest[..take]).with_context(|| format!("writing {name}"))?;
+            self.written += take as u64;
+            rest = &rest[take..];
+            if self.written == *size {
+                self.next += 1;
+                self.written = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every tensor is complete, syncs, and moves the file into place.
+    pub fn finish(mut self) -> Result<()> {
+        while self.next < self.sizes.len() && self.sizes[self.next].1 == 0 {
+            self.next += 1;
+        }
+        ensure!(
+            self.next == self.sizes.len(),
+            "tensor {} is incomplete",
+            self.sizes.get(self.next).map_or("?", |s| s.0.as_str())
+        );
+        self.out.flush()?;
+        self.out.get_ref().sync_all()?;
+        std::fs::rename(&self.tmp, &self.path)
+            .with_context(|| format!("cannot move {} into place", self.path.display()))?;
+        Ok(())
+    }
+}
+
+impl Drop for StreamWriter {
+    fn drop(&mut self) {
+        // An unfinished file is removed; a finished one was renamed already.
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
