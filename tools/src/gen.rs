@@ -44,7 +44,12 @@ pub fn run(a: Args) -> Result<()> {
         a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.head_dim > 0,
         "tokens, layers, kv heads and head dim must be positive"
     );
-    ensure!(a.q_heads % a.kv_heads == 0, "q heads ({}) must be a multiple of kv heads ({})", a.q_heads, a.kv_heads);
+    ensure!(
+        a.q_heads.is_multiple_of(a.kv_heads),
+        "q heads ({}) must be a multiple of kv heads ({})",
+        a.q_heads,
+        a.kv_heads
+    );
     ensure!(a.tokens <= u32::MAX as usize, "at most {} tokens", u32::MAX);
     let group = a.q_heads / a.kv_heads;
     let m = a.queries.unwrap_or((a.tokens / 4).clamp(1, 4096));
