@@ -298,3 +298,36 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     assert_eq!(small["index_resident"], false);
     assert!(small["stats"]["index"]["evictions"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
+    use safetensors::SafeTensors;
+    let dir = tmp();
+    let out = dir.path().join("ctx.safetensors");
+    let v = json(&["gen", p(&out), "--tokens", "2048", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--queries", "100", "--decode-queries", "5", "--seed", "3", "--json"]);
+    assert!(v["mahalanobis_ratio"].as_f64().unwrap() > 10.0, "{v}");
+    let heads = v["heads"].as_array().unwrap();
+    assert_eq!(heads.len(), 4);
+    assert!(heads.iter().all(|h| h["tokens_for_90_percent"].as_u64().unwrap() >= 1));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for l in 0..2 {
+        assert_eq!(st.tensor(&format!("layers.{l}.k")).unwrap().shape(), &[2, 2048, 64]);
+        assert_eq!(st.tensor(&format!("layers.{l}.v")).unwrap().shape(), &[2, 2048, 64]);
+        assert_eq!(st.tensor(&format!("layers.{l}.q")).unwrap().shape(), &[4, 100, 64]);
+    }
+    let tokens = st.tensor("tokens").unwrap();
+    assert_eq!((tokens.dtype(), tokens.shape()), (safetensors::Dtype::I64, &[2048][..]));
+    let qbytes = std::fs::read(dir.path().join("ctx.queries.safetensors")).unwrap();
+    let qs = SafeTensors::deserialize(&qbytes).unwrap();
+    let q = qs.tensor("layers.1.q").unwrap();
+    assert_eq!((q.dtype(), q.shape()), (safetensors::Dtype::F32, &[4, 5, 64][..]));
+    // Same seed, same bytes; nothing half-written is left behind.
+    let again = dir.path().join("again.safetensors");
+    ok(&["gen", p(&again), "--tokens", "2048", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--queries", "100", "--decode-queries", "5", "--seed", "3"]);
+    assert_eq!(std::fs::read(&again).unwrap(), bytes);
+    let bad = ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("multiple of kv heads"));
+    assert!(!dir.path().join("bad.safetensors").exists() && !dir.path().join("bad.safetensors.partial").exists());
+}
