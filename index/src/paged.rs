@@ -193,3 +193,26 @@ impl Graph for PagedIndex<'_> {
         self.layout.entry
     }
 }
+
+/// The rows of `ids` from a stream of packed rows (the data stream's values), read through
+/// the pool in one batch. Returns them in the order of `ids`, and the blocks it pinned.
+pub fn gather_rows(
+    pool: &BufferPool,
+    blocks: &[BlockRequest],
+    rows_per_block: u32,
+    dim: usize,
+    ids: &[u32],
+) -> Result<(Vec<f16>, usize), BufferError> {
+    let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
+    let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
+    let mut out = Vec::with_capacity(ids.len() * dim);
+    for &t in ids {
+        let g = &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")];
+        let slot = (t % rows_per_block) as usize;
+        out.extend_from_slice(&g.as_f16()[slot * dim..(slot + 1) * dim]);
+    }
+    Ok((out, guards.len()))
+}

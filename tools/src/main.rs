@@ -6,11 +6,14 @@ mod bench_io;
 mod demo;
 mod fsck_cmd;
 mod gen;
+mod import;
 mod inspect;
 mod mkfs;
 mod progress;
+mod query;
 mod raw_uring;
 mod st_write;
+mod tensors;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +50,10 @@ enum Command {
     /// Generate a synthetic context (KV cache, prefill queries, token ids) and decode queries
     /// that look like real attention; print the statistics achieved.
     Gen(gen::Args),
+    /// Import a safetensors context (KV cache, prefill queries, token ids) and index it.
+    Import(import::Args),
+    /// Attention for each (layer, q head, query) of a query file over a stored context.
+    Query(query::Args),
 }
 
 #[derive(Subcommand)]
@@ -76,9 +83,19 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
         Command::Demo(args) => demo::run(args, device),
         Command::Gen(args) => gen::run(args),
+        Command::Import(args) => import::run(args, device),
+        Command::Query(args) => query::run(args, device),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A reader that stopped reading (`| head`) is not a failure.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("ctxfs: {e:#}");
             ExitCode::FAILURE

@@ -304,7 +304,27 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     use safetensors::SafeTensors;
     let dir = tmp();
     let out = dir.path().join("ctx.safetensors");
-    let v = json(&["gen", p(&out), "--tokens", "2048", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--queries", "100", "--decode-queries", "5", "--seed", "3", "--json"]);
+    let v = json(&[
+        "gen",
+        p(&out),
+        "--tokens",
+        "2048",
+        "--layers",
+        "2",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--queries",
+        "100",
+        "--decode-queries",
+        "5",
+        "--seed",
+        "3",
+        "--json",
+    ]);
     assert!(v["mahalanobis_ratio"].as_f64().unwrap() > 10.0, "{v}");
     let heads = v["heads"].as_array().unwrap();
     assert_eq!(heads.len(), 4);
@@ -324,10 +344,202 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     assert_eq!((q.dtype(), q.shape()), (safetensors::Dtype::F32, &[4, 5, 64][..]));
     // Same seed, same bytes; nothing half-written is left behind.
     let again = dir.path().join("again.safetensors");
-    ok(&["gen", p(&again), "--tokens", "2048", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--queries", "100", "--decode-queries", "5", "--seed", "3"]);
+    ok(&[
+        "gen",
+        p(&again),
+        "--tokens",
+        "2048",
+        "--layers",
+        "2",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--queries",
+        "100",
+        "--decode-queries",
+        "5",
+        "--seed",
+        "3",
+    ]);
     assert_eq!(std::fs::read(&again).unwrap(), bytes);
-    let bad = ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);
+    let bad =
+        ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("multiple of kv heads"));
     assert!(!dir.path().join("bad.safetensors").exists() && !dir.path().join("bad.safetensors.partial").exists());
+}
+
+/// Exact attention in f64 from the generated file, for one (layer, q head, query).
+fn exact_attention(
+    ctx: &Path,
+    queries: &Path,
+    l: usize,
+    qh: usize,
+    qi: usize,
+    group: usize,
+    prefix: usize,
+) -> (Vec<f64>, f64) {
+    use safetensors::SafeTensors;
+    let (kb, qb) = (std::fs::read(ctx).unwrap(), std::fs::read(queries).unwrap());
+    let (st, qs) = (SafeTensors::deserialize(&kb).unwrap(), SafeTensors::deserialize(&qb).unwrap());
+    let k = st.tensor(&format!("layers.{l}.k")).unwrap();
+    let v = st.tensor(&format!("layers.{l}.v")).unwrap();
+    let q = qs.tensor(&format!("layers.{l}.q")).unwrap();
+    let (n, d) = (k.shape()[1], k.shape()[2]);
+    let nq = q.shape()[1];
+    let half = |b: &[u8], i: usize| half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f64();
+    let qv: Vec<f64> = (0..d)
+        .map(|j| f32::from_le_bytes(q.data()[4 * ((qh * nq + qi) * d + j)..][..4].try_into().unwrap()) as f64)
+        .collect();
+    let kv = qh / group;
+    let z: Vec<f64> = (0..prefix)
+        .map(|t| (0..d).map(|j| qv[j] * half(k.data(), (kv * n + t) * d + j)).sum::<f64>() / (d as f64).sqrt())
+        .collect();
+    let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
+    let l_sum: f64 = w.iter().sum();
+    let o =
+        (0..d).map(|j| (0..prefix).map(|t| w[t] * half(v.data(), (kv * n + t) * d + j)).sum::<f64>() / l_sum).collect();
+    (o, m + l_sum.ln())
+}
+
+fn lines(out: &str) -> Vec<Value> {
+    out.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn rel_err(o: &Value, want: &[f64]) -> f64 {
+    let got: Vec<f64> = o.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+    num / want.iter().map(|b| b * b).sum::<f64>().sqrt()
+}
+
+#[test]
+fn import_then_query_matches_exact_attention() {
+    let dir = tmp();
+    let ctx = dir.path().join("c.safetensors");
+    let queries = dir.path().join("c.queries.safetensors");
+    ok(&[
+        "gen",
+        p(&ctx),
+        "--tokens",
+        "3000",
+        "--layers",
+        "2",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--queries",
+        "400",
+        "--decode-queries",
+        "3",
+        "--seed",
+        "5",
+    ]);
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "64M"]);
+    let imported = json(&["import", p(&store), p(&ctx), "--name", "book", "--json"]);
+    assert_eq!((imported["tokens"].as_u64(), imported["layers"].as_u64()), (Some(3000), Some(2)));
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+    let again = ctxfs(&["import", p(&store), p(&ctx), "--name", "book"]);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
+
+    let base = ["query", p(&store), "--context", "book", "--queries", p(&queries), "--layer", "1", "--json"];
+    let run = |extra: &[&str]| lines(&ok(&[&base[..], extra].concat()));
+    // full: every token, exact.
+    let full = run(&["--mode", "full"]);
+    assert_eq!(full.len(), 4 * 3, "one line per (q head, query)");
+    for r in &full {
+        for f in ["layer", "head", "query", "selected", "output", "lse", "keys_scored", "blocks_read", "micros", "plan"]
+        {
+            assert!(!r[f].is_null(), "field {f} missing: {r}");
+        }
+        let (qh, qi) = (r["head"].as_u64().unwrap() as usize, r["query"].as_u64().unwrap() as usize);
+        let (o, lse) = exact_attention(&ctx, &queries, 1, qh, qi, 2, 3000);
+        assert_eq!(r["selected"].as_array().unwrap().len(), 3000);
+        assert!(rel_err(&r["output"], &o) <= 1e-3, "full attention error {}", rel_err(&r["output"], &o));
+        assert!((r["lse"].as_f64().unwrap() - lse).abs() < 1e-3);
+        assert_eq!(r["plan"], "full");
+    }
+    // DIPRS with β large is exact; with the default β it selects fewer tokens.
+    for r in run(&["--mode", "diprs", "--beta", "1e9"]) {
+        let (o, _) = exact_attention(
+            &ctx,
+            &queries,
+            1,
+            r["head"].as_u64().unwrap() as usize,
+            r["query"].as_u64().unwrap() as usize,
+            2,
+            3000,
+        );
+        assert!(rel_err(&r["output"], &o) <= 1e-3);
+        assert_eq!(r["selected"].as_array().unwrap().len(), 3000);
+    }
+    // β = 2·√d: tokens within e^-2 of the best weight. Diffuse heads may keep everything.
+    let sparse = run(&["--mode", "diprs", "--beta", "16"]);
+    assert!(sparse.iter().all(|r| r["plan"] == "diprs"));
+    assert!(
+        sparse.iter().any(|r| r["selected"].as_array().unwrap().len() < 1500),
+        "DIPRS selected everything everywhere"
+    );
+    // A reused prefix: only tokens below it, and the window is that of the prefix.
+    for r in run(&["--mode", "diprs", "--prefix", "1000"]) {
+        let sel: Vec<u64> = r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        assert!(sel.iter().all(|&t| t < 1000));
+        assert!(sel.contains(&999) && sel.contains(&0), "the window is the prefix's");
+        assert_eq!(r["plan"], "diprs+prefix");
+    }
+    // auto: layer 0 scans flat.
+    let auto0 =
+        lines(&ok(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--layer", "0", "--json"]));
+    assert!(auto0.iter().all(|r| r["plan"] == "flat"));
+    let topk = run(&["--mode", "topk", "--k", "50"]);
+    assert!(topk.iter().all(|r| r["selected"].as_array().unwrap().len() == 640 + 50));
+    let bad = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--layer", "7"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("layer 7"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
+
+#[test]
+fn import_refuses_non_finite_input_and_writes_nothing() {
+    let dir = tmp();
+    let ctx = dir.path().join("c.safetensors");
+    ok(&[
+        "gen",
+        p(&ctx),
+        "--tokens",
+        "500",
+        "--layers",
+        "1",
+        "--q-heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--queries",
+        "50",
+    ]);
+    // Poison one value of layers.0.v with a NaN (f16 0x7e00).
+    let mut bytes = std::fs::read(&ctx).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let meta: Value = serde_json::from_slice(&bytes[8..8 + header]).unwrap();
+    let at = 8 + header + meta["layers.0.v"]["data_offsets"][0].as_u64().unwrap() as usize + 2 * 777;
+    bytes[at..at + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
+    std::fs::write(&ctx, &bytes).unwrap();
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "16M"]);
+    let before = json(&["inspect", p(&store), "--json"]);
+    let out = ctxfs(&["import", p(&store), p(&ctx), "--name", "poisoned"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("non-finite") && err.contains("layers.0.v"), "{err}");
+    let after = json(&["inspect", p(&store), "--json"]);
+    assert_eq!(after["contexts"], before["contexts"]);
+    assert_eq!(after["superblock"]["generation"], before["superblock"]["generation"], "nothing was committed");
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
