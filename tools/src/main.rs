@@ -3,6 +3,7 @@
 mod bench;
 mod bench_buffer;
 mod bench_io;
+mod bench_search;
 mod demo;
 mod fsck_cmd;
 mod gen;
@@ -64,6 +65,8 @@ enum BenchCommand {
     /// Cold 4 KiB random block reads through the buffer manager against a raw io_uring loop
     /// over the same blocks of the same file, and hot hits per second per thread.
     Buffer(bench_buffer::Args),
+    /// Every search method side by side on generated attention at equal windows.
+    Search(bench_search::Args),
 }
 
 fn main() -> ExitCode {
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
         Command::Fsck(args) => return fsck_cmd::run(args, device),
         Command::Bench { which: BenchCommand::Io(args) } => bench_io::run(args, device),
         Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
+        Command::Bench { which: BenchCommand::Search(args) } => bench_search::run(args),
         Command::Demo(args) => demo::run(args, device),
         Command::Gen(args) => gen::run(args),
         Command::Import(args) => import::run(args, device),

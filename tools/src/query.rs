@@ -75,8 +75,9 @@ fn parse_window(s: &str) -> Result<(u32, u32), String> {
     ))
 }
 
-/// The tokens of the window over a prefix of `p` tokens.
-fn window(p: u32, (init, recent): (u32, u32)) -> Vec<u32> {
+/// The tokens of the window over a prefix of `p` tokens: the first `init`, and the last
+/// `recent` that are not among them.
+pub fn window(p: u32, (init, recent): (u32, u32)) -> Vec<u32> {
     let head = init.min(p);
     (0..head).chain(p.saturating_sub(recent).max(head)..p).collect()
 }
@@ -220,4 +221,19 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     }
     std::io::Write::flush(&mut out)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::window;
+
+    #[test]
+    fn the_window_never_repeats_a_token_or_leaves_the_prefix() {
+        assert_eq!(window(1000, (128, 512)).len(), 640);
+        assert_eq!(window(600, (128, 512)), (0..600).collect::<Vec<_>>());
+        assert_eq!(window(100, (128, 512)), (0..100).collect::<Vec<_>>());
+        assert_eq!(window(0, (128, 512)), Vec::<u32>::new());
+        let w = window(5000, (4, 8));
+        assert_eq!(w, [0, 1, 2, 3, 4992, 4993, 4994, 4995, 4996, 4997, 4998, 4999]);
+    }
 }

@@ -543,3 +543,25 @@ fn import_refuses_non_finite_input_and_writes_nothing() {
     assert_eq!(after["superblock"]["generation"], before["superblock"]["generation"], "nothing was committed");
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
+
+#[test]
+fn bench_search_reports_every_method_against_exact_attention() {
+    let v =
+        json(&["bench", "search", "--tokens", "3000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--json"]);
+    let rows = v["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
+    for m in ["flat", "topk k=100", "topk k=2000", "diprs beta=5·√d", "diprs filtered 20%", "diprs filtered 100%"] {
+        assert!(names.contains(&m), "{m} missing from {names:?}");
+    }
+    let flat = &rows[0];
+    assert_eq!(flat["dipr_recall"].as_f64(), Some(1.0), "the flat scan is the exact DIPR set");
+    assert_eq!(flat["keys_scored_fraction"].as_f64(), Some(1.0));
+    for r in rows {
+        let rec = r["recovery"].as_f64().unwrap();
+        assert!((0.0..=1.0 + 1e-4).contains(&rec), "{r}");
+        assert!(r["dipr_recall"].as_f64().unwrap() <= 1.0);
+    }
+    assert!(v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
+    assert!(v["ratios"]["filtered20_vs_unfiltered_latency"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["build"].as_array().unwrap().len(), 1);
+}
