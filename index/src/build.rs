@@ -15,7 +15,7 @@
 
 use crate::mem::{MemGraph, MemKeys};
 use crate::search;
-use crate::source::{Graph, Keys, SourceResult};
+use crate::source::{Graph, Keys, Pair, SourceResult};
 use crate::stats::SearchStats;
 use std::time::{Duration, Instant};
 
@@ -69,6 +69,28 @@ pub struct BuildReport {
     pub enhanced: usize,
 }
 
+/// Training queries scored together against each block of keys.
+const KNN_QUERY_BATCH: usize = 32;
+/// Keys per block in the kNN (512 keys of d = 128 in f16: 128 KiB, an L2-resident block).
+const KNN_KEY_BLOCK: usize = 512;
+
+/// The `k` best ids by score, best first (ties: lower id first).
+fn top(scores: &[f32], k: usize) -> Vec<u32> {
+    let n = scores.len();
+    let k = k.min(n);
+    if k == 0 {
+        return Vec::new();
+    }
+    // The k-th best score, then every id above it, then ties at it by id.
+    let mut tmp = scores.to_vec();
+    let (_, kth, _) = tmp.select_nth_unstable_by(n - k, f32::total_cmp);
+    let kth = *kth;
+    let mut ids: Vec<u32> = (0..n as u32).filter(|&i| scores[i as usize].total_cmp(&kth).is_gt()).collect();
+    ids.extend((0..n as u32).filter(|&i| scores[i as usize].total_cmp(&kth).is_eq()).take(k - ids.len()));
+    ids.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
+    ids
+}
+
 /// Indices of up to `max` of `m` queries, evenly spaced from an offset the seed picks.
 fn sample(m: usize, max: usize, seed: u64) -> Vec<usize> {
     if m <= max {
@@ -112,19 +134,24 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let picked = sample(queries.len() / d, p.max_queries, p.seed);
     report.queries = picked.len();
     let nq = p.nq.min(n);
-    let knn: Vec<Vec<u32>> = parallel(picked.len(), p.threads, |i| {
-        let q = &queries[picked[i] * d..(picked[i] + 1) * d];
-        let mut scores = vec![0.0; n];
-        ctxfs_kernels::scores(keys.data(), q, 1.0, &mut scores);
-        let mut ids: Vec<u32> = (0..n as u32).collect();
-        let order = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
-        if nq < n {
-            ids.select_nth_unstable_by(nq, order);
-            ids.truncate(nq);
+    // Queries go in batches against blocks of keys small enough to stay in cache: each key
+    // block is read from memory once per batch, not once per query.
+    let batches = picked.len().div_ceil(KNN_QUERY_BATCH);
+    let knn: Vec<Vec<u32>> = parallel(batches, p.threads, |b| {
+        let batch = &picked[b * KNN_QUERY_BATCH..((b + 1) * KNN_QUERY_BATCH).min(picked.len())];
+        let mut scores = vec![vec![0.0f32; n]; batch.len()];
+        for start in (0..n).step_by(KNN_KEY_BLOCK) {
+            let end = (start + KNN_KEY_BLOCK).min(n);
+            let block = &keys.data()[start * d..end * d];
+            for (qi, &qidx) in batch.iter().enumerate() {
+                ctxfs_kernels::scores(block, &queries[qidx * d..(qidx + 1) * d], 1.0, &mut scores[qi][start..end]);
+            }
         }
-        ids.sort_by(order);
-        ids
-    });
+        scores.iter().map(|s| top(s, nq)).collect::<Vec<_>>()
+    })
+    .into_iter()
+    .flatten()
+    .collect();
     report.knn = t.elapsed();
 
     // 2. Projection onto key–key edges with occlusion pruning.
@@ -211,26 +238,13 @@ fn prune(keys: &MemKeys, node: u32, candidates: &[u32], degree: usize) -> Vec<u3
     kept.into_iter().map(|(c, _)| c).collect()
 }
 
-/// A graph under construction, searchable.
-struct Building<'a> {
-    keys: &'a MemKeys,
+/// A graph under construction.
+struct Lists<'a> {
     lists: &'a [Vec<u32>],
     entry: u32,
 }
 
-impl Keys for Building<'_> {
-    fn dim(&self) -> usize {
-        self.keys.dim()
-    }
-    fn len(&self) -> u32 {
-        self.keys.len()
-    }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score(ids, q, out, stats)
-    }
-}
-
-impl Graph for Building<'_> {
+impl Graph for Lists<'_> {
     fn neighbors(&self, node: u32, out: &mut Vec<u32>, _: &mut SearchStats) -> SourceResult {
         out.extend_from_slice(&self.lists[node as usize]);
         Ok(())
@@ -269,7 +283,7 @@ fn enhance(keys: &MemKeys, lists: &mut [Vec<u32>], entry: u32, p: &BuildParams) 
             continue;
         }
         let q = to_f32(keys.row(u));
-        let found = search::topk(&Building { keys, lists, entry }, &q, p.enhance_ef, p.enhance_ef, None)
+        let found = search::topk(&Pair { keys, graph: &Lists { lists, entry } }, &q, p.enhance_ef, p.enhance_ef, None)
             .expect("an in-memory graph cannot fail to read");
         let from = found.ids.iter().copied().find(|&v| lists[v as usize].len() < max_degree).or(spare);
         let Some(from) = from else {

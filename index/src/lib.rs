@@ -21,5 +21,5 @@ pub mod synth;
 pub use build::{build, BuildParams, BuildReport};
 pub use mem::{MemGraph, MemKeys, NO_NODE};
 pub use search::DiprsParams;
-pub use source::{Graph, Keys, SourceResult};
+pub use source::{Graph, Keys, Pair, SourceResult};
 pub use stats::{SearchResult, SearchStats};

@@ -32,3 +32,33 @@ pub trait Graph {
     /// Where searches start.
     fn entry(&self) -> u32;
 }
+
+/// Keys and a graph over them, searchable together.
+pub struct Pair<'a, K, G> {
+    pub keys: &'a K,
+    pub graph: &'a G,
+}
+
+impl<K: Keys, G> Keys for Pair<'_, K, G> {
+    fn dim(&self) -> usize {
+        self.keys.dim()
+    }
+    fn len(&self) -> u32 {
+        self.keys.len()
+    }
+    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
+        self.keys.score(ids, q, out, stats)
+    }
+    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
+        self.keys.score_range(first, q, out, stats)
+    }
+}
+
+impl<K, G: Graph> Graph for Pair<'_, K, G> {
+    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
+        self.graph.neighbors(node, out, stats)
+    }
+    fn entry(&self) -> u32 {
+        self.graph.entry()
+    }
+}

@@ -16,6 +16,7 @@
 //! * **decode queries** target passages that drift slowly from step to step, so critical
 //!   tokens repeat between consecutive steps.
 
+use ctxfs_vfs::SplitMix64;
 use half::f16;
 
 /// Tokens at the start that act as attention sinks.
@@ -43,26 +44,23 @@ pub struct HeadData {
     pub sharpness: f32,
 }
 
-struct Rng(u64);
+/// Uniform and normal draws on vfs's SplitMix64.
+pub struct Rng(SplitMix64);
 
 impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    pub fn new(seed: u64) -> Rng {
+        Rng(SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_4E5B))
     }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    pub fn next_u64(&mut self) -> u64 {
+        self.0.next_u64()
     }
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    pub fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
     }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
     }
-    fn normal(&mut self) -> f32 {
+    pub fn normal(&mut self) -> f32 {
         (-2.0 * self.uniform().ln()).sqrt() * (std::f32::consts::TAU * self.uniform()).cos()
     }
     fn gaussian(&mut self, d: usize, sigma: f32) -> Vec<f32> {

@@ -4,31 +4,8 @@
 
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
-use ctxfs_index::{build, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
-
-struct Index<'a> {
-    keys: &'a MemKeys,
-    graph: &'a MemGraph,
-}
-impl Keys for Index<'_> {
-    fn dim(&self) -> usize {
-        self.keys.dim()
-    }
-    fn len(&self) -> u32 {
-        self.keys.len()
-    }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score(ids, q, out, stats)
-    }
-}
-impl Graph for Index<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
-        self.graph.neighbors(node, out, stats)
-    }
-    fn entry(&self) -> u32 {
-        self.graph.entry
-    }
-}
+use ctxfs_index::Pair;
+use ctxfs_index::{build, BuildParams, DiprsParams, MemKeys, SearchStats};
 
 fn measure() -> Vec<(String, u64)> {
     let (n, d) = (8192, 64);
@@ -38,7 +15,7 @@ fn measure() -> Vec<(String, u64)> {
         let h = head(&p, 1, kv, 2048, 8);
         let keys = MemKeys::new(d, h.keys.clone());
         let (graph, _) = build(&keys, &h.prefill.concat(), &BuildParams { threads: 2, ..Default::default() });
-        let idx = Index { keys: &keys, graph: &graph };
+        let idx = Pair { keys: &keys, graph: &graph };
         let (mut dipr, mut top) = (SearchStats::default(), SearchStats::default());
         for q in h.decode.concat().chunks(d) {
             dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, l0: 64, ..Default::default() }).unwrap().stats;

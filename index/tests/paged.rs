@@ -5,34 +5,11 @@ use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::paged::{index_payloads, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
-use ctxfs_index::{build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
+use ctxfs_index::Pair;
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, Keys, MemGraph, MemKeys};
 use ctxfs_vfs::device::{FaultPlan, MemDevice};
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
 use std::sync::Arc;
-
-struct Mem<'a> {
-    keys: &'a MemKeys,
-    graph: &'a MemGraph,
-}
-impl Keys for Mem<'_> {
-    fn dim(&self) -> usize {
-        self.keys.dim()
-    }
-    fn len(&self) -> u32 {
-        self.keys.len()
-    }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score(ids, q, out, stats)
-    }
-}
-impl Graph for Mem<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
-        self.graph.neighbors(node, out, stats)
-    }
-    fn entry(&self) -> u32 {
-        self.graph.entry
-    }
-}
 
 fn store_index(dev: Arc<dyn BlockDevice>, keys: &MemKeys, graph: &MemGraph) -> (Store, Vec<BlockRequest>) {
     let store = ctxfs_vfs::format(dev).unwrap();
@@ -71,7 +48,7 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let paged = PagedIndex::open(&pool, reqs).unwrap();
     assert_eq!(paged.layout().tokens, 3000);
-    let mem = Mem { keys: &keys, graph: &graph };
+    let mem = Pair { keys: &keys, graph: &graph };
     let beta = 5.0 * 8.0;
     for q in queries.chunks(64) {
         let params = DiprsParams { beta, l0: 64, ..Default::default() };

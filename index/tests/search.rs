@@ -1,31 +1,16 @@
 //! Property tests of the searches and the build on small random data, against flat scans.
 
 use ctxfs_index::search::{diprs, topk};
-use ctxfs_index::{build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
+use ctxfs_index::synth::Rng;
+use ctxfs_index::Pair;
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, MemGraph, MemKeys};
 use half::f16;
 use std::collections::BTreeSet;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        (-2.0 * self.uniform().ln()).sqrt() * (std::f32::consts::TAU * self.uniform()).cos()
-    }
-}
 
 /// Keys in passages of a few topics (neighbouring tokens alike), and queries drawn from a
 /// shifted distribution, each aimed at one topic.
 fn data(n: usize, d: usize, queries: usize, seed: u64) -> (MemKeys, Vec<f32>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let topics: Vec<Vec<f32>> = (0..12).map(|_| (0..d).map(|_| rng.normal() * 1.5).collect()).collect();
     let mut keys = Vec::with_capacity(n * d);
     for t in 0..n {
@@ -35,34 +20,10 @@ fn data(n: usize, d: usize, queries: usize, seed: u64) -> (MemKeys, Vec<f32>) {
     let shift: Vec<f32> = (0..d).map(|i| if i < 4 { 3.0 } else { 0.0 }).collect();
     let mut qs = Vec::with_capacity(queries * d);
     for _ in 0..queries {
-        let topic = &topics[(rng.next() % topics.len() as u64) as usize];
+        let topic = &topics[(rng.next_u64() % topics.len() as u64) as usize];
         qs.extend((0..d).map(|i| shift[i] + 0.8 * topic[i] + 0.5 * rng.normal()));
     }
     (MemKeys::new(d, keys), qs)
-}
-
-struct Index<'a> {
-    keys: &'a MemKeys,
-    graph: &'a MemGraph,
-}
-impl Keys for Index<'_> {
-    fn dim(&self) -> usize {
-        self.keys.dim()
-    }
-    fn len(&self) -> u32 {
-        self.keys.len()
-    }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score(ids, q, out, stats)
-    }
-}
-impl Graph for Index<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
-        self.graph.neighbors(node, out, stats)
-    }
-    fn entry(&self) -> u32 {
-        self.graph.entry
-    }
 }
 
 fn set(ids: &[u32]) -> BTreeSet<u32> {
@@ -80,7 +41,7 @@ fn built(n: usize, d: usize, seed: u64) -> (MemKeys, Vec<f32>, MemGraph) {
 #[test]
 fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
     let (keys, queries, graph) = built(600, 16, 1);
-    let idx = Index { keys: &keys, graph: &graph };
+    let idx = Pair { keys: &keys, graph: &graph };
     for q in queries.chunks(16).take(20) {
         for beta in [0.5, 2.0, 8.0, 1e9] {
             let got = diprs(&idx, q, &DiprsParams { beta, l0: 600, ..Default::default() }).unwrap();
@@ -94,7 +55,7 @@ fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
 #[test]
 fn filtered_search_never_returns_a_token_beyond_the_prefix() {
     let (keys, queries, graph) = built(800, 16, 2);
-    let idx = Index { keys: &keys, graph: &graph };
+    let idx = Pair { keys: &keys, graph: &graph };
     let (mut hit, mut total) = (0, 0);
     for q in queries.chunks(16).take(20) {
         for prefix in [0, 1, 10, 160, 400, 800, 5000] {
@@ -123,7 +84,7 @@ fn filtered_search_never_returns_a_token_beyond_the_prefix() {
 #[test]
 fn topk_with_a_beam_covering_the_graph_equals_flat_topk() {
     let (keys, queries, graph) = built(500, 16, 3);
-    let idx = Index { keys: &keys, graph: &graph };
+    let idx = Pair { keys: &keys, graph: &graph };
     for q in queries.chunks(16).take(20) {
         for k in [1, 10, 100] {
             let got = topk(&idx, q, k, 500, None).unwrap();
@@ -172,7 +133,7 @@ fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
     let d = 32;
     let (keys, queries) = data(n, d, 20_200, 5);
     let (graph, report) = build(&keys, &queries[200 * d..], &BuildParams { max_queries: 8192, ..Default::default() });
-    let idx = Index { keys: &keys, graph: &graph };
+    let idx = Pair { keys: &keys, graph: &graph };
     let (mut hit, mut total, mut scored) = (0usize, 0usize, 0u64);
     for q in queries[..200 * d].chunks(d) {
         let want = flat::dipr(&keys, q, 6.0, f32::NEG_INFINITY, None).unwrap();
@@ -197,7 +158,7 @@ fn diprs_recall_and_work_on_hard_synthetic_data_do_not_regress() {
 #[test]
 fn window_max_prunes_from_the_start() {
     let (keys, queries, graph) = built(600, 16, 6);
-    let idx = Index { keys: &keys, graph: &graph };
+    let idx = Pair { keys: &keys, graph: &graph };
     let q = &queries[..16];
     let exact = flat::dipr(&keys, q, 2.0, f32::NEG_INFINITY, None).unwrap();
     // A window whose best beats every stored key: nothing stored is within β of it.
@@ -219,7 +180,7 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
         let h = head(&p, 1, kv, n / 2, 16);
         let keys = MemKeys::new(d, h.keys.clone());
         let (graph, _) = build(&keys, &h.prefill.concat(), &BuildParams { max_queries: 4096, ..Default::default() });
-        let idx = Index { keys: &keys, graph: &graph };
+        let idx = Pair { keys: &keys, graph: &graph };
         let (mut hit, mut total, mut scored, mut dipr) = (0usize, 0usize, 0u64, 0usize);
         let queries = h.decode.concat();
         for q in queries.chunks(d) {

@@ -5,7 +5,8 @@ use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
-use ctxfs_index::{build, flat, BuildParams, DiprsParams, Graph, Keys, MemGraph, MemKeys, SearchStats, SourceResult};
+use ctxfs_index::Pair;
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, MemKeys};
 use ctxfs_kernels::Partial;
 use half::f16;
 use serde_json::json;
@@ -33,33 +34,6 @@ pub struct Args {
 
 const WINDOW: (usize, usize) = (128, 512);
 const GROUP: usize = 4;
-
-struct Index<'a> {
-    keys: &'a MemKeys,
-    graph: &'a MemGraph,
-}
-impl Keys for Index<'_> {
-    fn dim(&self) -> usize {
-        self.keys.dim()
-    }
-    fn len(&self) -> u32 {
-        self.keys.len()
-    }
-    fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score(ids, q, out, stats)
-    }
-    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.keys.score_range(first, q, out, stats)
-    }
-}
-impl Graph for Index<'_> {
-    fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
-        self.graph.neighbors(node, out, stats)
-    }
-    fn entry(&self) -> u32 {
-        self.graph.entry
-    }
-}
 
 #[derive(Default, Clone)]
 struct Row {
@@ -118,7 +92,7 @@ pub fn run(a: Args) -> Result<()> {
             "knn_seconds": report.knn.as_secs_f64(), "projection_seconds": report.projection.as_secs_f64(),
             "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
         }));
-        let idx = Index { keys: &keys, graph: &graph };
+        let idx = Pair { keys: &keys, graph: &graph };
         for q in h.decode.concat().chunks(d) {
             let mut all = vec![0.0f32; n];
             ctxfs_kernels::scores(keys.data(), q, 1.0, &mut all);
