@@ -74,21 +74,43 @@ const KNN_QUERY_BATCH: usize = 32;
 /// Keys per block in the kNN (512 keys of d = 128 in f16: 128 KiB, an L2-resident block).
 const KNN_KEY_BLOCK: usize = 512;
 
-/// The `k` best ids by score, best first (ties: lower id first).
+/// The `k` best ids by score, best first (ties: lower id first). One pass with a heap of the
+/// `k` best so far: most keys are rejected by one comparison with the worst of them.
 fn top(scores: &[f32], k: usize) -> Vec<u32> {
-    let n = scores.len();
-    let k = k.min(n);
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+    #[derive(PartialEq)]
+    struct Ranked(f32, u32);
+    impl Eq for Ranked {}
+    impl PartialOrd for Ranked {
+        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Ranked {
+        /// Better first: higher score, then lower id.
+        fn cmp(&self, o: &Self) -> Ordering {
+            self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+        }
+    }
+    let k = k.min(scores.len());
     if k == 0 {
         return Vec::new();
     }
-    // The k-th best score, then every id above it, then ties at it by id.
-    let mut tmp = scores.to_vec();
-    let (_, kth, _) = tmp.select_nth_unstable_by(n - k, f32::total_cmp);
-    let kth = *kth;
-    let mut ids: Vec<u32> = (0..n as u32).filter(|&i| scores[i as usize].total_cmp(&kth).is_gt()).collect();
-    ids.extend((0..n as u32).filter(|&i| scores[i as usize].total_cmp(&kth).is_eq()).take(k - ids.len()));
-    ids.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
-    ids
+    // A min-heap by rank: its top is the worst of the best k so far.
+    let mut heap: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
+    for (i, &s) in scores.iter().enumerate() {
+        let r = Ranked(s, i as u32);
+        if heap.len() < k {
+            heap.push(Reverse(r));
+        } else if heap.peek().is_some_and(|w| r > w.0) {
+            heap.pop();
+            heap.push(Reverse(r));
+        }
+    }
+    let mut best: Vec<Ranked> = heap.into_iter().map(|r| r.0).collect();
+    best.sort_by(|a, b| b.cmp(a));
+    best.into_iter().map(|r| r.1).collect()
 }
 
 /// Indices of up to `max` of `m` queries, evenly spaced from an offset the seed picks.
