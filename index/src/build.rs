@@ -77,30 +77,17 @@ const KNN_KEY_BLOCK: usize = 512;
 /// The `k` best ids by score, best first (ties: lower id first). One pass with a heap of the
 /// `k` best so far: most keys are rejected by one comparison with the worst of them.
 fn top(scores: &[f32], k: usize) -> Vec<u32> {
-    use std::cmp::{Ordering, Reverse};
+    use crate::search::Scored;
+    use std::cmp::Reverse;
     use std::collections::BinaryHeap;
-    #[derive(PartialEq)]
-    struct Ranked(f32, u32);
-    impl Eq for Ranked {}
-    impl PartialOrd for Ranked {
-        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-            Some(self.cmp(o))
-        }
-    }
-    impl Ord for Ranked {
-        /// Better first: higher score, then lower id.
-        fn cmp(&self, o: &Self) -> Ordering {
-            self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
-        }
-    }
     let k = k.min(scores.len());
     if k == 0 {
         return Vec::new();
     }
     // A min-heap by rank: its top is the worst of the best k so far.
-    let mut heap: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
+    let mut heap: BinaryHeap<Reverse<Scored>> = BinaryHeap::with_capacity(k + 1);
     for (i, &s) in scores.iter().enumerate() {
-        let r = Ranked(s, i as u32);
+        let r = Scored(s, i as u32);
         if heap.len() < k {
             heap.push(Reverse(r));
         } else if heap.peek().is_some_and(|w| r > w.0) {
@@ -108,7 +95,7 @@ fn top(scores: &[f32], k: usize) -> Vec<u32> {
             heap.push(Reverse(r));
         }
     }
-    let mut best: Vec<Ranked> = heap.into_iter().map(|r| r.0).collect();
+    let mut best: Vec<Scored> = heap.into_iter().map(|r| r.0).collect();
     best.sort_by(|a, b| b.cmp(a));
     best.into_iter().map(|r| r.1).collect()
 }

@@ -144,8 +144,9 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     Ok(SearchResult::from_pairs(pairs, stats))
 }
 
+/// A (score, id) pair ordered best first: higher score, then lower id.
 #[derive(Clone, Copy, PartialEq)]
-struct Scored(f32, u32);
+pub(crate) struct Scored(pub f32, pub u32);
 impl Eq for Scored {}
 impl PartialOrd for Scored {
     fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
