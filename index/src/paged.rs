@@ -142,25 +142,12 @@ impl<'p> PagedIndex<'p> {
         &self.layout
     }
 
-    fn key_block(&self, id: u32) -> (usize, usize) {
-        let per = self.layout.rows_per_block;
-        ((1 + self.layout.adjacency_blocks() + id / per) as usize, (id % per) as usize)
-    }
-
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
-    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, &[f16])) -> SourceResult {
-        let mut wanted: Vec<usize> = ids.iter().map(|&id| self.key_block(id).0).collect();
-        wanted.sort_unstable();
-        wanted.dedup();
-        let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b]).collect();
-        let guards: Vec<PageGuard<'_>> = self.pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
-        stats.blocks_touched += guards.len() as u64;
-        let d = self.layout.dim as usize;
-        for (i, &id) in ids.iter().enumerate() {
-            let (b, slot) = self.key_block(id);
-            let g = &guards[wanted.binary_search(&b).expect("fetched above")];
-            f(i, &g.as_f16()[slot * d..(slot + 1) * d]);
-        }
+    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, &[f16])) -> SourceResult {
+        let first = 1 + self.layout.adjacency_blocks() as usize;
+        let pinned =
+            for_rows(self.pool, &self.blocks[first..], self.layout.rows_per_block, self.layout.dim as usize, ids, f)?;
+        stats.blocks_touched += pinned as u64;
         Ok(())
     }
 }
@@ -194,6 +181,30 @@ impl Graph for PagedIndex<'_> {
     }
 }
 
+/// Pins, in one batch, the blocks of packed rows (`rows_per_block` rows of `dim` elements,
+/// row `t` in block `t / rows_per_block` of `blocks`) that hold `ids`, and calls `f` with each
+/// id's position and row. Returns how many blocks it pinned.
+fn for_rows(
+    pool: &BufferPool,
+    blocks: &[BlockRequest],
+    rows_per_block: u32,
+    dim: usize,
+    ids: &[u32],
+    mut f: impl FnMut(usize, &[f16]),
+) -> Result<usize, BufferError> {
+    let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
+    let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
+    for (i, &t) in ids.iter().enumerate() {
+        let g = &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")];
+        let slot = (t % rows_per_block) as usize;
+        f(i, &g.as_f16()[slot * dim..(slot + 1) * dim]);
+    }
+    Ok(guards.len())
+}
+
 /// The rows of `ids` from a stream of packed rows (the data stream's values), read through
 /// the pool in one batch. Returns them in the order of `ids`, and the blocks it pinned.
 pub fn gather_rows(
@@ -203,16 +214,7 @@ pub fn gather_rows(
     dim: usize,
     ids: &[u32],
 ) -> Result<(Vec<f16>, usize), BufferError> {
-    let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
-    wanted.sort_unstable();
-    wanted.dedup();
-    let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
-    let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
     let mut out = Vec::with_capacity(ids.len() * dim);
-    for &t in ids {
-        let g = &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")];
-        let slot = (t % rows_per_block) as usize;
-        out.extend_from_slice(&g.as_f16()[slot * dim..(slot + 1) * dim]);
-    }
-    Ok((out, guards.len()))
+    let pinned = for_rows(pool, blocks, rows_per_block, dim, ids, |_, row| out.extend_from_slice(row))?;
+    Ok((out, pinned))
 }

@@ -57,9 +57,8 @@ pub fn format_store(
     force: bool,
     choice: DeviceChoice,
 ) -> Result<Store> {
-    if !(4096..=65536).contains(&block_size) || !block_size.is_power_of_two() {
-        bail!("--block-size must be a power of two from 4096 to 65536, got {block_size}");
-    }
+    // Checked before the file is created or resized, so a bad value changes nothing.
+    device::check_block_size(block_size).map_err(|e| anyhow::anyhow!("--block-size: {e}"))?;
     let existed = path.exists();
     if existed {
         let meta = std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;

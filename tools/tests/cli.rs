@@ -299,32 +299,32 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     assert!(small["stats"]["index"]["evictions"].as_u64().unwrap() > 0);
 }
 
+/// A small generated context: 2 layers, 4 q heads over 2 kv heads, d = 64, seed 3.
+const GEN_SMALL: [&str; 16] = [
+    "--tokens",
+    "2048",
+    "--layers",
+    "2",
+    "--q-heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "64",
+    "--queries",
+    "100",
+    "--decode-queries",
+    "5",
+    "--seed",
+    "3",
+];
+
 #[test]
 fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     use safetensors::SafeTensors;
     let dir = tmp();
     let out = dir.path().join("ctx.safetensors");
-    let v = json(&[
-        "gen",
-        p(&out),
-        "--tokens",
-        "2048",
-        "--layers",
-        "2",
-        "--q-heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-        "--queries",
-        "100",
-        "--decode-queries",
-        "5",
-        "--seed",
-        "3",
-        "--json",
-    ]);
+    let v = json(&[&["gen", p(&out)][..], &GEN_SMALL, &["--json"]].concat());
     assert!(v["mahalanobis_ratio"].as_f64().unwrap() > 10.0, "{v}");
     let heads = v["heads"].as_array().unwrap();
     assert_eq!(heads.len(), 4);
@@ -344,26 +344,7 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     assert_eq!((q.dtype(), q.shape()), (safetensors::Dtype::F32, &[4, 5, 64][..]));
     // Same seed, same bytes; nothing half-written is left behind.
     let again = dir.path().join("again.safetensors");
-    ok(&[
-        "gen",
-        p(&again),
-        "--tokens",
-        "2048",
-        "--layers",
-        "2",
-        "--q-heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-        "--queries",
-        "100",
-        "--decode-queries",
-        "5",
-        "--seed",
-        "3",
-    ]);
+    ok(&[&["gen", p(&again)][..], &GEN_SMALL].concat());
     assert_eq!(std::fs::read(&again).unwrap(), bytes);
     let bad =
         ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);

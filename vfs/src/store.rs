@@ -570,7 +570,7 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
     let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)?;
     let mut errors = Vec::new();
     if let Some(bs) = Superblock::peek_block_size(&prefix).map(|b| b as usize) {
-        if (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&bs) && bs.is_power_of_two() {
+        if device::check_block_size(bs).is_ok() {
             match Superblock::decode(&prefix[..bs], 0) {
                 Ok(_) => return Ok(bs),
                 Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),

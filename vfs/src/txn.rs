@@ -508,13 +508,7 @@ pub const MIN_STORE_BLOCKS: u64 = 64;
 /// that both superblock slots hold a valid state.
 pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
     let bs = dev.block_size();
-    if !(device::MIN_BLOCK_SIZE..=device::MAX_BLOCK_SIZE).contains(&bs) || !bs.is_power_of_two() {
-        return Err(Error::InvalidArgument(format!(
-            "block size {bs} must be a power of two from {} to {}",
-            device::MIN_BLOCK_SIZE,
-            device::MAX_BLOCK_SIZE
-        )));
-    }
+    device::check_block_size(bs).map_err(Error::InvalidArgument)?;
     let total = dev.num_blocks();
     if total < MIN_STORE_BLOCKS {
         return Err(Error::InvalidArgument(format!(

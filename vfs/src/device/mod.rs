@@ -21,6 +21,16 @@ use std::path::Path;
 pub const MIN_BLOCK_SIZE: usize = PAGE;
 pub const MAX_BLOCK_SIZE: usize = 64 * 1024;
 
+/// Whether a store may use `block_size`: a power of two from [`MIN_BLOCK_SIZE`] to
+/// [`MAX_BLOCK_SIZE`], so every block is whole O_DIRECT-safe pages and slot 1 can be found.
+pub fn check_block_size(block_size: usize) -> Result<(), String> {
+    if (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&block_size) && block_size.is_power_of_two() {
+        Ok(())
+    } else {
+        Err(format!("block size {block_size} must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}"))
+    }
+}
+
 /// One operation of a batch. A buffer may cover several consecutive blocks (coalesced I/O);
 /// its length is a multiple of the block size and its address is page aligned.
 pub enum IoOp<'a> {
