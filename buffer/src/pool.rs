@@ -209,8 +209,8 @@ impl BufferPool {
     /// Reads blocks into the pool without pinning them (a prefetch hint). Errors are dropped:
     /// a later `get` reads again and reports them.
     pub fn prefetch(&self, reqs: &[BlockRequest]) {
-        let mut wanted: Vec<BlockRequest> =
-            reqs.iter().filter(|r| self.table.get(r.block).is_none()).copied().collect();
+        // `load` skips blocks already resident or being loaded.
+        let mut wanted = reqs.to_vec();
         wanted.sort_by_key(|r| r.block);
         wanted.dedup_by_key(|r| r.block);
         let _ = self.load(&wanted, None);

@@ -48,6 +48,13 @@ pub(crate) fn damaged(block: u64, expect: &Expect, fault: BlockFault) -> Error {
     Error::mismatch(block, expect, fault)
 }
 
+/// Reads one block's raw bytes, unchecked (superblock slots, inspection).
+pub fn read_raw(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    dev.submit(&mut [IoOp::Read { block, buf: &mut buf }]).pop().expect("one result")?;
+    Ok(buf)
+}
+
 /// Reads one block and checks it against what its reference says.
 pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Result<BlockBuf> {
     read_many(dev, &[(block, *expect)]).pop().expect("one result")

@@ -523,12 +523,6 @@ fn walk_stream(
     }
 }
 
-fn read_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
-    let mut buf = AlignedBuf::zeroed(dev.block_size());
-    dev.submit(&mut [IoOp::Read { block, buf: &mut buf }]).pop().expect("one result")?;
-    Ok(buf)
-}
-
 struct Checked<'p> {
     report: Report,
     active: Option<(Superblock, Walk<'p>)>,
@@ -667,6 +661,4 @@ pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Prog
 }
 
 /// Reads a block's raw bytes for inspection (no verification).
-pub fn raw_block(dev: &dyn BlockDevice, block: u64) -> std::io::Result<AlignedBuf> {
-    read_block(dev, block)
-}
+pub use crate::blockio::read_raw as raw_block;

@@ -1,7 +1,7 @@
 //! A mounted store: recovery on open, immutable snapshots for readers, one writer at a time.
 
 use crate::alloc::{Allocator, Bitmap};
-use crate::blockio::{read_chain, read_many, read_many_pooled, read_verified, BlockBuf, ChainId, ReadPool};
+use crate::blockio::{read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool};
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
 use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot};
@@ -345,11 +345,9 @@ pub(crate) enum AllocSource {
 pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
     let mut out = Vec::new();
     for slot in 0..SUPERBLOCK_SLOTS {
-        let mut buf = device::AlignedBuf::zeroed(dev.block_size());
-        let io = dev.submit(&mut [device::IoOp::Read { block: slot, buf: &mut buf }]).pop().expect("one result");
-        let result = match io {
+        let result = match read_raw(dev, slot) {
             Err(source) => Err(Error::BlockIo { block: slot, source }.to_string()),
-            Ok(()) => match Superblock::decode(&buf, slot) {
+            Ok(buf) => match Superblock::decode(&buf, slot) {
                 // Everything sized from a superblock (bitmaps, scans) trusts this bound.
                 Ok(sb) if sb.total_blocks > dev.num_blocks() => Err(format!(
                     "superblock describes {} blocks but the device has {}",
