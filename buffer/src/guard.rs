@@ -10,11 +10,18 @@ use half::{bf16, f16};
 pub struct PageGuard<'a> {
     data: RwLockReadGuard<'a, FrameData>,
     header: BlockHeader,
+    read_here: bool,
 }
 
 impl<'a> PageGuard<'a> {
-    pub(crate) fn new(data: RwLockReadGuard<'a, FrameData>, header: BlockHeader) -> Self {
-        PageGuard { data, header }
+    pub(crate) fn new(data: RwLockReadGuard<'a, FrameData>, header: BlockHeader, read_here: bool) -> Self {
+        PageGuard { data, header, read_here }
+    }
+
+    /// Whether the call that returned this guard read the block from the device (a miss it
+    /// paid for), so callers can count their own I/O while other threads share the pool.
+    pub fn read_here(&self) -> bool {
+        self.read_here
     }
 
     pub fn block(&self) -> u64 {

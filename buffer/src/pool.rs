@@ -257,7 +257,7 @@ impl BufferPool {
                     frame.touch(self.clock.load(Ordering::Relaxed));
                     self.table.shard(req.block).hits[req.class() as usize].fetch_add(1, Ordering::Relaxed);
                 }
-                Some(Ok(PageGuard::new(data, header)))
+                Some(Ok(PageGuard::new(data, header, own_load)))
             }
             FrameState::Failed(e) => Some(Err(e.clone())),
             FrameState::Empty | FrameState::Loading => None,

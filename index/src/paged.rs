@@ -115,7 +115,7 @@ pub struct PagedIndex<'p> {
     pool: &'p BufferPool,
     layout: Layout,
     /// Where each logical block of the index stream is.
-    blocks: Vec<BlockRequest>,
+    blocks: &'p [BlockRequest],
 }
 
 fn wrap(e: BufferError) -> String {
@@ -124,7 +124,7 @@ fn wrap(e: BufferError) -> String {
 
 impl<'p> PagedIndex<'p> {
     /// Opens an index stream given the location of each of its logical blocks.
-    pub fn open(pool: &'p BufferPool, blocks: Vec<BlockRequest>) -> Result<PagedIndex<'p>, String> {
+    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedIndex<'p>, String> {
         let meta = pool.get(blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
         let layout = Layout::decode(meta.payload())?;
         drop(meta);
@@ -142,12 +142,18 @@ impl<'p> PagedIndex<'p> {
         &self.layout
     }
 
+    /// The key rows of `ids`, in their order (the window cache's keys).
+    pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f16>, BatchIo), BufferError> {
+        let first = 1 + self.layout.adjacency_blocks() as usize;
+        gather_rows(self.pool, &self.blocks[first..], self.layout.rows_per_block, self.layout.dim as usize, ids)
+    }
+
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, &[f16])) -> SourceResult {
         let first = 1 + self.layout.adjacency_blocks() as usize;
-        let pinned =
+        let io =
             for_rows(self.pool, &self.blocks[first..], self.layout.rows_per_block, self.layout.dim as usize, ids, f)?;
-        stats.blocks_touched += pinned as u64;
+        io.add_to(stats);
         Ok(())
     }
 }
@@ -171,6 +177,7 @@ impl Graph for PagedIndex<'_> {
         let per = self.layout.records_per_block;
         let g = self.pool.get(&self.blocks[(1 + node / per) as usize])?;
         stats.blocks_touched += 1;
+        stats.blocks_read += g.read_here() as u64;
         let deg = self.layout.degree as usize;
         let at = (node % per) as usize * deg;
         out.extend(g.as_u32()[at..at + deg].iter().copied().take_while(|&n| n != u32::MAX));
@@ -181,9 +188,23 @@ impl Graph for PagedIndex<'_> {
     }
 }
 
+/// The blocks one batch pinned, and how many of them it read from the device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchIo {
+    pub pinned: usize,
+    pub read: usize,
+}
+
+impl BatchIo {
+    pub fn add_to(self, stats: &mut SearchStats) {
+        stats.blocks_touched += self.pinned as u64;
+        stats.blocks_read += self.read as u64;
+    }
+}
+
 /// Pins, in one batch, the blocks of packed rows (`rows_per_block` rows of `dim` elements,
 /// row `t` in block `t / rows_per_block` of `blocks`) that hold `ids`, and calls `f` with each
-/// id's position and row. Returns how many blocks it pinned.
+/// id's position and row.
 fn for_rows(
     pool: &BufferPool,
     blocks: &[BlockRequest],
@@ -191,7 +212,7 @@ fn for_rows(
     dim: usize,
     ids: &[u32],
     mut f: impl FnMut(usize, &[f16]),
-) -> Result<usize, BufferError> {
+) -> Result<BatchIo, BufferError> {
     let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
     wanted.sort_unstable();
     wanted.dedup();
@@ -202,19 +223,19 @@ fn for_rows(
         let slot = (t % rows_per_block) as usize;
         f(i, &g.as_f16()[slot * dim..(slot + 1) * dim]);
     }
-    Ok(guards.len())
+    Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
 /// The rows of `ids` from a stream of packed rows (the data stream's values), read through
-/// the pool in one batch. Returns them in the order of `ids`, and the blocks it pinned.
+/// the pool in one batch. Returns them in the order of `ids`, and the batch's I/O.
 pub fn gather_rows(
     pool: &BufferPool,
     blocks: &[BlockRequest],
     rows_per_block: u32,
     dim: usize,
     ids: &[u32],
-) -> Result<(Vec<f16>, usize), BufferError> {
+) -> Result<(Vec<f16>, BatchIo), BufferError> {
     let mut out = Vec::with_capacity(ids.len() * dim);
-    let pinned = for_rows(pool, blocks, rows_per_block, dim, ids, |_, row| out.extend_from_slice(row))?;
-    Ok((out, pinned))
+    let io = for_rows(pool, blocks, rows_per_block, dim, ids, |_, row| out.extend_from_slice(row))?;
+    Ok((out, io))
 }

@@ -8,6 +8,8 @@ pub struct SearchStats {
     pub hops: u64,
     /// Storage blocks read (index and data), for sources backed by blocks.
     pub blocks_touched: u64,
+    /// Of those, the blocks this search read from the device (buffer pool misses it paid for).
+    pub blocks_read: u64,
 }
 
 impl std::ops::AddAssign for SearchStats {
@@ -15,6 +17,7 @@ impl std::ops::AddAssign for SearchStats {
         self.keys_scored += o.keys_scored;
         self.hops += o.hops;
         self.blocks_touched += o.blocks_touched;
+        self.blocks_read += o.blocks_read;
     }
 }
 

@@ -46,7 +46,7 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
     let (store, reqs) = store_index(dev, &keys, &graph);
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
-    let paged = PagedIndex::open(&pool, reqs).unwrap();
+    let paged = PagedIndex::open(&pool, &reqs).unwrap();
     assert_eq!(paged.layout().tokens, 3000);
     let mem = Pair { keys: &keys, graph: &graph };
     let beta = 5.0 * 8.0;
@@ -77,7 +77,7 @@ fn an_unreadable_index_block_is_an_error_not_a_panic() {
     let (store, reqs) = store_index(mem.clone(), &keys, &graph);
     let bad = reqs[reqs.len() / 2].block; // a key block
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
-    let paged = PagedIndex::open(&pool, reqs).unwrap();
+    let paged = PagedIndex::open(&pool, &reqs).unwrap();
     mem.set_faults(FaultPlan { bad_read_blocks: [bad].into(), ..Default::default() });
     let q = &queries[..64];
     let err = flat::dipr(&paged, q, 40.0, f32::NEG_INFINITY, None).unwrap_err();

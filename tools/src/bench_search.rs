@@ -112,7 +112,8 @@ pub fn run(a: Args) -> Result<()> {
             ];
             for (mi, (name, beta, prefix)) in methods.iter().enumerate() {
                 let p_len = prefix.map_or(n, |p| p as usize);
-                let window = crate::query::window(p_len as u32, (WINDOW.0 as u32, WINDOW.1 as u32));
+                let window =
+                    ctxfs_attention::Window { init: WINDOW.0 as u32, recent: WINDOW.1 as u32 }.tokens(p_len as u32);
                 let win_set: BTreeSet<u32> = window.iter().copied().collect();
                 let win_max = window.iter().map(|&t| all[t as usize]).fold(f32::NEG_INFINITY, f32::max);
                 let t = Instant::now();
@@ -120,7 +121,17 @@ pub fn run(a: Args) -> Result<()> {
                     0 => flat::dipr(&keys, q, *beta, win_max, *prefix)?,
                     1 => topk(&idx, q, 100 + window.len(), 128 + window.len(), None)?,
                     2 => topk(&idx, q, 2000 + window.len(), 2000 + window.len(), None)?,
-                    _ => diprs(&idx, q, &DiprsParams { beta: *beta, l0: 64, window_max: win_max, prefix: *prefix })?,
+                    _ => diprs(
+                        &idx,
+                        q,
+                        &DiprsParams {
+                            beta: *beta,
+                            l0: 64,
+                            window_max: win_max,
+                            prefix: *prefix,
+                            ..Default::default()
+                        },
+                    )?,
                 };
                 let micros = t.elapsed().as_secs_f64() * 1e6;
                 let mut retrieved: Vec<u32> = found.ids.iter().copied().filter(|t| !win_set.contains(t)).collect();

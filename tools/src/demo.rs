@@ -1,12 +1,28 @@
-//! The end-to-end demonstration on an embedded default store. For now it formats a store,
-//! writes a synthetic context (keys in the index streams, values in the data streams), reads
-//! every vector back and compares, runs fsck, and prints the store.
+//! `ctxfs demo`: the end-to-end run on an embedded default store (the README's main job).
+//!
+//! 1. mkfs a store file in DIR;
+//! 2. generate a book-scale synthetic context;
+//! 3. import it (index build included);
+//! 4. reopen the store with a buffer pool that holds the index blocks and a tenth of the
+//!    data blocks, and open a session on a prompt that shares three quarters of the book and
+//!    adds new tokens (partial reuse: filtered search);
+//! 5. run decode steps through `Session::attention` for every layer, appending each step's
+//!    token; then replay the same steps in a second session for exact attention and the
+//!    exact DIPR set, so the timed pass has the buffer pool to itself;
+//! 6. print import throughput, build time, attention latency per token, DIPR recall,
+//!    recovery ratio and output error against exact attention, blocks read and the buffer
+//!    hit ratio;
+//! 7. fsck.
 
 use crate::mkfs::format_store;
-use crate::progress;
+use crate::{gen, progress};
 use anyhow::{ensure, Result};
-use ctxfs_vfs::{fsck, max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
-use half::f16;
+use ctxfs_attention::kv::f32s;
+use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, SafetensorsKv};
+use ctxfs_vfs::{fsck, DType, DeviceChoice};
+use safetensors::SafeTensors;
+use serde_json::json;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -15,122 +31,297 @@ pub struct Args {
     /// Where the demo store lives.
     #[arg(long, default_value = "./ctxfs-demo")]
     dir: PathBuf,
+    /// Tokens of the generated book.
+    #[arg(long, default_value_t = 65536)]
+    tokens: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Decode steps run.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    #[arg(long)]
+    json: bool,
 }
 
-const SHAPE: ModelShape = ModelShape { layers: 4, q_heads: 8, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
-const TOKENS: usize = 16384;
+const Q_HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 128;
+/// New tokens the demo prompt adds after the shared prefix.
+const PROMPT_TAIL: usize = 32;
 
-/// A deterministic vector for (layer, head, token, k-or-v).
-fn vector(layer: u16, head: u16, token: usize, value: bool) -> Vec<f16> {
-    let seed = ((layer as u64) << 48) ^ ((head as u64) << 32) ^ ((token as u64) << 1) ^ value as u64;
-    let mut r = SplitMix64::new(seed);
-    (0..SHAPE.head_dim).map(|_| f16::from_f32((r.next_f64() as f32 - 0.5) * 4.0)).collect()
-}
-
-/// Whole vectors per block; vectors never straddle blocks.
-fn per_block(bs: usize) -> usize {
-    max_payload(bs) / (SHAPE.head_dim as usize * 2)
-}
-
-fn block_payload(layer: u16, head: u16, first: usize, n: usize, value: bool) -> Vec<u8> {
-    (first..first + n).flat_map(|t| vector(layer, head, t, value)).flat_map(|x| x.to_le_bytes()).collect()
+#[derive(Default)]
+struct Quality {
+    recall: f64,
+    recovery: f64,
+    error: f64,
+    exact_dipr_error: f64,
+    heads: usize,
 }
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
+    let (n, layers, steps) = (args.tokens, args.layers, args.steps);
+    ensure!(n >= 4096 && layers > 0 && steps > 0, "--tokens must be at least 4096; --layers and --steps positive");
+    ensure!(n * 3 / 4 + PROMPT_TAIL + steps <= n, "--steps too large for the book");
     std::fs::create_dir_all(&args.dir)?;
     let path = args.dir.join("store.ctxfs");
+    let book = args.dir.join("book.safetensors");
+    // Keys twice (index and data streams are separate), values, graph: ~3× the f16 KV.
+    let kv_bytes = (n * layers * KV_HEADS * HEAD_DIM * 2 * 2) as u64;
+    let size = (kv_bytes * 3 + (64 << 20)).max(256 << 20);
+    let t = Instant::now();
     // The demo owns this store; a previous run's copy is replaced.
-    let t = Instant::now();
-    let store = format_store(&path, Some(512 << 20), 4096, true, choice)?;
+    format_store(&path, Some(size), 4096, true, choice)?;
     let mkfs_s = t.elapsed().as_secs_f64();
-    let bs = store.device().block_size();
-    let vpb = per_block(bs);
-    let tokens: Vec<u32> = (0..TOKENS as u32).map(|t| t.wrapping_mul(2_654_435_761) % 128_000).collect();
 
-    let files = SHAPE.files();
-    let bar = progress::bar((files * TOKENS * 2 * SHAPE.head_dim as usize * 2) as u64, "write context");
     let t = Instant::now();
-    let mut txn = store.begin()?;
-    txn.create_context("demo-book", SHAPE, &tokens)?;
-    for layer in 0..SHAPE.layers {
-        for head in 0..SHAPE.kv_heads {
-            for first in (0..TOKENS).step_by(vpb) {
-                let n = vpb.min(TOKENS - first);
-                txn.append_block(
-                    "demo-book",
-                    layer,
-                    head,
-                    FileStream::Index,
-                    &block_payload(layer, head, first, n, false),
-                )?;
-                txn.append_block(
-                    "demo-book",
-                    layer,
-                    head,
-                    FileStream::Data,
-                    &block_payload(layer, head, first, n, true),
-                )?;
-                bar.inc((2 * n * SHAPE.head_dim as usize * 2) as u64);
-            }
-        }
-    }
-    txn.commit()?;
+    let gen_args = gen::Args {
+        out: book.clone(),
+        tokens: n,
+        layers,
+        q_heads: Q_HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        queries: None,
+        decode_queries: steps,
+        seed: 7,
+        json: false,
+    };
+    gen::generate(&gen_args)?;
+    let gen_s = t.elapsed().as_secs_f64();
+
+    let db = Db::open(&path, choice, DbConfig { pool_bytes: 16 << 20, ..Default::default() })?;
+    let source = SafetensorsKv::open(&book, DType::F16)?;
+    source.check_values(|_| {})?;
+    let bar = progress::bar(kv_bytes, "import");
+    let import = db.import("demo-book", &source, |b| bar.inc(b))?;
     bar.finish_and_clear();
-    let write_s = t.elapsed().as_secs_f64();
-    let kv_bytes = (files * TOKENS * 2 * SHAPE.head_dim as usize * 2) as f64;
-    drop(store);
+    drop(db);
 
-    // Reopen, as another program would, and read every vector back.
+    // Serve as a separate process would: the pool holds every index block, and a tenth of
+    // the data blocks as a cache.
+    let (index_bytes, data_bytes) = stream_bytes(&path, choice)?;
+    let pool_bytes = index_bytes + data_bytes / 10 + (8 << 20);
+    let data_fraction = (data_bytes / 10 + (4 << 20)) as f64 / pool_bytes as f64;
+    let db = Db::open(&path, choice, DbConfig { pool_bytes, data_fraction, ..Default::default() })?;
+
+    // The prompt: three quarters of the book, then new tokens whose KV the "engine" computed
+    // (here: the book's next rows, under new token ids).
+    let p = n * 3 / 4;
+    let ids = source.token_ids()?;
+    let prompt: Vec<u32> = ids[..p].iter().copied().chain((0..PROMPT_TAIL as u32).map(|i| 1_000_000 + i)).collect();
+    let rows = |layer: usize, first: usize, count: usize| -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for h in 0..KV_HEADS {
+            k.extend_from_slice(&source.keys(layer, h)?[first * HEAD_DIM..(first + count) * HEAD_DIM]);
+            v.extend_from_slice(&source.values(layer, h)?[first * HEAD_DIM..(first + count) * HEAD_DIM]);
+        }
+        Ok((k, v))
+    };
+    let prompt_rows: Vec<_> = (0..layers).map(|l| rows(l, p, PROMPT_TAIL)).collect::<Result<_>>()?;
+    let step_rows: Vec<Vec<_>> = (0..steps)
+        .map(|s| (0..layers).map(|l| rows(l, p + PROMPT_TAIL + s, 1)).collect::<Result<_>>())
+        .collect::<Result<_>>()?;
+    let open = |db: &Db| -> Result<ctxfs_attention::Session> {
+        let (mut session, remaining) = db.create_session(&prompt)?;
+        ensure!(remaining == PROMPT_TAIL, "the session reused {} tokens, expected {p}", prompt.len() - remaining);
+        for (l, (k, v)) in prompt_rows.iter().enumerate() {
+            session.update(l, &[], k, v)?;
+        }
+        Ok(session)
+    };
+    let qfile = std::fs::read(book.with_extension("queries.safetensors"))?;
+    let qst = SafeTensors::deserialize(&qfile)?;
+    let queries: Vec<Vec<f32>> = (0..layers)
+        .map(|l| f32s(&qst, &format!("layers.{l}.q"), 0..Q_HEADS * steps * HEAD_DIM))
+        .collect::<Result<_, _>>()?;
+    let step_q = |l: usize, step: usize| -> Vec<f32> {
+        (0..Q_HEADS)
+            .flat_map(|h| queries[l][(h * steps + step) * HEAD_DIM..(h * steps + step + 1) * HEAD_DIM].iter().copied())
+            .collect()
+    };
+
+    // The timed pass.
+    let auto = AttentionOptions { detail: true, ..Default::default() };
     let t = Instant::now();
-    let store = Store::open_path(&path, choice)?;
+    let mut session = open(&db)?;
+    let open_s = t.elapsed().as_secs_f64();
+    let mut ttft = 0.0;
+    let (mut step_secs, mut blocks, mut answers) = (Vec::new(), Vec::new(), Vec::new());
+    let mut plans = BTreeSet::new();
+    for (step, step_kv) in step_rows.iter().enumerate() {
+        let (mut secs, mut read) = (0.0, 0);
+        for (l, (k, v)) in step_kv.iter().enumerate() {
+            let q = step_q(l, step);
+            let t = Instant::now();
+            let got = session.attention_with(l, &q, &auto)?;
+            secs += t.elapsed().as_secs_f64();
+            if step == 0 && l == 0 {
+                ttft = open_s + secs;
+            }
+            plans.insert(got.choice.label());
+            read += got.heads.iter().map(|h| h.stats.blocks_read).sum::<u64>();
+            answers.push(got);
+            // The step's token joins the session (late materialization).
+            session.update(l, &[], k, v)?;
+        }
+        session.append_tokens(&[2_000_000 + step as u32]);
+        step_secs.push(secs);
+        blocks.push(read);
+    }
+    let pool = db.pool_stats();
+    drop(session);
+
+    // The quality pass: the same steps, exactly.
+    let window: BTreeSet<u32> = open(&db)?.window_tokens().iter().copied().collect();
+    let exact_dipr = AttentionOptions { plan: Some(Plan::Flat), ..auto.clone() };
+    let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
+    let mut quality = Quality::default();
+    let mut scored = 0u64;
+    let mut replay = open(&db)?;
+    let mut answer = answers.iter();
+    for (step, step_kv) in step_rows.iter().enumerate() {
+        for (l, (k, v)) in step_kv.iter().enumerate() {
+            let q = step_q(l, step);
+            let got = answer.next().expect("one answer per step and layer");
+            let truth = replay.attention_with(l, &q, &full)?;
+            let dipr = replay.attention_with(l, &q, &exact_dipr)?;
+            for (h, r) in got.heads.iter().enumerate() {
+                scored += r.stats.keys_scored;
+                let retrieved = |s: &[u32]| -> BTreeSet<u32> {
+                    s.iter().copied().filter(|&t| (t as usize) < p && !window.contains(&t)).collect()
+                };
+                let want = retrieved(&dipr.heads[h].selected);
+                let have = retrieved(&r.selected);
+                quality.recall +=
+                    if want.is_empty() { 1.0 } else { want.intersection(&have).count() as f64 / want.len() as f64 };
+                quality.recovery += ((r.lse - truth.heads[h].lse) as f64).exp();
+                let span = h * HEAD_DIM..(h + 1) * HEAD_DIM;
+                quality.error += rel_err(&got.output[span.clone()], &truth.output[span.clone()]);
+                quality.exact_dipr_error += rel_err(&dipr.output[span.clone()], &truth.output[span]);
+                quality.heads += 1;
+            }
+            replay.update(l, &[], k, v)?;
+        }
+        replay.append_tokens(&[2_000_000 + step as u32]);
+    }
+    drop(replay);
+    let hq = quality.heads as f64;
+    let hits = pool.index.hits + pool.data.hits;
+    let hit_ratio = hits as f64 / (hits + pool.index.misses + pool.data.misses).max(1) as f64;
+    let mut sorted = step_secs.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let t = Instant::now();
+    let check = fsck::check(db.store().device().as_ref())?;
+    let fsck_s = t.elapsed().as_secs_f64();
+    ensure!(check.is_clean(), "fsck found problems: {:?}", check.problems);
+
+    let heads = import.heads as f64;
+    let mib = kv_bytes as f64 / (1 << 20) as f64;
+    let plans: Vec<String> = plans.into_iter().collect();
+    let median_blocks = {
+        let mut b = blocks.clone();
+        b.sort_unstable();
+        b[b.len() / 2]
+    };
+    let v = json!({
+        "store": path, "tokens": n, "layers": layers, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "mkfs_seconds": mkfs_s, "generate_seconds": gen_s,
+        "import_seconds": import.seconds, "import_mib_per_second": mib / import.seconds,
+        "build_seconds_per_head": import.build_seconds() / heads,
+        "reused_tokens": p, "prompt_new_tokens": PROMPT_TAIL, "session_open_seconds": open_s,
+        "time_to_first_output_seconds": ttft,
+        "steps": steps, "cold_step_seconds": step_secs[0], "median_step_seconds": median,
+        "latency_per_token_per_layer_ms": median * 1e3 / layers as f64,
+        "plans": plans,
+        "dipr_recall": quality.recall / hq, "recovery_ratio": quality.recovery / hq,
+        "output_error": quality.error / hq, "exact_dipr_output_error": quality.exact_dipr_error / hq,
+        "keys_scored_fraction": scored as f64 / hq / p as f64,
+        "blocks_read_cold_step": blocks[0], "blocks_read_median_step": median_blocks,
+        "buffer_hit_ratio": hit_ratio, "pool_bytes": pool_bytes, "fsck_seconds": fsck_s, "fsck_blocks": check.blocks_checked,
+    });
+    if args.json {
+        println!("{v}");
+        return Ok(());
+    }
+    println!("ctxfs demo — store {}", path.display());
+    let row = |k: &str, val: String| println!("  {k:<40} {val}");
+    row("mkfs", format!("{:.2} s ({} MiB)", mkfs_s, size >> 20));
+    row(
+        "generate book",
+        format!("{:.1} s ({n} tokens × {layers} layers × {KV_HEADS} kv heads, {Q_HEADS} q heads, d={HEAD_DIM})", gen_s),
+    );
+    row(
+        "import (check, index, write, commit)",
+        format!("{:.1} s, {:.1} MiB/s of KV", import.seconds, mib / import.seconds),
+    );
+    row(
+        "index build per head",
+        format!(
+            "{:.2} s (kNN {:.2}, projection {:.2}, enhancement {:.2})",
+            import.build_seconds() / heads,
+            import.knn.as_secs_f64() / heads,
+            import.projection.as_secs_f64() / heads,
+            import.enhancement.as_secs_f64() / heads
+        ),
+    );
+    row(
+        "session",
+        format!("reuses {p} of {} prompt tokens (partial prefix), {:.1} ms to open", prompt.len(), open_s * 1e3),
+    );
+    row(
+        "buffer pool",
+        format!(
+            "{} MiB: every index block ({} MiB) and a tenth of the data blocks",
+            pool_bytes >> 20,
+            index_bytes >> 20
+        ),
+    );
+    row("time to first attention output", format!("{:.1} ms", ttft * 1e3));
+    row("plans", plans.join(", "));
+    row(
+        "attention per token (all layers)",
+        format!("cold {:.2} ms, median {:.2} ms over {steps} steps", step_secs[0] * 1e3, median * 1e3),
+    );
+    row("DIPR recall", format!("{:.3}", v["dipr_recall"].as_f64().unwrap_or(0.0)));
+    row("recovery ratio", format!("{:.3}", v["recovery_ratio"].as_f64().unwrap_or(0.0)));
+    row(
+        "output error vs exact attention",
+        format!(
+            "{:.4} (exact DIPR set: {:.4})",
+            v["output_error"].as_f64().unwrap_or(0.0),
+            v["exact_dipr_output_error"].as_f64().unwrap_or(0.0)
+        ),
+    );
+    row("keys scored", format!("{:.1}% of the prefix", v["keys_scored_fraction"].as_f64().unwrap_or(0.0) * 100.0));
+    row("blocks read per step", format!("cold {}, median {}", blocks[0], v["blocks_read_median_step"]));
+    row("buffer hit ratio", format!("{:.3}", hit_ratio));
+    row("fsck", format!("{:.2} s, {} blocks, clean", fsck_s, check.blocks_checked));
+    println!();
+    drop(db);
+    crate::inspect::run(crate::inspect::Args::summary_of(path), choice)
+}
+
+/// Bytes of the index streams and of the data streams of every stored context.
+fn stream_bytes(path: &std::path::Path, choice: DeviceChoice) -> Result<(u64, u64)> {
+    let store = ctxfs_vfs::Store::open_path(path, choice)?;
+    let bs = store.device().block_size() as u64;
     let snap = store.snapshot();
-    let ctx = snap.context("demo-book")?;
-    ensure!(ctx.tokens()? == tokens, "token ids differ after reopen");
-    let mut checked = 0usize;
-    for layer in 0..SHAPE.layers {
-        for head in 0..SHAPE.kv_heads {
-            for (which, value) in [(FileStream::Index, false), (FileStream::Data, true)] {
-                let stream = ctx.stream(layer, head, which)?;
-                for (i, block) in stream.read_range(0, stream.blocks()).enumerate() {
-                    let first = i * vpb;
-                    let n = vpb.min(TOKENS - first);
-                    ensure!(
-                        block?.payload() == &block_payload(layer, head, first, n, value)[..],
-                        "layer {layer} head {head} block {i} differs"
-                    );
-                    checked += n;
-                }
+    let (mut index, mut data) = (0, 0);
+    for rec in snap.contexts() {
+        let ctx = snap.context(&rec.name)?;
+        for l in 0..rec.shape.layers {
+            for h in 0..rec.shape.kv_heads {
+                index += ctx.stream(l, h, ctxfs_vfs::FileStream::Index)?.blocks() * bs;
+                data += ctx.stream(l, h, ctxfs_vfs::FileStream::Data)?.blocks() * bs;
             }
         }
     }
-    let read_s = t.elapsed().as_secs_f64();
-    drop(snap);
+    Ok((index, data))
+}
 
-    let t = Instant::now();
-    let report = fsck::check(store.device().as_ref())?;
-    let fsck_s = t.elapsed().as_secs_f64();
-    ensure!(report.is_clean(), "fsck found problems: {:?}", report.problems);
-
-    println!("ctxfs demo — store {}", path.display());
-    println!("  {:<34} {:>10}", "step", "result");
-    println!("  {:<34} {:>8.2} s", "mkfs (512 MiB)", mkfs_s);
-    println!(
-        "  {:<34} {:>8.2} s  ({} tokens × {} layers × {} kv heads, {:.0} MiB/s)",
-        "write + commit context",
-        write_s,
-        TOKENS,
-        SHAPE.layers,
-        SHAPE.kv_heads,
-        kv_bytes / (1 << 20) as f64 / write_s
-    );
-    println!(
-        "  {:<34} {:>8.2} s  ({} vectors verified, {:.0} MiB/s)",
-        "reopen + read back all K/V",
-        read_s,
-        checked,
-        kv_bytes / (1 << 20) as f64 / read_s
-    );
-    println!("  {:<34} {:>8.2} s  ({} blocks, clean)", "fsck", fsck_s, report.blocks_checked);
-    println!();
-    crate::inspect::run(crate::inspect::Args::summary_of(path), choice)
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
 }

@@ -4,7 +4,7 @@
 use crate::progress;
 use crate::st_write::{Dtype, StreamWriter, TensorSpec};
 use anyhow::{ensure, Result};
-use ctxfs_index::synth::{head, stats, SynthParams};
+use ctxfs_index::synth::{head, stats, HeadStats, SynthParams};
 use half::f16;
 use serde_json::json;
 use std::path::PathBuf;
@@ -12,27 +12,35 @@ use std::path::PathBuf;
 #[derive(clap::Args)]
 pub struct Args {
     /// Output file; the decode queries go to OUT.queries.safetensors beside it.
-    out: PathBuf,
+    pub out: PathBuf,
     #[arg(long)]
-    tokens: usize,
+    pub tokens: usize,
     #[arg(long, default_value_t = 2)]
-    layers: usize,
+    pub layers: usize,
     #[arg(long, default_value_t = 8)]
-    q_heads: usize,
+    pub q_heads: usize,
     #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
+    pub kv_heads: usize,
     #[arg(long, default_value_t = 128)]
-    head_dim: usize,
+    pub head_dim: usize,
     /// Prefill queries per q head (they train the index). Default: tokens / 4, at most 4096.
     #[arg(long)]
-    queries: Option<usize>,
+    pub queries: Option<usize>,
     /// Held-out decode queries per q head, at consecutive decode steps.
     #[arg(long, default_value_t = 16)]
-    decode_queries: usize,
+    pub decode_queries: usize,
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub seed: u64,
     #[arg(long)]
-    json: bool,
+    pub json: bool,
+}
+
+/// What one generated (layer, kv head) achieved.
+pub struct Generated {
+    pub layer: usize,
+    pub kv_head: usize,
+    pub sharpness: f32,
+    pub stats: HeadStats,
 }
 
 fn f16_bytes(v: &[f16]) -> &[u8] {
@@ -40,6 +48,13 @@ fn f16_bytes(v: &[f16]) -> &[u8] {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    let per_head = generate(&a)?;
+    report(&a, &per_head);
+    Ok(())
+}
+
+/// Writes the context file and its decode-query file.
+pub fn generate(a: &Args) -> Result<Vec<Generated>> {
     ensure!(
         a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.head_dim > 0,
         "tokens, layers, kv heads and head dim must be positive"
@@ -96,7 +111,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
         for (kv, h) in heads.iter().enumerate() {
-            per_head.push((l, kv, h.sharpness, stats(h, d)));
+            per_head.push(Generated { layer: l, kv_head: kv, sharpness: h.sharpness, stats: stats(h, d) });
         }
     }
     let tokens: Vec<i64> = (0..n as i64).map(|t| (t * 2_654_435_761) % 128_000).collect();
@@ -104,18 +119,24 @@ pub fn run(a: Args) -> Result<()> {
     out.finish()?;
     qout.finish()?;
     bar.finish_and_clear();
-    let ratio: Vec<f64> = per_head.iter().map(|h| h.3.mahalanobis_ratio).collect();
+    Ok(per_head)
+}
+
+fn report(a: &Args, per_head: &[Generated]) {
+    let (n, d, m) = (a.tokens, a.head_dim, a.queries.unwrap_or((a.tokens / 4).clamp(1, 4096)));
+    let queries_path = a.out.with_extension("queries.safetensors");
+    let ratio: Vec<f64> = per_head.iter().map(|h| h.stats.mahalanobis_ratio).collect();
     let mean_ratio = ratio.iter().sum::<f64>() / ratio.len() as f64;
     if a.json {
         let heads: Vec<_> = per_head
             .iter()
-            .map(|(l, kv, s, st)| json!({"layer": l, "kv_head": kv, "sharpness": s, "mahalanobis_ratio": st.mahalanobis_ratio, "tokens_for_90_percent": st.tokens_for_90, "sink_mass": st.sink_mass}))
+            .map(|h| json!({"layer": h.layer, "kv_head": h.kv_head, "sharpness": h.sharpness, "mahalanobis_ratio": h.stats.mahalanobis_ratio, "tokens_for_90_percent": h.stats.tokens_for_90, "sink_mass": h.stats.sink_mass}))
             .collect();
         println!(
             "{}",
             json!({"out": a.out, "queries": queries_path, "tokens": n, "mahalanobis_ratio": mean_ratio, "heads": heads})
         );
-        return Ok(());
+        return;
     }
     println!("wrote {} and {}", a.out.display(), queries_path.display());
     println!(
@@ -124,8 +145,14 @@ pub fn run(a: Args) -> Result<()> {
     );
     println!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys");
     println!("{:>6} {:>8} {:>10} {:>22} {:>10}", "layer", "kv head", "sharpness", "tokens for 90% mass", "sink mass");
-    for (l, kv, s, st) in &per_head {
-        println!("{l:>6} {kv:>8} {s:>10.2} {:>22} {:>9.1}%", st.tokens_for_90, st.sink_mass * 100.0);
+    for h in per_head {
+        println!(
+            "{:>6} {:>8} {:>10.2} {:>22} {:>9.1}%",
+            h.layer,
+            h.kv_head,
+            h.sharpness,
+            h.stats.tokens_for_90,
+            h.stats.sink_mass * 100.0
+        );
     }
-    Ok(())
 }

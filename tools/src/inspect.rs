@@ -83,7 +83,9 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
             json!({
                 "name": c.name, "id": c.id,
                 "shape": {"layers": c.shape.layers, "q_heads": c.shape.q_heads, "kv_heads": c.shape.kv_heads, "head_dim": c.shape.head_dim, "dtype": c.shape.dtype.name()},
-                "tokens": c.tokens.bytes / 4, "blocks": blocks, "bytes": bytes, "created_unix_ms": c.created_unix_ms,
+                "tokens": c.token_count(), "own_tokens": c.own_token_count(),
+                "parent": c.parent.map(|p| json!({"id": p.id, "prefix_tokens": p.prefix_tokens})),
+                "blocks": blocks, "bytes": bytes, "created_unix_ms": c.created_unix_ms,
                 "files": c.files.iter().enumerate().map(|(i, f)| json!({
                     "layer": i / kv, "head": i % kv, "index": stream_json(&f.index), "data": stream_json(&f.data),
                 })).collect::<Vec<_>>(),
@@ -93,7 +95,8 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     if json {
         let v = json!({
             "store": path,
-            "format_version": ctxfs_vfs::format::FORMAT_VERSION,
+            "format_version": sb.format_version,
+            "retired_contexts": snap.retired_contexts().map(|c| json!({"id": c.id, "name": c.name, "blocks": context_blocks(c).0})).collect::<Vec<_>>(),
             "superblock": {
                 "generation": sb.generation, "slot": sb.slot(), "block_size": sb.block_size, "blocks": sb.total_blocks,
                 "store_id": hex(&sb.store_id), "commit_unix_ms": sb.commit_unix_ms, "next_context_id": sb.next_context_id,
@@ -109,7 +112,7 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     println!("store       {}", path.display());
     println!(
         "format      v{}, block size {} B, {} blocks ({})",
-        ctxfs_vfs::format::FORMAT_VERSION,
+        sb.format_version,
         sb.block_size,
         sb.total_blocks,
         human_bytes(sb.total_blocks * bs)
@@ -138,15 +141,33 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
             String::new()
         }
     );
-    println!("contexts    {}", snap.contexts().count());
+    let retired: Vec<String> =
+        snap.retired_contexts().map(|c| format!("id {} ({} blocks)", c.id, context_blocks(c).0)).collect();
+    println!(
+        "contexts    {}{}",
+        snap.contexts().count(),
+        if retired.is_empty() {
+            String::new()
+        } else {
+            format!("; retired (deleted, kept for their children): {}", retired.join(", "))
+        }
+    );
     for c in snap.contexts() {
         let (blocks, bytes) = context_blocks(c);
         let sh = &c.shape;
         println!(
-            "\n  {:?} (id {}): {} tokens, {} layers × {} kv heads ({} q heads), head dim {}, {}; {} blocks, {}",
+            "\n  {:?} (id {}): {} tokens{}, {} layers × {} kv heads ({} q heads), head dim {}, {}; {} blocks, {}",
             c.name,
             c.id,
-            c.tokens.bytes / 4,
+            c.token_count(),
+            c.parent
+                .map(|p| format!(
+                    " (the first {} of context {}, then {} own)",
+                    p.prefix_tokens,
+                    p.id,
+                    c.own_token_count()
+                ))
+                .unwrap_or_default(),
             sh.layers,
             sh.kv_heads,
             sh.q_heads,

@@ -14,7 +14,6 @@ mod progress;
 mod query;
 mod raw_uring;
 mod st_write;
-mod tensors;
 mod units;
 
 use clap::{Parser, Subcommand};

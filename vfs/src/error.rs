@@ -36,12 +36,14 @@ pub enum Error {
     },
     #[error("not a ctxfs store: {0}")]
     NotAStore(String),
-    #[error("unsupported format version {found} (this build reads version {supported}); {hint}")]
-    UnsupportedVersion { found: u32, supported: u32, hint: &'static str },
+    #[error("unsupported format version {found} (this build reads versions {oldest} to {newest}); {hint}")]
+    UnsupportedVersion { found: u32, oldest: u32, newest: u32, hint: &'static str },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("no context named {0:?}")]
     NoSuchContext(String),
+    #[error("no context with id {0}")]
+    NoSuchContextId(u32),
     #[error("a context named {0:?} already exists")]
     ContextExists(String),
     #[error("store is full: {needed} more blocks needed, {free} free (space freed by the last commit becomes free at the next one)")]

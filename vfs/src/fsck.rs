@@ -2,15 +2,16 @@
 //! reaches and verifies it through its reference; it compares what is reachable with what the
 //! allocator says. `repair` does only safe things: free leaked blocks, mark referenced blocks
 //! allocated, rebuild an unreadable allocator, rewrite a damaged fallback superblock, fall back
-//! to the older state when the newest one's metadata is unreadable, and (only when asked)
-//! drop contexts whose blocks are unreadable.
+//! to the older state when the newest one's metadata is unreadable, free retired contexts that
+//! no live context descends from, and (only when asked) drop contexts whose blocks are
+//! unreadable, with the contexts that derive from them.
 
 use crate::alloc::Bitmap;
 use crate::blockio::{read_chain, read_many, read_raw_many};
 use crate::device::{AlignedBuf, BlockDevice, IoOp};
 use crate::error::{Error, Result};
 use crate::format::header::unseal;
-use crate::format::records::{decode_catalog, ContextRecord, StreamRoot};
+use crate::format::records::{decode_catalog, ContextRecord, ModelShape, ParentLink, StreamRoot};
 use crate::format::{BlockKind, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
 use crate::store::{load_bitmap, pick, read_slots, record_chain, AllocSource, Store, CATALOG_CHAIN};
 use crate::stream::{StreamId, StreamMap};
@@ -27,6 +28,8 @@ pub enum Fix {
     RebuildAllocator,
     RewriteFallbackSuperblock,
     FallBackToOlderState,
+    /// A retired context that no live context descends from: free it.
+    FreeRetired,
     /// Only with `--drop-damaged`.
     DropContext,
 }
@@ -40,6 +43,7 @@ impl Fix {
             Fix::RebuildAllocator => "rebuild-allocator",
             Fix::RewriteFallbackSuperblock => "rewrite-fallback-superblock",
             Fix::FallBackToOlderState => "fall-back-to-older-state",
+            Fix::FreeRetired => "free-retired",
             Fix::DropContext => "drop-context (--drop-damaged)",
         }
     }
@@ -102,10 +106,14 @@ struct Walk<'p> {
     reach_complete: bool,
     /// Metadata of the state itself (catalog) unreadable.
     catalog_damaged: bool,
-    /// Contexts with any damage, with the blocks they were seen to use.
-    damaged: BTreeMap<String, Vec<u64>>,
-    /// Contexts whose record itself is unreadable.
-    record_damaged: BTreeSet<String>,
+    /// Contexts with any damage, by id, with their names and the blocks they were seen to use.
+    damaged: BTreeMap<u32, (String, Vec<u64>)>,
+    /// Ids of contexts whose record itself is unreadable.
+    record_damaged: BTreeSet<u32>,
+    /// Every context whose record is readable.
+    family: Family,
+    /// Where the problems of the context being walked begin: every later one is its own.
+    context_problems: usize,
     persisted: Option<Bitmap>,
     /// References that found the wrong block: where the block they expected was wanted.
     failed: Vec<(u64, Expect)>,
@@ -190,6 +198,8 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
         catalog_damaged: false,
         damaged: BTreeMap::new(),
         record_damaged: BTreeSet::new(),
+        family: Family::default(),
+        context_problems: 0,
         persisted: None,
         failed: Vec::new(),
         contexts: 0,
@@ -226,21 +236,16 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
                 }
                 Ok(entries) => {
                     w.contexts = entries.len();
-                    let mut names = BTreeSet::new();
                     let mut ids = BTreeSet::new();
                     for entry in entries {
                         let owner = Owner::context(entry.id).to_string();
-                        if !names.insert(entry.name.clone())
-                            || !ids.insert(entry.id)
-                            || entry.id == 0
-                            || entry.id >= sb.next_context_id
-                        {
+                        if !ids.insert(entry.id) || entry.id == 0 || entry.id >= sb.next_context_id {
                             w.note(
                                 Some(sb.catalog.block),
                                 "catalog",
                                 owner,
                                 Some(&entry.name),
-                                format!("context id {} or name repeats or is out of range", entry.id),
+                                format!("context id {} repeats or is out of range", entry.id),
                                 Fix::None,
                             );
                             w.catalog_damaged = true;
@@ -248,6 +253,8 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
                         }
                         walk_context(dev, sb, &mut w, entry.id, &entry.name, entry.record);
                     }
+                    check_names(sb, &mut w);
+                    check_family(&mut w, &ids);
                 }
             }
         }
@@ -396,6 +403,7 @@ fn walk_context(
     record_ref: crate::format::BlockRef,
 ) {
     let before = w.problems.len();
+    w.context_problems = before;
     let mut seen = Vec::new();
     let record = match read_chain(dev, record_ref, record_chain(id), sb.generation) {
         Err(e) => {
@@ -437,9 +445,18 @@ fn walk_context(
     match record {
         None => {
             w.reach_complete = false;
-            w.record_damaged.insert(name.to_string());
+            w.record_damaged.insert(id);
         }
         Some(record) => {
+            let node = Node {
+                name: name.to_string(),
+                parent: record.parent,
+                retired: record.retired,
+                shape: record.shape,
+                tokens: record.token_count(),
+                record_block: record_ref.block,
+            };
+            w.family.insert(id, node);
             let kv = record.shape.kv_heads as usize;
             let mut streams = vec![(StreamId { owner: Owner::context(id), tag: StreamTag::Tokens }, &record.tokens)];
             for (i, f) in record.files.iter().enumerate() {
@@ -453,7 +470,7 @@ fn walk_context(
         }
     }
     if w.problems.len() > before {
-        w.damaged.insert(name.to_string(), seen);
+        w.damaged.insert(id, (name.to_string(), seen));
     }
 }
 
@@ -500,7 +517,7 @@ fn walk_stream(
             }
         }
     }
-    let complete = !w.problems.iter().any(|p| p.context.as_deref() == Some(name));
+    let complete = w.problems.len() == w.context_problems;
     if complete && bytes != root.bytes {
         w.note(
             root.extents.first().map(|r| r.block),
@@ -520,6 +537,107 @@ fn walk_stream(
             format!("token stream of {} bytes is not whole u32 ids", root.bytes),
             Fix::DropContext,
         );
+    }
+}
+
+/// What fsck knows of a context's place among its relatives.
+struct Node {
+    name: String,
+    parent: Option<ParentLink>,
+    retired: bool,
+    shape: ModelShape,
+    /// The whole sequence: the parent's prefix, then the own tokens.
+    tokens: u64,
+    record_block: u64,
+}
+
+/// The contexts whose records are readable, by id.
+#[derive(Default)]
+struct Family(BTreeMap<u32, Node>);
+
+impl Family {
+    fn insert(&mut self, id: u32, node: Node) {
+        self.0.insert(id, node);
+    }
+
+    /// The ids up the parent links from `id`. Stops at a parent it does not know, and after
+    /// as many steps as there are contexts, since damaged links may loop.
+    fn ancestors(&self, id: u32) -> impl Iterator<Item = u32> + '_ {
+        let up = |id: &u32| self.0.get(id).and_then(|n| n.parent).map(|p| p.id);
+        std::iter::successors(up(&id), up).take(self.0.len())
+    }
+
+    /// Contexts outside `gone` that descend from one in it.
+    fn descendants(&self, gone: &BTreeSet<u32>) -> BTreeSet<u32> {
+        let from_gone = |id: &u32| !gone.contains(id) && self.ancestors(*id).any(|a| gone.contains(&a));
+        self.0.keys().copied().filter(from_gone).collect()
+    }
+
+    /// Retired contexts outside `gone` that no live context outside `gone` descends from.
+    fn unneeded(&self, gone: &BTreeSet<u32>) -> Vec<u32> {
+        let live = self.0.iter().filter(|(id, n)| !n.retired && !gone.contains(id));
+        let needed: BTreeSet<u32> = live.flat_map(|(&id, _)| self.ancestors(id)).collect();
+        let unneeded = |(id, n): &(&u32, &Node)| n.retired && !gone.contains(id) && !needed.contains(id);
+        self.0.iter().filter(unneeded).map(|(&id, _)| id).collect()
+    }
+}
+
+/// Live contexts' names are unique. A retired context keeps the name it had, which a live
+/// context may have taken since.
+fn check_names(sb: &Superblock, w: &mut Walk) {
+    let mut names = BTreeSet::new();
+    let repeated: Vec<(u32, String)> = w
+        .family
+        .0
+        .iter()
+        .filter(|(_, n)| !n.retired && !names.insert(n.name.as_str()))
+        .map(|(&id, n)| (id, n.name.clone()))
+        .collect();
+    for (id, name) in repeated {
+        let owner = Owner::context(id).to_string();
+        let message = format!("context name {name:?} repeats");
+        w.note(Some(sb.catalog.block), "catalog", owner, Some(&name), message, Fix::None);
+        w.catalog_damaged = true;
+    }
+}
+
+/// Each parent link names a context of the catalog with the same shape and at least the
+/// prefix's tokens, and links never loop. A retired context is kept only while a live
+/// context descends from it; that is judged only when every record could be read.
+fn check_family(w: &mut Walk, ids: &BTreeSet<u32>) {
+    let mut found = Vec::new();
+    for (&id, node) in &w.family.0 {
+        let Some(link) = node.parent else {
+            continue;
+        };
+        let what = match w.family.0.get(&link.id) {
+            _ if w.family.ancestors(id).any(|a| a == id) => Some("parent links loop back to it".to_string()),
+            None if !ids.contains(&link.id) => Some(format!("parent context {} does not exist", link.id)),
+            // The parent's record is unreadable, which is reported on its own.
+            None => None,
+            Some(_) if link.prefix_tokens == 0 => Some("shares a prefix of 0 tokens with its parent".into()),
+            Some(p) if link.prefix_tokens > p.tokens => Some(format!(
+                "prefix of {} tokens exceeds the {} tokens of parent context {}",
+                link.prefix_tokens, p.tokens, link.id
+            )),
+            Some(p) if p.shape != node.shape => {
+                Some(format!("model shape {:?} differs from parent context {}'s {:?}", node.shape, link.id, p.shape))
+            }
+            Some(_) => None,
+        };
+        found.extend(what.map(|m| (id, m, Fix::None)));
+    }
+    if w.record_damaged.is_empty() {
+        let leaked = w.family.unneeded(&BTreeSet::new());
+        found.extend(
+            leaked.into_iter().map(|id| (id, "no live context descends from it (leaked)".into(), Fix::FreeRetired)),
+        );
+    }
+    for (id, message, fix) in found {
+        let node = &w.family.0[&id];
+        let (block, name) = (node.record_block, node.name.clone());
+        let message = format!("{}context {id}: {message}", if node.retired { "retired " } else { "" });
+        w.note(Some(block), "catalog", Owner::context(id).to_string(), Some(&name), message, fix);
     }
 }
 
@@ -622,33 +740,48 @@ pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Prog
         return Ok(report);
     }
 
-    let dropping: BTreeSet<String> =
-        if drop_damaged { walk.damaged.keys().cloned().collect() } else { BTreeSet::new() };
-    let mut wanted = walk.reach.clone();
-    for name in &dropping {
-        for &b in &walk.damaged[name] {
-            if b < wanted.len() {
-                wanted.set(b, false);
-            }
-        }
-    }
-    let can_rebuild = walk.reach_complete || walk.record_damaged.iter().all(|n| dropping.contains(n));
+    let dropping: BTreeSet<u32> = if drop_damaged { walk.damaged.keys().copied().collect() } else { BTreeSet::new() };
+    let can_rebuild = walk.reach_complete || walk.record_damaged.iter().all(|id| dropping.contains(id));
     if !can_rebuild {
         return Ok(first.report);
     }
-    let store = Store::open_with(dev.clone(), AllocSource::Rebuilt(walk.reach.clone()), &dropping)?;
-    let mut txn = store.begin()?;
-    for name in &dropping {
-        txn.forget_context(name);
-        repaired.push(format!("dropped damaged context {name:?}"));
+    // A context's tokens begin with its parent's, so a dropped context takes its descendants
+    // along; then retired contexts that nothing left descends from go too.
+    let orphaned = walk.family.descendants(&dropping);
+    let mut gone: BTreeSet<u32> = dropping.union(&orphaned).copied().collect();
+    let unneeded = walk.family.unneeded(&gone);
+    gone.extend(&unneeded);
+    // Damaged contexts are left out of the catalog and their blocks out of the allocation;
+    // intact ones are freed through their extent maps, which can be read.
+    let mut wanted = walk.reach.clone();
+    let mut skip = BTreeSet::new();
+    for (&id, (_, seen)) in walk.damaged.iter().filter(|(id, _)| gone.contains(id)) {
+        skip.insert(id);
+        let total = wanted.len();
+        for &b in seen.iter().filter(|&&b| b < total) {
+            wanted.set(b, false);
+        }
     }
+    let store = Store::open_with(dev.clone(), AllocSource::Rebuilt(walk.reach.clone()), &skip)?;
+    let mut txn = store.begin()?;
     txn.set_allocation(&wanted);
+    for &id in gone.difference(&skip) {
+        txn.discard_context(id)?;
+    }
     txn.commit()?;
+    let label = |id: &u32| match (walk.family.0.get(id), walk.damaged.get(id)) {
+        (Some(n), _) if n.retired => format!("retired context {id} (once {:?})", n.name),
+        (Some(Node { name, .. }), _) | (None, Some((name, _))) => format!("context {name:?}"),
+        (None, None) => format!("context {id}"),
+    };
+    repaired.extend(dropping.iter().map(|id| format!("dropped damaged {}", label(id))));
+    repaired.extend(orphaned.iter().map(|id| format!("dropped {}: it derives from a dropped context", label(id))));
+    repaired.extend(unneeded.iter().map(|id| format!("freed {}: no live context descends from it", label(id))));
     let fixes: BTreeSet<&str> = first
         .report
         .problems
         .iter()
-        .filter(|p| p.fix != Fix::None && p.fix != Fix::DropContext)
+        .filter(|p| !matches!(p.fix, Fix::None | Fix::DropContext | Fix::FreeRetired))
         .map(|p| p.fix.name())
         .collect();
     for f in fixes {

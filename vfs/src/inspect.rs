@@ -22,7 +22,7 @@ pub fn live_blocks(snap: &Snapshot) -> Result<Vec<LiveBlock>> {
     out.extend(snap.catalog_blocks.iter().map(|&b| meta(b, BlockKind::Catalog, Owner::SYSTEM)));
     let (_, chunks, dir) = load_bitmap(dev, &snap.superblock)?;
     out.extend(dir.iter().chain(chunks.iter().map(|c| &c.block)).map(|&b| meta(b, BlockKind::Alloc, Owner::SYSTEM)));
-    for ctx in snap.contexts.values() {
+    for ctx in snap.contexts.values().chain(snap.retired.values()) {
         let owner = Owner::context(ctx.record.id);
         out.extend(ctx.record_blocks.iter().map(|&b| meta(b, BlockKind::Catalog, owner)));
         for s in ctx.streams() {

@@ -2,8 +2,9 @@
 //!
 //! A store lives on one block device. It holds contexts (the KV cache of a long prompt);
 //! each context has a model shape, its token ids, and one vector file per (layer, kv head)
-//! made of an index stream and a data stream of blocks. All writes are copy-on-write and a
-//! commit is atomic. `docs/format.md` specifies the bytes.
+//! made of an index stream and a data stream of blocks. A context may begin with the first
+//! tokens of another (its parent) and share that prefix's blocks instead of copying them.
+//! All writes are copy-on-write and a commit is atomic. `docs/format.md` specifies the bytes.
 //!
 //! ```
 //! use ctxfs_vfs::{device::MemDevice, DType, FileStream, ModelShape, Store};
@@ -46,7 +47,7 @@ pub use alloc::Bitmap;
 pub use blockio::{max_payload, BlockBuf};
 pub use device::{BlockDevice, DeviceChoice, DeviceInfo};
 pub use error::{BlockFault, Error, Result};
-pub use format::records::{ContextRecord, DType, ModelShape};
+pub use format::records::{ContextRecord, DType, ModelShape, ParentLink};
 pub use rng::SplitMix64;
 pub use store::{probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store, StreamReader};
 pub use stream::{StreamId, StreamMap};

@@ -1,10 +1,12 @@
 //! A mounted store: recovery on open, immutable snapshots for readers, one writer at a time.
 
 use crate::alloc::{Allocator, Bitmap};
-use crate::blockio::{read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool};
+use crate::blockio::{
+    max_payload, read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool,
+};
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
-use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, StreamRoot};
+use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, ParentLink, StreamRoot};
 use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
 use crate::stream::{StreamId, StreamMap};
 use crate::txn::Txn;
@@ -121,6 +123,12 @@ impl ContextMeta {
     pub fn streams(&self) -> impl Iterator<Item = &LazyStream> {
         std::iter::once(&self.tokens).chain(self.files.iter().flatten())
     }
+
+    /// Damage found in what this context's record says, named by the record's first block.
+    pub fn damaged(&self, what: String) -> Error {
+        let owner = Owner::context(self.record.id).to_string();
+        Error::damaged(self.record_ref.block, "catalog", owner, BlockFault::Malformed(what))
+    }
 }
 
 /// One committed state of the store. Readers hold it for as long as they read; the blocks it
@@ -129,6 +137,7 @@ pub struct Snapshot {
     pub(crate) dev: Arc<dyn BlockDevice>,
     pub(crate) superblock: Superblock,
     pub(crate) contexts: Contexts,
+    pub(crate) retired: Retired,
     pub(crate) catalog_blocks: Vec<u64>,
     pub(crate) _ticket: Option<ReaderTicket>,
 }
@@ -140,16 +149,49 @@ impl Snapshot {
     pub fn superblock(&self) -> &Superblock {
         &self.superblock
     }
-    /// Committed contexts, by name.
+    /// Committed contexts, by name. Retired contexts are not listed: their names are free.
     pub fn contexts(&self) -> impl Iterator<Item = &ContextRecord> {
         self.contexts.values().map(|c| &c.record)
+    }
+    /// Contexts deleted by name but kept for their descendants, by id.
+    pub fn retired_contexts(&self) -> impl Iterator<Item = &ContextRecord> {
+        self.retired.values().map(|c| &c.record)
     }
     pub fn context(&self, name: &str) -> Result<Context<'_>> {
         let meta = self.contexts.get(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
         Ok(Context { snap: self, meta })
     }
+    /// A context by id, retired ones included: how a child finds its parent.
+    pub fn context_by_id(&self, id: u32) -> Result<Context<'_>> {
+        let meta = self.meta_by_id(id).ok_or(Error::NoSuchContextId(id))?;
+        Ok(Context { snap: self, meta })
+    }
+    fn meta_by_id(&self, id: u32) -> Option<&ContextMeta> {
+        let live = || self.contexts.values().find(|m| m.record.id == id);
+        self.retired.get(&id).or_else(live).map(|m| &**m)
+    }
     pub(crate) fn catalog_blocks(&self) -> &[u64] {
         &self.catalog_blocks
+    }
+
+    /// The parent `link` of `child` names, checked to hold the prefix; `depth` parents have
+    /// been followed so far, and more than there are contexts means the links loop.
+    fn parent_of(&self, child: &ContextMeta, link: ParentLink, depth: usize) -> Result<&ContextMeta> {
+        if depth > self.contexts.len() + self.retired.len() {
+            return Err(child.damaged("parent links form a cycle".into()));
+        }
+        let parent = self
+            .meta_by_id(link.id)
+            .ok_or_else(|| child.damaged(format!("parent context {} does not exist", link.id)))?;
+        if link.prefix_tokens > parent.record.token_count() {
+            return Err(child.damaged(format!(
+                "prefix of {} tokens exceeds the {} tokens of parent context {}",
+                link.prefix_tokens,
+                parent.record.token_count(),
+                link.id
+            )));
+        }
+        Ok(parent)
     }
 }
 
@@ -164,18 +206,69 @@ impl<'a> Context<'a> {
         &self.meta.record
     }
 
-    pub fn token_count(&self) -> u64 {
-        self.meta.record.tokens.bytes / 4
+    pub fn parent(&self) -> Option<ParentLink> {
+        self.meta.record.parent
     }
 
+    /// Length of the whole token sequence: the parent's prefix, then the own tokens.
+    pub fn token_count(&self) -> u64 {
+        self.meta.record.token_count()
+    }
+
+    /// Tokens in this context's own token stream.
+    pub fn own_token_count(&self) -> u64 {
+        self.meta.record.own_token_count()
+    }
+
+    /// The whole token sequence: the ancestors' prefix, then the own tokens.
     pub fn tokens(&self) -> Result<Vec<u32>> {
-        let s = self.stream_of(&self.meta.tokens)?;
-        let mut out = Vec::with_capacity(self.token_count() as usize);
-        for block in s.read_range(0, s.blocks()) {
+        // From this context up to the root: each one's share is the first `n` of its own tokens.
+        let mut shares = Vec::new();
+        let (mut meta, mut need) = (self.meta, self.token_count());
+        loop {
+            let Some(link) = meta.record.parent else {
+                shares.push((meta, need));
+                break;
+            };
+            let from_parent = link.prefix_tokens.min(need);
+            shares.push((meta, need - from_parent));
+            if from_parent == 0 {
+                break;
+            }
+            meta = self.snap.parent_of(meta, link, shares.len())?;
+            need = from_parent;
+        }
+        let mut out = Vec::new();
+        for (meta, n) in shares.into_iter().rev() {
+            self.read_own(meta, n, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Only this context's own tokens, without the parent's prefix.
+    pub fn own_tokens(&self) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        self.read_own(self.meta, self.own_token_count(), &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the first `n` tokens of `meta`'s own token stream to `out`.
+    fn read_own(&self, meta: &'a ContextMeta, n: u64, out: &mut Vec<u32>) -> Result<()> {
+        let s = self.stream_of(&meta.tokens)?;
+        let per_block = (max_payload(self.snap.dev.block_size()) / 4) as u64;
+        let blocks = n.div_ceil(per_block);
+        // Sized by the blocks that exist, not by a count a damaged record could inflate.
+        out.reserve(n.min(s.blocks() * per_block) as usize);
+        let want = out.len().saturating_add(usize::try_from(n).unwrap_or(usize::MAX));
+        for block in s.read_range(0, blocks) {
             let block = block?;
             out.extend(block.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))));
         }
-        Ok(out)
+        if out.len() < want {
+            return Err(meta.damaged(format!("token stream holds fewer than the {n} tokens its record claims")));
+        }
+        out.truncate(want);
+        Ok(())
     }
 
     pub fn stream(&self, layer: u16, head: u16, which: FileStream) -> Result<StreamReader<'a>> {
@@ -423,19 +516,23 @@ pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bit
 
 /// Committed contexts by name.
 pub(crate) type Contexts = BTreeMap<String, Arc<ContextMeta>>;
+/// Retired contexts by id: they have no name that lookups may find.
+pub(crate) type Retired = BTreeMap<u32, Arc<ContextMeta>>;
 
-/// Reads the catalog and every context record a superblock references.
+/// Reads the catalog and every context record a superblock references; `skip` lists ids to
+/// leave out.
 pub(crate) fn load_catalog(
     dev: &dyn BlockDevice,
     sb: &Superblock,
-    skip: &BTreeSet<String>,
-) -> Result<(Contexts, Vec<u64>)> {
+    skip: &BTreeSet<u32>,
+) -> Result<(Contexts, Retired, Vec<u64>)> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
     let bad = |block, what: String| Error::damaged(block, "catalog", "system", BlockFault::Malformed(what));
     let entries = decode_catalog(&blob).map_err(|f| bad(sb.catalog.block, f.to_string()))?;
     let mut contexts = BTreeMap::new();
+    let mut retired = BTreeMap::new();
     let mut ids = BTreeSet::new();
-    for entry in entries.into_iter().filter(|e| !skip.contains(&e.name)) {
+    for entry in entries.into_iter().filter(|e| !skip.contains(&e.id)) {
         if entry.id == 0 || entry.id >= sb.next_context_id || !ids.insert(entry.id) {
             return Err(bad(
                 sb.catalog.block,
@@ -451,12 +548,14 @@ pub(crate) fn load_catalog(
                 format!("record {} {:?} listed as {} {:?}", record.id, record.name, entry.id, entry.name),
             ));
         }
-        let meta = ContextMeta::from_record(record, entry.record, rblocks);
-        if contexts.insert(entry.name.clone(), Arc::new(meta)).is_some() {
+        let meta = Arc::new(ContextMeta::from_record(record, entry.record, rblocks));
+        if meta.record.retired {
+            retired.insert(entry.id, meta);
+        } else if contexts.insert(entry.name.clone(), meta).is_some() {
             return Err(bad(sb.catalog.block, format!("context name {:?} listed twice", entry.name)));
         }
     }
-    Ok((contexts, blocks))
+    Ok((contexts, retired, blocks))
 }
 
 impl Store {
@@ -472,8 +571,8 @@ impl Store {
         Self::open(Arc::from(device::open_path(path, choice, block_size)?))
     }
 
-    /// `skip` names contexts left out of the catalog (fsck dropping damaged ones).
-    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource, skip: &BTreeSet<String>) -> Result<Store> {
+    /// `skip` lists ids of contexts left out of the catalog (fsck dropping damaged ones).
+    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource, skip: &BTreeSet<u32>) -> Result<Store> {
         let slots = read_slots(dev.as_ref())?;
         let (sb, fallback) = pick(&slots)?;
         if sb.block_size as usize != dev.block_size() {
@@ -483,7 +582,7 @@ impl Store {
                 dev.block_size()
             )));
         }
-        let (contexts, catalog_blocks) = load_catalog(dev.as_ref(), &sb, skip)?;
+        let (contexts, retired, catalog_blocks) = load_catalog(dev.as_ref(), &sb, skip)?;
         let (committed, chunk_refs, alloc_dir_blocks) = match source {
             AllocSource::Persisted => load_bitmap(dev.as_ref(), &sb)?,
             AllocSource::Rebuilt(mut reachable) => {
@@ -507,6 +606,7 @@ impl Store {
             dev: dev.clone(),
             superblock: sb,
             contexts,
+            retired,
             catalog_blocks,
             _ticket: Some(readers.ticket(sb.generation)),
         };

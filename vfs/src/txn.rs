@@ -8,9 +8,10 @@ use crate::blockio::{chain_blocks, read_verified, write_chain, WriteQueue};
 use crate::device::{self, AlignedBuf, BlockDevice, IoOp};
 use crate::error::{Error, Result};
 use crate::format::records::{
-    bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, MAX_NAME_LEN,
+    bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, ParentLink,
+    MAX_NAME_LEN,
 };
-use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, HEADER_LEN};
+use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, FORMAT_VERSION, HEADER_LEN};
 use crate::store::{
     chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
     ALLOC_CHAIN, CATALOG_CHAIN,
@@ -22,6 +23,26 @@ use std::sync::{Arc, MutexGuard};
 enum Slot {
     Clean(Arc<ContextMeta>),
     Draft(Box<ContextDraft>),
+}
+
+impl Slot {
+    /// The record. A draft brings its stream roots up to date only at commit.
+    fn record(&self) -> &ContextRecord {
+        match self {
+            Slot::Clean(meta) => &meta.record,
+            Slot::Draft(d) => &d.record,
+        }
+    }
+
+    fn token_count(&self) -> u64 {
+        match self {
+            Slot::Clean(meta) => meta.record.token_count(),
+            Slot::Draft(d) => {
+                let own = d.tokens.bytes / 4 + d.token_tail.len() as u64;
+                d.record.parent.map_or(0, |p| p.prefix_tokens).saturating_add(own)
+            }
+        }
+    }
 }
 
 struct ContextDraft {
@@ -38,6 +59,31 @@ impl ContextDraft {
     fn streams_mut(&mut self) -> impl Iterator<Item = &mut StreamDraft> {
         std::iter::once(&mut self.tokens).chain(self.files.iter_mut().flatten())
     }
+
+    /// Frees every block the draft holds: written, reserved, and its committed record.
+    fn free(mut self, alloc: &mut Allocator) {
+        for s in self.streams_mut() {
+            s.unreserve(alloc);
+            let root = s.root();
+            StreamDraft::free_all(&s.map, &root, alloc);
+        }
+        if let Some(old) = &self.old {
+            for &b in &old.record_blocks {
+                alloc.free(b);
+            }
+        }
+    }
+}
+
+/// Every block a committed context holds. Reading all of them before freeing any means a
+/// read error changes nothing.
+fn committed_blocks(meta: &ContextMeta, dev: &dyn BlockDevice, generation: u64) -> Result<Vec<u64>> {
+    let mut blocks = meta.record_blocks.clone();
+    for s in meta.streams() {
+        blocks.extend(s.map(dev, generation)?.device_blocks());
+        blocks.extend(s.root.extents.iter().map(|r| r.block));
+    }
+    Ok(blocks)
 }
 
 pub struct Txn<'s> {
@@ -46,6 +92,8 @@ pub struct Txn<'s> {
     base: Arc<Snapshot>,
     generation: u64,
     contexts: BTreeMap<String, Slot>,
+    /// Contexts deleted by name but kept for their descendants, by id.
+    retired: BTreeMap<u32, Slot>,
     next_context_id: u32,
     queue: WriteQueue,
     /// Set when a write failed: the transaction can only be dropped.
@@ -83,6 +131,7 @@ impl<'s> Txn<'s> {
         let base = store.snapshot();
         w.alloc.release(base.generation(), store.readers.oldest());
         let contexts = base.contexts.iter().map(|(k, v)| (k.clone(), Slot::Clean(v.clone()))).collect();
+        let retired = base.retired.iter().map(|(&id, v)| (id, Slot::Clean(v.clone()))).collect();
         Ok(Txn {
             generation: base.generation() + 1,
             next_context_id: base.superblock.next_context_id,
@@ -91,6 +140,7 @@ impl<'s> Txn<'s> {
             w,
             base,
             contexts,
+            retired,
             failed: None,
             done: false,
         })
@@ -123,6 +173,33 @@ impl<'s> Txn<'s> {
     }
 
     pub fn create_context(&mut self, name: &str, shape: ModelShape, tokens: &[u32]) -> Result<()> {
+        self.create(name, shape, None, tokens)
+    }
+
+    /// Creates a context whose token sequence is the first `prefix_tokens` tokens of the
+    /// committed context `parent`, then `tokens`. It shares the parent's blocks for that
+    /// prefix instead of copying them: its own streams hold only what follows the prefix.
+    pub fn create_child_context(&mut self, name: &str, parent: &str, prefix_tokens: u64, tokens: &[u32]) -> Result<()> {
+        self.check()?;
+        let slot = self.contexts.get(parent).ok_or_else(|| Error::NoSuchContext(parent.to_string()))?;
+        let record = slot.record();
+        // The parent's id must be in the committed state the new record will point into.
+        if self.base.contexts.get(parent).is_none_or(|m| m.record.id != record.id) {
+            return Err(Error::InvalidArgument(format!(
+                "context {parent:?} was created in this transaction; commit it before deriving children from it"
+            )));
+        }
+        let available = slot.token_count();
+        if prefix_tokens == 0 || prefix_tokens > available {
+            return Err(Error::InvalidArgument(format!(
+                "a child of {parent:?} shares 1..={available} of its tokens, not {prefix_tokens}"
+            )));
+        }
+        let (shape, id) = (record.shape, record.id);
+        self.create(name, shape, Some(ParentLink { id, prefix_tokens }), tokens)
+    }
+
+    fn create(&mut self, name: &str, shape: ModelShape, parent: Option<ParentLink>, tokens: &[u32]) -> Result<()> {
         self.check()?;
         validate_name(name)?;
         shape.validate().map_err(Error::InvalidArgument)?;
@@ -148,6 +225,8 @@ impl<'s> Txn<'s> {
                 name: name.to_string(),
                 shape,
                 created_unix_ms: now_ms(),
+                parent,
+                retired: false,
                 tokens: Default::default(),
                 files: Vec::new(),
             },
@@ -219,47 +298,78 @@ impl<'s> Txn<'s> {
     }
 
     /// Deletes a context. Its blocks are freed by this commit and reused only after the next.
+    /// A context that others derive from is retired instead: its name goes (and may be
+    /// reused), its blocks stay until the last context that reads them is deleted.
     pub fn delete_context(&mut self, name: &str) -> Result<()> {
         self.check()?;
-        let dev = self.dev();
-        let generation = self.base.generation();
-        match self.contexts.get(name) {
+        let (id, parent) = match self.contexts.get(name) {
             None => return Err(Error::NoSuchContext(name.to_string())),
-            Some(Slot::Clean(meta)) => {
-                // Read every extent map first, so a failure changes nothing.
-                let maps = meta.streams().map(|s| s.map(dev, generation)).collect::<Result<Vec<_>>>()?;
-                let alloc = &mut self.w.alloc;
-                for (s, map) in meta.streams().zip(&maps) {
-                    StreamDraft::free_all(map, &s.root, alloc);
+            Some(slot) => (slot.record().id, slot.record().parent),
+        };
+        if self.has_children(id, &[]) {
+            let d = draft_in(&mut self.contexts, self.store.dev.as_ref(), self.base.generation(), name)?;
+            d.record.retired = true;
+            let slot = self.contexts.remove(name).expect("drafted above");
+            self.retired.insert(id, slot);
+            return Ok(());
+        }
+        // Retired ancestors that only this context still needed go with it.
+        let mut doomed = vec![id];
+        let mut up = parent;
+        while let Some(link) = up {
+            match self.retired.get(&link.id) {
+                Some(p) if !self.has_children(link.id, &doomed) => {
+                    doomed.push(link.id);
+                    up = p.record().parent;
                 }
-                for &b in &meta.record_blocks {
-                    alloc.free(b);
-                }
-            }
-            Some(Slot::Draft(_)) => {
-                let Some(Slot::Draft(mut d)) = self.contexts.remove(name) else { unreachable!() };
-                let alloc = &mut self.w.alloc;
-                for s in d.streams_mut() {
-                    s.unreserve(alloc);
-                    let root = s.root();
-                    StreamDraft::free_all(&s.map, &root, alloc);
-                }
-                if let Some(old) = &d.old {
-                    for &b in &old.record_blocks {
-                        alloc.free(b);
-                    }
-                }
-                return Ok(());
+                _ => break,
             }
         }
-        self.contexts.remove(name);
+        let (dev, generation) = (self.dev(), self.base.generation());
+        let mut blocks = Vec::new();
+        for (i, id) in doomed.iter().enumerate() {
+            let slot = if i == 0 { &self.contexts[name] } else { &self.retired[id] };
+            if let Slot::Clean(meta) = slot {
+                blocks.extend(committed_blocks(meta, dev, generation)?);
+            }
+        }
+        let mut slots = vec![self.contexts.remove(name).expect("looked up above")];
+        slots.extend(doomed[1..].iter().map(|id| self.retired.remove(id).expect("looked up above")));
+        let alloc = &mut self.w.alloc;
+        for slot in slots {
+            if let Slot::Draft(d) = slot {
+                d.free(alloc);
+            }
+        }
+        for b in blocks {
+            alloc.free(b);
+        }
         Ok(())
     }
 
-    /// Drops a context from the catalog without freeing its blocks one by one: fsck's repair
-    /// replaces the whole allocation afterwards.
-    pub(crate) fn forget_context(&mut self, name: &str) {
-        self.contexts.remove(name);
+    /// Whether a context other than those in `except` names `id` as its parent.
+    fn has_children(&self, id: u32, except: &[u32]) -> bool {
+        self.contexts
+            .values()
+            .chain(self.retired.values())
+            .map(Slot::record)
+            .any(|r| r.parent.is_some_and(|p| p.id == id) && !except.contains(&r.id))
+    }
+
+    /// Takes a committed context out of the catalog and frees its blocks (fsck repair, for
+    /// contexts that are intact but no longer wanted).
+    pub(crate) fn discard_context(&mut self, id: u32) -> Result<()> {
+        let found = self.retired.get(&id).or_else(|| self.contexts.values().find(|s| s.record().id == id));
+        let Some(Slot::Clean(meta)) = found else {
+            return Err(Error::InvalidArgument(format!("no unchanged context with id {id} to discard")));
+        };
+        let blocks = committed_blocks(meta, self.store.dev.as_ref(), self.base.generation())?;
+        self.contexts.retain(|_, s| s.record().id != id);
+        self.retired.remove(&id);
+        for b in blocks {
+            self.w.alloc.free(b);
+        }
+        Ok(())
     }
 
     /// Replaces the allocation of the state being built (fsck repair). Blocks dropped from it
@@ -291,61 +401,26 @@ impl<'s> Txn<'s> {
         let dev = self.dev();
         let generation = self.generation;
         let bs = dev.block_size();
-        let per_block = tokens_per_block(bs);
         let mut queue = std::mem::replace(&mut self.queue, WriteQueue::new(0x1000));
         let alloc = &mut self.w.alloc;
 
         // 1. Remaining tokens, extent blocks and records of every changed context.
-        let mut metas: BTreeMap<String, Arc<ContextMeta>> = BTreeMap::new();
+        let mut metas = BTreeMap::new();
         for (name, slot) in std::mem::take(&mut self.contexts) {
-            let meta = match slot {
-                Slot::Clean(meta) => meta,
-                Slot::Draft(mut d) => {
-                    debug_assert!(d.token_tail.len() < per_block);
-                    if !d.token_tail.is_empty() {
-                        let block: Vec<u8> = d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
-                        d.tokens.push(alloc, &mut queue, dev, generation, &block)?;
-                    }
-                    for s in d.streams_mut() {
-                        s.unreserve(alloc);
-                        s.write_extents(alloc, &mut queue, dev, generation)?;
-                    }
-                    d.record.tokens = d.tokens.root();
-                    d.record.files =
-                        d.files.iter().map(|[i, dd]| FileRoots { index: i.root(), data: dd.root() }).collect();
-                    if let Some(old) = &d.old {
-                        for &b in &old.record_blocks {
-                            alloc.free(b);
-                        }
-                    }
-                    let blob = d.record.encode();
-                    let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-                    let record_ref =
-                        write_chain(&mut queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
-                    let ContextDraft { record, tokens, files, .. } = *d;
-                    let mut meta = ContextMeta::from_record(record, record_ref, blocks);
-                    // The new snapshot starts with the maps already in memory.
-                    meta.tokens = LazyStream::with_map(tokens.id, tokens.root(), tokens.map);
-                    meta.files = files
-                        .into_iter()
-                        .map(|[i, dd]| {
-                            [
-                                LazyStream::with_map(i.id, i.root(), i.map),
-                                LazyStream::with_map(dd.id, dd.root(), dd.map),
-                            ]
-                        })
-                        .collect();
-                    Arc::new(meta)
-                }
-            };
-            metas.insert(name, meta);
+            metas.insert(name, write_slot(slot, alloc, &mut queue, dev, generation)?);
+        }
+        let mut retired = BTreeMap::new();
+        for (id, slot) in std::mem::take(&mut self.retired) {
+            retired.insert(id, write_slot(slot, alloc, &mut queue, dev, generation)?);
         }
 
-        // 2. The catalog.
-        let entries: Vec<CatalogEntry> = metas
+        // 2. The catalog, sorted by name; a retired context keeps its name, which may repeat.
+        let mut entries: Vec<CatalogEntry> = metas
             .values()
+            .chain(retired.values())
             .map(|m| CatalogEntry { id: m.record.id, name: m.record.name.clone(), record: m.record_ref })
             .collect();
+        entries.sort_by(|a, b| (&a.name, a.id).cmp(&(&b.name, b.id)));
         let blob = encode_catalog(&entries);
         for &b in self.base.catalog_blocks() {
             alloc.free(b);
@@ -416,6 +491,7 @@ impl<'s> Txn<'s> {
         // 5. The commit point.
         let allocated = alloc.next().count_ones();
         let sb = Superblock {
+            format_version: FORMAT_VERSION,
             generation,
             catalog,
             alloc: alloc_root,
@@ -444,12 +520,57 @@ impl<'s> Txn<'s> {
             dev: self.store.dev.clone(),
             superblock: sb,
             contexts: metas,
+            retired,
             catalog_blocks,
             _ticket: Some(self.store.readers.ticket(generation)),
         });
         self.queue = queue;
         Ok(generation)
     }
+}
+
+/// Writes what a context's draft holds back (token tail, extent blocks, record) and gives
+/// the context as the new state holds it.
+fn write_slot(
+    slot: Slot,
+    alloc: &mut Allocator,
+    queue: &mut WriteQueue,
+    dev: &dyn BlockDevice,
+    generation: u64,
+) -> Result<Arc<ContextMeta>> {
+    let mut d = match slot {
+        Slot::Clean(meta) => return Ok(meta),
+        Slot::Draft(d) => d,
+    };
+    let bs = dev.block_size();
+    debug_assert!(d.token_tail.len() < tokens_per_block(bs));
+    if !d.token_tail.is_empty() {
+        let block: Vec<u8> = d.token_tail.drain(..).flat_map(u32::to_le_bytes).collect();
+        d.tokens.push(alloc, queue, dev, generation, &block)?;
+    }
+    for s in d.streams_mut() {
+        s.unreserve(alloc);
+        s.write_extents(alloc, queue, dev, generation)?;
+    }
+    d.record.tokens = d.tokens.root();
+    d.record.files = d.files.iter().map(|[i, dd]| FileRoots { index: i.root(), data: dd.root() }).collect();
+    if let Some(old) = &d.old {
+        for &b in &old.record_blocks {
+            alloc.free(b);
+        }
+    }
+    let blob = d.record.encode();
+    let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
+    let record_ref = write_chain(queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
+    let ContextDraft { record, tokens, files, .. } = *d;
+    let mut meta = ContextMeta::from_record(record, record_ref, blocks);
+    // The new snapshot starts with the maps already in memory.
+    meta.tokens = LazyStream::with_map(tokens.id, tokens.root(), tokens.map);
+    meta.files = files
+        .into_iter()
+        .map(|[i, dd]| [LazyStream::with_map(i.id, i.root(), i.map), LazyStream::with_map(dd.id, dd.root(), dd.map)])
+        .collect();
+    Ok(Arc::new(meta))
 }
 
 /// Turns a committed context into a draft that can be appended to.
@@ -528,6 +649,7 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
     let mut store_id = [0u8; 16];
     getrandom(&mut store_id);
     let sb = Superblock {
+        format_version: FORMAT_VERSION,
         block_size: bs as u32,
         total_blocks: total,
         generation: 0,
@@ -544,6 +666,7 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
             dev: dev.clone(),
             superblock: sb,
             contexts: BTreeMap::new(),
+            retired: BTreeMap::new(),
             catalog_blocks: Vec::new(),
             _ticket: None,
         })),

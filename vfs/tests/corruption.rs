@@ -20,9 +20,14 @@ enum Damage {
     Swap,
 }
 
-fn build(path: &Path, choice: DeviceChoice) -> (Model, Vec<LiveBlock>) {
+type Workload = fn(&Store, u64) -> Result<Model, Box<Interrupted>>;
+const PLAIN: Workload = |store, seed| workload(store, seed, |_| {});
+/// Ends with a retired context whose blocks a live child reads.
+const FAMILY: Workload = |store, seed| family_workload(store, seed, |_| {});
+
+fn build(path: &Path, choice: DeviceChoice, work: Workload) -> (Model, Vec<LiveBlock>) {
     let store = file_store(path, SIZE, choice);
-    let model = workload(&store, 7, |_| {}).unwrap();
+    let model = work(&store, 7).unwrap();
     let live = live_blocks(&store.snapshot()).unwrap();
     (model, live)
 }
@@ -74,10 +79,10 @@ fn damage(path: &Path, rng: &mut SplitMix64, how: Damage, targets: &[u64]) -> Ve
     changed
 }
 
-fn corruption_trials(choice: DeviceChoice) {
+fn corruption_trials(choice: DeviceChoice, work: Workload) {
     let dir = tmpdir();
     let pristine = dir.path().join("pristine.img");
-    let (_, live) = build(&pristine, choice);
+    let (_, live) = build(&pristine, choice, work);
     let active_slot = Store::open(open_dev(&pristine, choice)).unwrap().snapshot().superblock().slot();
     // Damage to the active superblock is a fallback case of its own (tested below).
     let candidates: Vec<u64> = live.iter().map(|b| b.block).filter(|&b| b != active_slot).collect();
@@ -100,11 +105,13 @@ fn corruption_trials(choice: DeviceChoice) {
         let report = fsck::check(dev.as_ref()).unwrap();
         assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "trial {trial} {how:?} {changed:?}: {report:?}");
         let named = report.damaged_blocks();
-        let blind = report.problems.iter().any(|p| p.fix == fsck::Fix::FallBackToOlderState)
-            && report.problems.iter().any(|p| p.fix == fsck::Fix::RebuildAllocator);
+        let hiding = |p: &fsck::Problem| p.fix == fsck::Fix::FallBackToOlderState || p.kind == "extent";
+        let blind =
+            report.problems.iter().any(hiding) && report.problems.iter().any(|p| p.fix == fsck::Fix::RebuildAllocator);
         if blind {
-            // The newest state's catalog and allocator are both unreadable: a zeroed block
-            // below them cannot be located. The damaged metadata itself is still named.
+            // The allocator and the metadata above the damage (the newest catalog, or an
+            // extent block) are both unreadable: a zeroed block below them cannot be told
+            // from free space. The damaged metadata itself is still named.
             assert!(changed.iter().any(|b| named.contains(b)), "trial {trial}: nothing named");
             blind_trials += 1;
             continue;
@@ -120,7 +127,7 @@ fn corruption_trials(choice: DeviceChoice) {
         trials += 1;
         std::fs::remove_file(&img).unwrap();
     }
-    println!("{choice:?}: {trials} corruption trials, {blind_trials} with catalog and allocator both unreadable");
+    println!("{choice:?}: {trials} corruption trials, {blind_trials} with metadata and allocator both unreadable");
     assert!(trials >= 45 && blind_trials <= 5, "{trials} trials, {blind_trials} blind");
 }
 
@@ -170,12 +177,17 @@ fn check_reads(img: &Path, choice: DeviceChoice, live: &[LiveBlock], changed: &[
 
 #[test]
 fn fsck_names_every_damaged_block_on_uring() {
-    corruption_trials(DeviceChoice::Uring);
+    corruption_trials(DeviceChoice::Uring, PLAIN);
 }
 
 #[test]
 fn fsck_names_every_damaged_block_on_file_device() {
-    corruption_trials(DeviceChoice::File);
+    corruption_trials(DeviceChoice::File, PLAIN);
+}
+
+#[test]
+fn fsck_names_every_damaged_block_of_retired_contexts_and_children() {
+    corruption_trials(DeviceChoice::Uring, FAMILY);
 }
 
 #[test]
@@ -256,20 +268,27 @@ fn repair_drops_a_damaged_context_only_when_asked() {
 #[test]
 fn fsck_never_panics_on_random_damage() {
     let dir = tmpdir();
-    let pristine = dir.path().join("p.img");
-    build(&pristine, DeviceChoice::Uring);
-    let pristine_bytes = std::fs::read(&pristine).unwrap();
-    let mut rng = SplitMix64::new(99);
-    for _ in 0..40 {
-        let mut image = pristine_bytes.clone();
-        for _ in 0..1 + rng.below(200) {
-            let at = rng.below(image.len() as u64 / 16) as usize; // mostly metadata-dense start
-            image[at] = rng.next_u64() as u8;
+    for work in [PLAIN, FAMILY] {
+        let pristine = dir.path().join("p.img");
+        build(&pristine, DeviceChoice::Uring, work);
+        let pristine_bytes = std::fs::read(&pristine).unwrap();
+        let mut rng = SplitMix64::new(99);
+        for _ in 0..40 {
+            let mut image = pristine_bytes.clone();
+            for _ in 0..1 + rng.below(200) {
+                let at = rng.below(image.len() as u64 / 16) as usize; // mostly metadata-dense start
+                image[at] = rng.next_u64() as u8;
+            }
+            let mem: Arc<dyn BlockDevice> = Arc::new(device::MemDevice::from_image(image, BS));
+            let _ = fsck::check(mem.as_ref()).unwrap();
+            let _ = fsck::repair(mem.clone(), true);
+            if let Ok(store) = Store::open(mem) {
+                let snap = store.snapshot();
+                for c in snap.contexts() {
+                    let _ = snap.context(&c.name).unwrap().tokens();
+                }
+            }
         }
-        let mem: Arc<dyn BlockDevice> = Arc::new(device::MemDevice::from_image(image, BS));
-        let _ = fsck::check(mem.as_ref()).unwrap();
-        let _ = fsck::repair(mem.clone(), true);
-        let _ = Store::open(mem);
     }
 }
 

@@ -1,5 +1,6 @@
 //! Crash consistency: run a workload of commits on the in-memory device, crash after every
-//! single write and every flush in turn, and check what recovery finds.
+//! single write and every flush in turn, and check what recovery finds. Two workloads: plain
+//! contexts, and contexts derived from others (children, retirement, freeing retired chains).
 
 mod common;
 use common::*;
@@ -9,12 +10,21 @@ use std::sync::Arc;
 
 const BLOCKS: u64 = 1024;
 
+type Workload = fn(&Store, u64) -> Result<Model, Box<Interrupted>>;
+const PLAIN: Workload = |store, seed| workload(store, seed, |_| {});
+const FAMILY: Workload = |store, seed| family_workload(store, seed, |_| {});
+
 /// Runs the workload with a crash after `crash_after` operations; returns the recovered store,
 /// the last committed model and the model of the commit in flight.
-fn crash_at(crash_after: u64, mode: CrashMode, seed: u64) -> Option<(Arc<MemDevice>, Store, Model, Model)> {
+fn crash_at(
+    work: Workload,
+    crash_after: u64,
+    mode: CrashMode,
+    seed: u64,
+) -> Option<(Arc<MemDevice>, Store, Model, Model)> {
     let (mem, store) = mem_store(BLOCKS);
     mem.set_faults(FaultPlan { seed, crash_after_ops: Some(crash_after), crash_mode: mode, ..Default::default() });
-    let (committed, attempted) = match workload(&store, seed, |_| {}) {
+    let (committed, attempted) = match work(&store, seed) {
         Ok(_) => return None, // the workload finished before the crash point
         Err(stop) => (stop.committed, stop.attempted),
     };
@@ -27,18 +37,18 @@ fn crash_at(crash_after: u64, mode: CrashMode, seed: u64) -> Option<(Arc<MemDevi
 }
 
 /// Operations the whole workload takes on the mem device.
-fn workload_ops(seed: u64) -> u64 {
+fn workload_ops(work: Workload, seed: u64) -> u64 {
     let (mem, store) = mem_store(BLOCKS);
     mem.set_faults(FaultPlan::default());
-    workload(&store, seed, |_| {}).unwrap();
+    work(&store, seed).unwrap();
     mem.ops()
 }
 
-fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u64 {
-    let total = workload_ops(seed);
+fn run_crash_points(work: Workload, mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u64 {
+    let total = workload_ops(work, seed);
     let mut tried = 0;
     for point in 0..total {
-        let Some((dev, store, committed, attempted)) = crash_at(point, mode, seed) else {
+        let Some((dev, store, committed, attempted)) = crash_at(work, point, mode, seed) else {
             continue;
         };
         tried += 1;
@@ -75,31 +85,41 @@ fn run_crash_points(mode: CrashMode, seed: u64, allow_torn_fallback: bool) -> u6
 
 #[test]
 fn crash_after_every_write_and_flush_drops_unflushed_writes() {
-    let tried: u64 = (1..=4).map(|seed| run_crash_points(CrashMode::DropUnflushed, seed, false)).sum();
+    let tried: u64 = (1..=4).map(|seed| run_crash_points(PLAIN, CrashMode::DropUnflushed, seed, false)).sum();
     println!("crash points tried in all: {tried}");
 }
 
 #[test]
 fn crash_with_a_torn_last_write() {
     for (seed, keep) in [(2, 1000), (5, 20), (6, 3000)] {
-        run_crash_points(CrashMode::TearLast { keep }, seed, true);
+        run_crash_points(PLAIN, CrashMode::TearLast { keep }, seed, true);
     }
 }
 
 #[test]
 fn crash_keeping_a_random_subset_of_unflushed_writes() {
     for seed in [3, 7, 8] {
-        run_crash_points(CrashMode::KeepRandom, seed, true);
+        run_crash_points(PLAIN, CrashMode::KeepRandom, seed, true);
     }
+}
+
+#[test]
+fn crash_while_children_are_created_and_parents_retired_or_freed() {
+    for seed in [1, 2] {
+        run_crash_points(FAMILY, CrashMode::DropUnflushed, seed, false);
+    }
+    run_crash_points(FAMILY, CrashMode::TearLast { keep: 100 }, 3, true);
+    run_crash_points(FAMILY, CrashMode::TearLast { keep: 2000 }, 4, true);
+    run_crash_points(FAMILY, CrashMode::KeepRandom, 5, true);
 }
 
 #[test]
 fn crash_then_repair_rewrites_a_torn_fallback_superblock() {
     // Crash while the superblock of each commit is being written, torn at 100 bytes.
-    let total = workload_ops(4);
+    let total = workload_ops(PLAIN, 4);
     let mut torn_superblocks = 0;
     for point in 0..total {
-        let Some((dev, store, committed, _)) = crash_at(point, CrashMode::TearLast { keep: 100 }, 4) else {
+        let Some((dev, store, committed, _)) = crash_at(PLAIN, point, CrashMode::TearLast { keep: 100 }, 4) else {
             continue;
         };
         drop(store);

@@ -100,15 +100,15 @@ fn readers_keep_reading_while_a_writer_commits() {
 #[test]
 fn open_refuses_a_store_of_another_format_version() {
     let dir = tmpdir();
-    let path = dir.path().join("v2.img");
+    let path = dir.path().join("v3.img");
     drop(file_store(&path, 1 << 20, DeviceChoice::Uring));
-    // Rewrite both superblocks as version 2, with valid checksums.
+    // Rewrite both superblocks as version 3, with valid checksums.
     let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::File, BS).unwrap());
     for slot in 0..2u64 {
         let raw = fsck::raw_block(dev.as_ref(), slot).unwrap();
         let (h, _) = ctxfs_vfs::format::header::unseal(&raw).unwrap();
         let mut payload = ctxfs_vfs::format::header::payload(&raw, &h).to_vec();
-        payload[8..12].copy_from_slice(&2u32.to_le_bytes());
+        payload[8..12].copy_from_slice(&3u32.to_le_bytes());
         let mut buf = device::AlignedBuf::zeroed(BS);
         ctxfs_vfs::format::header::seal(&mut buf, &h, &payload);
         let r = dev.submit(&mut [device::IoOp::Write { block: slot, buf: &buf }]);
@@ -116,7 +116,7 @@ fn open_refuses_a_store_of_another_format_version() {
     }
     let err = Store::open_path(&path, DeviceChoice::Uring).err().expect("must refuse");
     let msg = err.to_string();
-    assert!(msg.contains("unsupported format version 2") && msg.contains("reads version 1"), "{msg}");
+    assert!(msg.contains("unsupported format version 3") && msg.contains("reads versions 1 to 2"), "{msg}");
 }
 
 #[test]

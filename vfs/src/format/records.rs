@@ -130,6 +130,15 @@ pub struct FileRoots {
     pub data: StreamRoot,
 }
 
+/// A context's token sequence begins with the first `prefix_tokens` tokens of context `id`
+/// (whose own sequence may begin with its parent's, and so on); the context's own streams
+/// hold only what follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ParentLink {
+    pub id: u32,
+    pub prefix_tokens: u64,
+}
+
 /// Everything stored about one context, as one blob.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContextRecord {
@@ -137,14 +146,21 @@ pub struct ContextRecord {
     pub name: String,
     pub shape: ModelShape,
     pub created_unix_ms: u64,
+    pub parent: Option<ParentLink>,
+    /// Deleted by name, kept because live descendants read its blocks.
+    pub retired: bool,
+    /// Only this context's own tokens, not its parent's prefix.
     pub tokens: StreamRoot,
     /// Layer-major: file `layer * kv_heads + head`.
     pub files: Vec<FileRoots>,
 }
 
-const CONTEXT_MAGIC: &[u8; 4] = b"CCTX";
+/// Version 1 records, written before parent links existed; still read.
+const CONTEXT_MAGIC_V1: &[u8; 4] = b"CCTX";
+const CONTEXT_MAGIC: &[u8; 4] = b"CCX2";
 const CATALOG_MAGIC: &[u8; 4] = b"CCAT";
 const ALLOC_MAGIC: &[u8; 4] = b"CALC";
+const FLAG_RETIRED: u32 = 1;
 
 impl ContextRecord {
     pub fn encode(&self) -> Vec<u8> {
@@ -152,6 +168,8 @@ impl ContextRecord {
         e.bytes(CONTEXT_MAGIC).u32(self.id).str(&self.name);
         self.shape.encode(&mut e);
         e.u64(self.created_unix_ms);
+        let link = self.parent.unwrap_or(ParentLink { id: 0, prefix_tokens: 0 });
+        e.u32(if self.retired { FLAG_RETIRED } else { 0 }).u32(link.id).u64(link.prefix_tokens);
         self.tokens.encode(&mut e);
         e.u32(self.files.len() as u32);
         for f in &self.files {
@@ -161,13 +179,16 @@ impl ContextRecord {
         e.0
     }
 
+    /// Decodes a version 2 record, or a version 1 record as one without parent or retirement.
     pub fn decode(blob: &[u8]) -> Result<Self, BlockFault> {
         let mut d = Dec::new(blob, "context record");
-        d.expect_magic(CONTEXT_MAGIC)?;
+        let v1 = blob.starts_with(CONTEXT_MAGIC_V1);
+        d.expect_magic(if v1 { CONTEXT_MAGIC_V1 } else { CONTEXT_MAGIC })?;
         let id = d.u32()?;
         let name = d.str()?;
         let shape = ModelShape::decode(&mut d)?;
         let created_unix_ms = d.u64()?;
+        let (parent, retired) = if v1 { (None, false) } else { Self::decode_links(&mut d)? };
         let tokens = StreamRoot::decode(&mut d)?;
         let n = d.count(2 * 20)?;
         if n != shape.files() {
@@ -177,7 +198,32 @@ impl ContextRecord {
             .map(|_| Ok(FileRoots { index: StreamRoot::decode(&mut d)?, data: StreamRoot::decode(&mut d)? }))
             .collect::<Result<_, BlockFault>>()?;
         d.finish()?;
-        Ok(ContextRecord { id, name, shape, created_unix_ms, tokens, files })
+        Ok(ContextRecord { id, name, shape, created_unix_ms, parent, retired, tokens, files })
+    }
+
+    fn decode_links(d: &mut Dec<'_>) -> Result<(Option<ParentLink>, bool), BlockFault> {
+        let flags = d.u32()?;
+        if flags & !FLAG_RETIRED != 0 {
+            // An unknown flag could change what the record means; guessing is worse than refusing.
+            return Err(BlockFault::Malformed(format!("context record: unknown flags {flags:#x}")));
+        }
+        let (id, prefix_tokens) = (d.u32()?, d.u64()?);
+        let parent = match (id, prefix_tokens) {
+            (0, 0) => None,
+            (0, n) => return Err(BlockFault::Malformed(format!("context record: {n} prefix tokens but no parent"))),
+            (id, prefix_tokens) => Some(ParentLink { id, prefix_tokens }),
+        };
+        Ok((parent, flags & FLAG_RETIRED != 0))
+    }
+
+    /// Tokens of this context's own token stream.
+    pub fn own_token_count(&self) -> u64 {
+        self.tokens.bytes / 4
+    }
+
+    /// Length of the whole token sequence: the parent's prefix, then the own tokens.
+    pub fn token_count(&self) -> u64 {
+        self.parent.map_or(0, |p| p.prefix_tokens).saturating_add(self.own_token_count())
     }
 }
 
@@ -300,5 +346,49 @@ impl ExtentBlock {
         }
         let crcs = (0..entries).map(|_| d.u32()).collect::<Result<_, _>>()?;
         Ok(ExtentBlock { first_logical, runs, crcs })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(parent: Option<ParentLink>, retired: bool) -> ContextRecord {
+        let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: 8, dtype: DType::Bf16 };
+        let root = StreamRoot { blocks: 1, bytes: 12, extents: vec![BlockRef { block: 9, crc: 7 }] };
+        ContextRecord {
+            id: 3,
+            name: "child".into(),
+            shape,
+            created_unix_ms: 5,
+            parent,
+            retired,
+            tokens: root.clone(),
+            files: vec![FileRoots { index: root.clone(), data: StreamRoot::default() }],
+        }
+    }
+
+    #[test]
+    fn parent_links_and_retirement_round_trip() {
+        for (parent, retired) in [(None, false), (Some(ParentLink { id: 1, prefix_tokens: 40 }), true)] {
+            let r = record(parent, retired);
+            assert_eq!(&r.encode()[..4], b"CCX2");
+            assert_eq!(ContextRecord::decode(&r.encode()).unwrap(), r);
+        }
+        let r = record(Some(ParentLink { id: 1, prefix_tokens: 40 }), false);
+        assert_eq!((r.own_token_count(), r.token_count()), (3, 43));
+    }
+
+    #[test]
+    fn unknown_flags_and_a_prefix_without_parent_are_refused() {
+        let blob = record(None, false).encode();
+        // The flags follow magic 4, id 4, name 2 + 5, shape 12 and created_unix_ms 8.
+        let flags = 4 + 4 + 2 + 5 + 12 + 8;
+        let mut bad = blob.clone();
+        bad[flags] = 2;
+        assert!(ContextRecord::decode(&bad).unwrap_err().to_string().contains("unknown flags"));
+        let mut bad = blob;
+        bad[flags + 8] = 1;
+        assert!(ContextRecord::decode(&bad).unwrap_err().to_string().contains("no parent"));
     }
 }

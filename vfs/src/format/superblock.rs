@@ -6,12 +6,17 @@ use super::header::{payload, seal, unseal, BlockHeader, BlockKind, BlockRef, Own
 use crate::error::{BlockFault, Error};
 
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"ctxfs-sb";
-pub const FORMAT_VERSION: u32 = 1;
+/// The version every commit writes.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest version still read: version 1 lacks only parent links, which it decodes as absent.
+pub const OLDEST_READABLE_VERSION: u32 = 1;
 pub const SUPERBLOCK_SLOTS: u64 = 2;
 const PAYLOAD_LEN: usize = 104;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Superblock {
+    /// The version this superblock was written with; commits write [`FORMAT_VERSION`].
+    pub format_version: u32,
     pub block_size: u32,
     pub total_blocks: u64,
     pub generation: u64,
@@ -29,9 +34,10 @@ impl Superblock {
     }
 
     pub fn encode_into(&self, block: &mut [u8]) -> u32 {
+        debug_assert!((OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&self.format_version));
         let mut e = Enc::default();
         e.bytes(&SUPERBLOCK_MAGIC)
-            .u32(FORMAT_VERSION)
+            .u32(self.format_version)
             .u32(self.block_size)
             .u64(self.total_blocks)
             .u64(self.generation)
@@ -68,11 +74,12 @@ impl Superblock {
         if d.bytes(8).map_err(damaged)? != SUPERBLOCK_MAGIC || h.kind != BlockKind::Superblock {
             return Err(damaged(BlockFault::Malformed(format!("{} block where a superblock belongs", h.kind.name()))));
         }
-        let version = d.u32().map_err(damaged)?;
-        if version != FORMAT_VERSION {
+        let format_version = d.u32().map_err(damaged)?;
+        if !(OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&format_version) {
             return Err(Error::UnsupportedVersion {
-                found: version,
-                supported: FORMAT_VERSION,
+                found: format_version,
+                oldest: OLDEST_READABLE_VERSION,
+                newest: FORMAT_VERSION,
                 hint: "use the ctxfs release that wrote this store, or export and re-import it",
             });
         }
@@ -90,6 +97,7 @@ impl Superblock {
             ))));
         }
         let sb = Superblock {
+            format_version,
             block_size: d.u32().map_err(damaged)?,
             total_blocks: d.u64().map_err(damaged)?,
             generation: d.u64().map_err(damaged)?,

@@ -2,8 +2,13 @@
 //! should be committed, and checks that a store matches the model byte for byte.
 #![allow(dead_code)]
 
-use ctxfs_vfs::device::{self, MemDevice};
-use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, Error, FileStream, ModelShape, SplitMix64, Store, Txn};
+use ctxfs_vfs::device::{self, AlignedBuf, IoOp, MemDevice};
+use ctxfs_vfs::format::header::{payload as payload_of, seal, unseal};
+use ctxfs_vfs::format::records::{decode_catalog, encode_catalog};
+use ctxfs_vfs::format::Superblock;
+use ctxfs_vfs::{
+    fsck, BlockDevice, ContextRecord, DType, DeviceChoice, Error, FileStream, ModelShape, SplitMix64, Store, Txn,
+};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -56,6 +61,31 @@ pub fn create(
     append(txn, model, rng, name, 0, 2)
 }
 
+/// A child of `parent` sharing its first `prefix` tokens, with `tokens` own tokens.
+pub fn create_child(
+    txn: &mut Txn<'_>,
+    model: &mut Model,
+    rng: &mut SplitMix64,
+    name: &str,
+    parent: &str,
+    prefix: u64,
+    tokens: usize,
+) -> Result<(), Error> {
+    let own: Vec<u32> = (0..tokens).map(|_| rng.next_u64() as u32).collect();
+    txn.create_child_context(name, parent, prefix, &own)?;
+    let from = &model[parent];
+    let all = from.tokens[..prefix as usize].iter().chain(&own).copied().collect();
+    model.insert(name.into(), ModelContext { shape: from.shape, tokens: all, streams: BTreeMap::new() });
+    append(txn, model, rng, name, 0, 2)
+}
+
+/// Deletes a context from the store and the model.
+pub fn delete(txn: &mut Txn<'_>, model: &mut Model, name: &str) -> Result<(), Error> {
+    txn.delete_context(name)?;
+    model.remove(name);
+    Ok(())
+}
+
 /// Appends `tokens` tokens and `blocks` blocks to every stream of every file.
 pub fn append(
     txn: &mut Txn<'_>,
@@ -93,12 +123,12 @@ pub struct Interrupted {
     pub error: Error,
 }
 
+/// One transaction's changes, mirrored into the model.
+pub type Step = fn(&mut Txn<'_>, &mut Model, &mut SplitMix64) -> Result<(), Error>;
+
 /// A workload of commits: creates, appends and deletes. `on_commit` sees the model after each
 /// successful commit. Returns the first error (a crash or an injected fault) or the final model.
-pub fn workload(store: &Store, seed: u64, mut on_commit: impl FnMut(&Model)) -> Result<Model, Box<Interrupted>> {
-    let mut rng = SplitMix64::new(seed);
-    let mut model = Model::new();
-    type Step = fn(&mut Txn<'_>, &mut Model, &mut SplitMix64) -> Result<(), Error>;
+pub fn workload(store: &Store, seed: u64, on_commit: impl FnMut(&Model)) -> Result<Model, Box<Interrupted>> {
     let steps: [Step; 6] = [
         |t, m, r| create(t, m, r, "alpha", shape(2, 2), 1500),
         |t, m, r| create(t, m, r, "beta", shape(1, 1), 10),
@@ -115,6 +145,51 @@ pub fn workload(store: &Store, seed: u64, mut on_commit: impl FnMut(&Model)) -> 
         },
         |t, m, r| append(t, m, r, "gamma", 2000, 3),
     ];
+    run_steps(store, seed, &steps, on_commit)
+}
+
+/// A workload of contexts derived from others: children and a grandchild share prefixes,
+/// parents are retired while children live, a retired name is reused, and deleting the last
+/// child frees the retired chain above it. It ends with one context retired.
+pub fn family_workload(store: &Store, seed: u64, on_commit: impl FnMut(&Model)) -> Result<Model, Box<Interrupted>> {
+    let steps: [Step; 7] = [
+        |t, m, r| create(t, m, r, "base", shape(1, 2), 1500),
+        |t, m, r| {
+            create_child(t, m, r, "kid", "base", 1200, 300)?;
+            create_child(t, m, r, "kid2", "base", 1500, 10)
+        },
+        |t, m, r| {
+            delete(t, m, "base")?;
+            create(t, m, r, "base", shape(1, 1), 20)
+        },
+        |t, m, r| {
+            create_child(t, m, r, "grandkid", "kid", 1400, 50)?;
+            append(t, m, r, "kid", 100, 1)
+        },
+        |t, m, _| {
+            delete(t, m, "kid")?;
+            delete(t, m, "kid2")
+        },
+        |t, m, r| {
+            delete(t, m, "grandkid")?;
+            append(t, m, r, "base", 30, 1)
+        },
+        |t, m, r| {
+            create_child(t, m, r, "heir", "base", 40, 1200)?;
+            delete(t, m, "base")
+        },
+    ];
+    run_steps(store, seed, &steps, on_commit)
+}
+
+fn run_steps(
+    store: &Store,
+    seed: u64,
+    steps: &[Step],
+    mut on_commit: impl FnMut(&Model),
+) -> Result<Model, Box<Interrupted>> {
+    let mut rng = SplitMix64::new(seed);
+    let mut model = Model::new();
     for step in steps {
         let mut attempt = model.clone();
         let r = store.begin().and_then(|mut txn| {
@@ -211,4 +286,51 @@ pub const REAL_DEVICES: [DeviceChoice; 2] = [DeviceChoice::Uring, DeviceChoice::
 pub fn tmpdir() -> tempfile::TempDir {
     // Beside the build, on a disk file system: O_DIRECT is refused by tmpfs.
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// Rewrites the state in superblock `slot` in place: `record` may give a context record new
+/// bytes, and the catalog and the superblock (with `format_version`) are resealed to match.
+/// Every block stays where it is, so the checksums up the tree change and nothing else; this
+/// makes states the library would never write. Chains must be one block long.
+pub fn rewrite_state(
+    dev: &dyn BlockDevice,
+    slot: u64,
+    format_version: u32,
+    mut record: impl FnMut(&ContextRecord) -> Option<Vec<u8>>,
+) {
+    let mut sb = Superblock::decode(&fsck::raw_block(dev, slot).unwrap(), slot).unwrap();
+    let mut entries = decode_catalog(&read_chain_block(dev, sb.catalog.block)).unwrap();
+    for entry in &mut entries {
+        let rec = ContextRecord::decode(&read_chain_block(dev, entry.record.block)).unwrap();
+        if let Some(blob) = record(&rec) {
+            entry.record.crc = write_chain_block(dev, entry.record.block, &blob);
+        }
+    }
+    sb.catalog.crc = write_chain_block(dev, sb.catalog.block, &encode_catalog(&entries));
+    sb.format_version = format_version;
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    sb.encode_into(&mut buf);
+    dev.submit(&mut [IoOp::Write { block: slot, buf: &buf }]).pop().unwrap().unwrap();
+    dev.flush().unwrap();
+}
+
+/// The blob piece of a chain block that ends its chain.
+fn read_chain_block(dev: &dyn BlockDevice, block: u64) -> Vec<u8> {
+    let raw = fsck::raw_block(dev, block).unwrap();
+    let (h, _) = unseal(&raw).unwrap();
+    let payload = payload_of(&raw, &h);
+    assert!(payload[..16].iter().all(|&b| b == 0), "chain at block {block} is longer than one block");
+    payload[16..].to_vec()
+}
+
+/// Reseals a one-block chain with a new blob, keeping its header; returns the new CRC.
+fn write_chain_block(dev: &dyn BlockDevice, block: u64, blob: &[u8]) -> u32 {
+    let raw = fsck::raw_block(dev, block).unwrap();
+    let (mut h, _) = unseal(&raw).unwrap();
+    let payload: Vec<u8> = [0u8; 16].iter().chain(blob).copied().collect();
+    h.payload_len = payload.len() as u32;
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    let crc = seal(&mut buf, &h, &payload);
+    dev.submit(&mut [IoOp::Write { block, buf: &buf }]).pop().unwrap().unwrap();
+    crc
 }

@@ -1,0 +1,235 @@
+//! The DB: a mounted store, its buffer pool, and the prefix trie sessions reuse stored
+//! contexts through (AlayaDB Table 2: `DB.open`, `DB.import`, `DB.create_session`,
+//! `DB.store`).
+
+use crate::error::{Error, Result};
+use crate::layout::{segments, FileBlocks};
+use crate::plan::Rules;
+use crate::session::{Reuse, Session};
+use crate::trie::PrefixTrie;
+use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats};
+use ctxfs_index::BuildParams;
+use ctxfs_vfs::{DeviceChoice, ModelShape, Snapshot, Store};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, RwLock};
+
+/// The tokens every plan attends exactly: the first `init` and the last `recent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub init: u32,
+    pub recent: u32,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Window { init: 128, recent: 512 }
+    }
+}
+
+impl Window {
+    /// The window over a prefix of `p` tokens: the first `init`, and the last `recent` that
+    /// are not among them, in order.
+    pub fn tokens(&self, p: u32) -> Vec<u32> {
+        let head = self.init.min(p);
+        (0..head).chain(p.saturating_sub(self.recent).max(head)..p).collect()
+    }
+
+    /// Whether token `t` of a prefix of `p` tokens is in the window.
+    pub fn contains(&self, p: u32, t: u32) -> bool {
+        t < self.init.min(p) || t >= p.saturating_sub(self.recent)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DbConfig {
+    /// The buffer pool's byte budget.
+    pub pool_bytes: u64,
+    /// Share of the pool for data blocks; the rest keeps index blocks resident.
+    pub data_fraction: f64,
+    pub window: Window,
+    pub rules: Rules,
+    pub build: BuildParams,
+    /// The model of sessions that reuse nothing (a reused context brings its own shape).
+    pub model: Option<ModelShape>,
+}
+
+impl Default for DbConfig {
+    fn default() -> Self {
+        DbConfig {
+            pool_bytes: 256 << 20,
+            data_fraction: PoolConfig::default().data_fraction,
+            window: Window::default(),
+            rules: Rules::default(),
+            build: BuildParams::default(),
+            model: None,
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub store: Store,
+    pub pool: BufferPool,
+    pub config: DbConfig,
+    /// Derived from the committed contexts' token ids; see [`crate::trie`].
+    pub trie: RwLock<PrefixTrie>,
+    /// Block locations of vector files, by (context id, layer, kv head). Context ids are
+    /// never reused and stored contexts never change, so entries stay valid until deleted.
+    files: Mutex<HashMap<(u32, u16, u16), Arc<FileBlocks>>>,
+}
+
+impl Inner {
+    pub fn file(&self, snap: &Snapshot, context: u32, layer: u16, head: u16) -> Result<Arc<FileBlocks>> {
+        let key = (context, layer, head);
+        if let Some(f) = self.files.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(FileBlocks::locate(snap, context, layer, head)?);
+        self.files.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// Rebuilds the prefix trie from the committed contexts.
+    pub fn refresh_trie(&self) -> Result<()> {
+        let snap = self.store.snapshot();
+        let mut trie = PrefixTrie::default();
+        for rec in snap.contexts() {
+            trie.insert(rec.id, &snap.context_by_id(rec.id)?.tokens()?);
+        }
+        *self.trie.write().unwrap_or_else(|p| p.into_inner()) = trie;
+        Ok(())
+    }
+
+    /// Adds a newly committed context to the prefix trie.
+    pub fn remember(&self, name: &str) -> Result<()> {
+        let snap = self.store.snapshot();
+        let ctx = snap.context(name)?;
+        let tokens = ctx.tokens()?;
+        self.trie.write().unwrap_or_else(|p| p.into_inner()).insert(ctx.record().id, &tokens);
+        Ok(())
+    }
+
+    pub fn forget_files(&self, context: u32) {
+        self.files.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != context);
+    }
+}
+
+/// A mounted context store. Cloning shares it; sessions keep it alive.
+#[derive(Clone)]
+pub struct Db {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Db {
+    pub fn open(path: &Path, choice: DeviceChoice, config: DbConfig) -> Result<Db> {
+        Db::with_store(Store::open_path(path, choice)?, config)
+    }
+
+    pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {
+        let pool = BufferPool::new(
+            Arc::new(DeviceSource::new(store.device().clone())),
+            PoolConfig { budget_bytes: config.pool_bytes, data_fraction: config.data_fraction, ..Default::default() },
+        )?;
+        let inner = Inner { store, pool, config, trie: RwLock::default(), files: Mutex::default() };
+        inner.refresh_trie()?;
+        Ok(Db { inner: Arc::new(inner) })
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    pub fn config(&self) -> &DbConfig {
+        &self.inner.config
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.inner.pool.stats()
+    }
+
+    pub fn pool(&self) -> &BufferPool {
+        &self.inner.pool
+    }
+
+    /// A session on `tokens`, reusing the longest prefix any stored context shares with them
+    /// (all of it, or part: then searches filter to the shared prefix). Returns the session
+    /// and how many of `tokens` it did not reuse: the caller prefills those and passes their
+    /// KV to [`Session::update`].
+    pub fn create_session(&self, tokens: &[u32]) -> Result<(Session, usize)> {
+        let snap = self.inner.store.snapshot();
+        let found = self.inner.trie.read().unwrap_or_else(|p| p.into_inner()).longest_prefix(tokens);
+        let reuse = match found {
+            Some(m) => {
+                let ctx = snap.context_by_id(m.context)?;
+                let total = ctx.token_count() as u32;
+                let prefix = m.tokens as u32;
+                Some(Reuse {
+                    context: m.context,
+                    name: ctx.record().name.clone(),
+                    prefix,
+                    filtered: prefix < total,
+                    segments: segments(&snap, m.context, prefix)?,
+                })
+            }
+            None => None,
+        };
+        let reused = reuse.as_ref().map_or(0, |r| r.prefix as usize);
+        let session = Session::new(self.clone(), snap, reuse, tokens[reused..].to_vec())?;
+        Ok((session, tokens.len() - reused))
+    }
+
+    /// A session on the first `prefix` tokens (all by default) of a named context.
+    pub fn open_session(&self, name: &str, prefix: Option<u32>) -> Result<Session> {
+        let snap = self.inner.store.snapshot();
+        let ctx = snap.context(name)?;
+        let total = ctx.token_count() as u32;
+        let prefix = prefix.unwrap_or(total);
+        if prefix == 0 || prefix > total {
+            return Err(Error::Input(format!("prefix {prefix}: context {name:?} has {total} tokens (1..={total})")));
+        }
+        let id = ctx.record().id;
+        let reuse = Reuse {
+            context: id,
+            name: name.to_string(),
+            prefix,
+            filtered: prefix < total,
+            segments: segments(&snap, id, prefix)?,
+        };
+        Session::new(self.clone(), snap, Some(reuse), Vec::new())
+    }
+
+    /// Deletes a context by name. Contexts stored on top of it keep its blocks alive.
+    pub fn delete(&self, name: &str) -> Result<()> {
+        let id = self.inner.store.snapshot().context(name)?.record().id;
+        let mut txn = self.inner.store.begin()?;
+        txn.delete_context(name)?;
+        txn.commit()?;
+        self.inner.trie.write().unwrap_or_else(|p| p.into_inner()).remove(id);
+        let snap = self.inner.store.snapshot();
+        if snap.context_by_id(id).is_err() {
+            self.inner.forget_files(id);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Window;
+
+    #[test]
+    fn the_window_never_repeats_a_token_or_leaves_the_prefix() {
+        let w = Window::default();
+        assert_eq!(w.tokens(1000).len(), 640);
+        assert_eq!(w.tokens(600), (0..600).collect::<Vec<_>>());
+        assert_eq!(w.tokens(100), (0..100).collect::<Vec<_>>());
+        assert_eq!(w.tokens(0), Vec::<u32>::new());
+        let small = Window { init: 4, recent: 8 };
+        assert_eq!(small.tokens(5000), [0, 1, 2, 3, 4992, 4993, 4994, 4995, 4996, 4997, 4998, 4999]);
+        for p in [0, 3, 100, 5000] {
+            for t in 0..p {
+                assert_eq!(small.contains(p, t), small.tokens(p).contains(&t), "p {p} t {t}");
+            }
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Writing contexts: `Db::import` streams a whole KV cache in, one (layer, kv head) at a
+//! time, building each head's graph index; `Db::store` persists a session's own tokens on
+//! top of the prefix it reused, indexing only those (a delta searched alongside the
+//! parent's index). Each is one transaction: nothing is visible until its commit, and an
+//! interrupted one leaves only unreferenced blocks, which were never marked allocated.
+
+use crate::db::Db;
+use crate::error::{input, Error, Result};
+use crate::kv::KvSource;
+use crate::session::Session;
+use ctxfs_index::paged::{index_payloads, row_payloads, Layout};
+use ctxfs_index::{build, BuildParams, MemKeys};
+use ctxfs_vfs::{max_payload, DType, FileStream, ModelShape, Txn};
+use half::f16;
+use std::time::{Duration, Instant};
+
+/// What writing a context did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WriteReport {
+    /// Tokens indexed and written (a stored session's own tokens, not its prefix).
+    pub tokens: usize,
+    pub heads: usize,
+    pub blocks: u64,
+    pub seconds: f64,
+    pub knn: Duration,
+    pub projection: Duration,
+    pub enhancement: Duration,
+}
+
+impl WriteReport {
+    pub fn build_seconds(&self) -> f64 {
+        (self.knn + self.projection + self.enhancement).as_secs_f64()
+    }
+}
+
+/// Blocks one head of `n` tokens takes: its index stream and its data stream.
+fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
+    let l = Layout::new(n as u32, d as u32, degree as u32, 0, payload);
+    (l.index_blocks() + l.key_blocks()) as u64
+}
+
+/// Refuses a write the store cannot hold before anything is written. Extent and record
+/// blocks add about 1% (one 4-byte CRC per block mapped); 2% is reserved.
+fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Result<u64> {
+    let payload = max_payload(db.store().device().block_size());
+    let degree = build.degree + build.extra_degree + usize::from(build.sequence_edges) * 2;
+    let per_head = head_blocks(n, shape.head_dim as usize, degree, payload);
+    let tokens = (n * 4).div_ceil(payload) as u64;
+    let needed = per_head * shape.files() as u64 + tokens;
+    let needed = needed + needed / 50 + 16;
+    let free = db.store().space().free;
+    if needed > free {
+        return Err(Error::Full(format!("this write needs about {needed} blocks, the store has {free} free")));
+    }
+    Ok(needed)
+}
+
+/// One head to write: its keys and values (rows of `dim`), and the queries that train its
+/// graph (the keys themselves when there are none).
+struct Head<'a> {
+    layer: usize,
+    head: usize,
+    dim: usize,
+    /// Block payload bytes.
+    payload: usize,
+    keys: Vec<f16>,
+    values: &'a [f16],
+    train: Vec<f32>,
+}
+
+/// Builds one head's graph and appends its index and data streams.
+fn write_head(txn: &mut Txn<'_>, name: &str, h: Head<'_>, params: &BuildParams, r: &mut WriteReport) -> Result<()> {
+    let payload = h.payload;
+    let keys = MemKeys::new(h.dim, h.keys);
+    let train = if h.train.is_empty() { keys.data().iter().map(|x| x.to_f32()).collect() } else { h.train };
+    let (graph, built) = build(&keys, &train, params);
+    r.knn += built.knn;
+    r.projection += built.projection;
+    r.enhancement += built.enhancement;
+    let (l, hd) = (h.layer as u16, h.head as u16);
+    let (_, index) = index_payloads(&keys, &graph, payload);
+    for b in &index {
+        txn.append_block(name, l, hd, FileStream::Index, b)?;
+    }
+    let data = row_payloads(h.values, h.dim, payload);
+    for b in &data {
+        txn.append_block(name, l, hd, FileStream::Data, b)?;
+    }
+    r.blocks += (index.len() + data.len()) as u64;
+    r.heads += 1;
+    Ok(())
+}
+
+fn to_f16(x: Vec<f32>) -> Vec<f16> {
+    x.into_iter().map(f16::from_f32).collect()
+}
+
+impl Db {
+    /// Imports a context: every (layer, kv head) of `source`, indexed, in one commit.
+    /// `progress` is told the KV bytes done after each head. The name must be new, the input
+    /// well-formed (check values first, e.g. `SafetensorsKv::check_values`), and the store
+    /// large enough; otherwise nothing is written.
+    pub fn import(&self, name: &str, source: &dyn KvSource, mut progress: impl FnMut(u64)) -> Result<WriteReport> {
+        let started = Instant::now();
+        let shape = source.shape();
+        shape.validate().map_err(Error::Input)?;
+        if shape.dtype != DType::F16 {
+            return input(format!("{} storage is not supported yet; import with --dtype f16", shape.dtype.name()));
+        }
+        if self.store().snapshot().context(name).is_ok() {
+            return Err(ctxfs_vfs::Error::ContextExists(name.to_string()).into());
+        }
+        let n = source.token_count();
+        let ids = source.token_ids()?;
+        if ids.len() != n {
+            return input(format!("{} token ids for {n} tokens", ids.len()));
+        }
+        let params = self.config().build.clone();
+        check_space(self, &shape, n, &params)?;
+        let d = shape.head_dim as usize;
+        let payload = max_payload(self.store().device().block_size());
+        let mut report = WriteReport { tokens: n, ..Default::default() };
+        let mut txn = self.store().begin()?;
+        txn.create_context(name, shape, &ids)?;
+        for layer in 0..shape.layers as usize {
+            for head in 0..shape.kv_heads as usize {
+                let keys = to_f16(source.keys(layer, head)?);
+                let values = to_f16(source.values(layer, head)?);
+                let train = source.train_queries(layer, head)?;
+                write_head(
+                    &mut txn,
+                    name,
+                    Head { layer, head, dim: d, payload, keys, values: &values, train },
+                    &params,
+                    &mut report,
+                )?;
+                progress((n * d * 4) as u64);
+            }
+        }
+        txn.commit()?;
+        self.inner.remember(name)?;
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// Persists a session as context `name`: its own tokens only, every layer updated with
+    /// the same number of them and their ids known ([`Session::append_tokens`]). A session
+    /// that reused a prefix becomes a child of that context: the prefix's blocks are shared,
+    /// not copied or re-indexed.
+    pub fn store_session(&self, session: &Session, name: &str) -> Result<WriteReport> {
+        let started = Instant::now();
+        let shape = session.shape();
+        let rows = session.updated_rows(0);
+        for l in 1..shape.layers as usize {
+            if session.updated_rows(l) != rows {
+                return input(format!(
+                    "layer {l} has {} new tokens, layer 0 has {rows}: update every layer before storing",
+                    session.updated_rows(l)
+                ));
+            }
+        }
+        if rows == 0 {
+            return input("the session has no new tokens to store");
+        }
+        if session.new_tokens().len() != rows {
+            return input(format!(
+                "the session has {rows} new tokens but {} token ids (append the ids of generated tokens)",
+                session.new_tokens().len()
+            ));
+        }
+        if self.store().snapshot().context(name).is_ok() {
+            return Err(ctxfs_vfs::Error::ContextExists(name.to_string()).into());
+        }
+        let params = self.config().build.clone();
+        check_space(self, &shape, rows, &params)?;
+        let d = shape.head_dim as usize;
+        let payload = max_payload(self.store().device().block_size());
+        let mut report = WriteReport { tokens: rows, ..Default::default() };
+        let mut txn = self.store().begin()?;
+        match session.reuse() {
+            Some(r) => txn.create_child_context(name, &r.name, r.prefix as u64, session.new_tokens())?,
+            None => txn.create_context(name, shape, session.new_tokens())?,
+        }
+        for layer in 0..shape.layers as usize {
+            let fresh = session.fresh_layer(layer);
+            for head in 0..shape.kv_heads as usize {
+                let h = Head {
+                    layer,
+                    head,
+                    dim: d,
+                    payload,
+                    keys: fresh.keys[head].clone(),
+                    values: &fresh.values[head],
+                    train: fresh.queries[head].clone(),
+                };
+                write_head(&mut txn, name, h, &params, &mut report)?;
+            }
+        }
+        txn.commit()?;
+        self.inner.remember(name)?;
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+}

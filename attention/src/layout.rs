@@ -1,0 +1,77 @@
+//! Where a context's tokens are stored. A context made by `Db::store` on top of a reused
+//! prefix holds only its own tokens and links to its parent (format §9), so a token
+//! sequence resolves to a chain of *segments*, one per stored context, oldest first.
+
+use crate::error::{Error, Result};
+use ctxfs_buffer::BlockRequest;
+use ctxfs_vfs::{FileStream, Snapshot};
+
+/// Longest parent chain followed; a longer one is treated as corrupt (a cycle).
+pub const MAX_CHAIN: usize = 4096;
+
+/// Tokens `base .. base + usable` of a sequence, held by `context` as its own tokens
+/// `0 .. usable` (of `own`; fewer are usable when a child reuses only part of them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub context: u32,
+    pub base: u32,
+    pub usable: u32,
+    pub own: u32,
+}
+
+impl Segment {
+    /// The search filter: `Some(usable)` when only part of the segment's index qualifies.
+    pub fn filter(&self) -> Option<u32> {
+        (self.usable < self.own).then_some(self.usable)
+    }
+}
+
+/// The segments holding the first `prefix` tokens of context `id`, oldest first.
+pub fn segments(snap: &Snapshot, id: u32, prefix: u32) -> Result<Vec<Segment>> {
+    let mut out = Vec::new();
+    let mut at = Some(id);
+    // Tokens of the sequence still to place: an ancestor contributes only what lies below
+    // the point where its child branched off.
+    let mut limit = prefix;
+    while let Some(cid) = at {
+        if out.len() == MAX_CHAIN {
+            return Err(Error::Corrupt(format!("context {id}: parent chain longer than {MAX_CHAIN}")));
+        }
+        let ctx = snap.context_by_id(cid)?;
+        let own = u32::try_from(ctx.own_token_count())
+            .map_err(|_| Error::Corrupt(format!("context {cid}: {} tokens", ctx.own_token_count())))?;
+        let parent = ctx.parent();
+        let base = parent.map_or(0, |p| p.prefix_tokens as u32);
+        if base < limit {
+            out.push(Segment { context: cid, base, usable: own.min(limit - base), own });
+        }
+        limit = limit.min(base);
+        at = parent.map(|p| p.id);
+    }
+    out.reverse();
+    Ok(out)
+}
+
+/// The block locations of one vector file (layer, kv head) of one stored context.
+#[derive(Debug)]
+pub struct FileBlocks {
+    pub index: Vec<BlockRequest>,
+    pub data: Vec<BlockRequest>,
+}
+
+impl FileBlocks {
+    pub fn locate(snap: &Snapshot, context: u32, layer: u16, head: u16) -> Result<FileBlocks> {
+        let ctx = snap.context_by_id(context)?;
+        let all = |which| -> Result<Vec<BlockRequest>> {
+            let s = ctx.stream(layer, head, which)?;
+            (0..s.blocks())
+                .map(|b| {
+                    s.locate(b).map(BlockRequest::new).ok_or_else(|| {
+                        Error::Corrupt(format!("context {context} layer {layer} head {head}: block {b} unmapped"))
+                    })
+                })
+                .collect()
+        };
+        Ok(FileBlocks { index: all(FileStream::Index)?, data: all(FileStream::Data)? })
+    }
+}

@@ -1,0 +1,105 @@
+//! The rule-based query optimizer (AlayaDB Figure 8): which search answers one layer's
+//! attention. Every rule can be overridden per call, and the choice is reported.
+
+/// How the tokens outside the window are found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Plan {
+    /// Every token, attended exactly.
+    Full,
+    /// The exact DIPR set, by scanning every key with the SIMD kernels.
+    Flat,
+    /// The dynamic inner-product range search on the graph index.
+    Diprs,
+    /// Beam search for the `k` best keys.
+    Topk,
+}
+
+impl Plan {
+    pub fn name(self) -> &'static str {
+        match self {
+            Plan::Full => "full",
+            Plan::Flat => "flat",
+            Plan::Diprs => "diprs",
+            Plan::Topk => "topk",
+        }
+    }
+}
+
+impl std::str::FromStr for Plan {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Plan, String> {
+        match s {
+            "full" => Ok(Plan::Full),
+            "flat" => Ok(Plan::Flat),
+            "diprs" => Ok(Plan::Diprs),
+            "topk" => Ok(Plan::Topk),
+            _ => Err(format!("unknown plan {s:?} (expected full, flat, diprs or topk)")),
+        }
+    }
+}
+
+/// The optimizer's thresholds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rules {
+    /// Reused prefixes of at most this many tokens are attended in full: a search's fixed
+    /// costs exceed a scan's there.
+    pub short_context: u32,
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Rules { short_context: 4096 }
+    }
+}
+
+/// A plan and why it was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    pub plan: Plan,
+    /// Only part of a stored context is reused: searches filter to the prefix.
+    pub filtered: bool,
+    pub reason: &'static str,
+}
+
+impl Choice {
+    /// The `plan` field of `ctxfs query --json`, e.g. `diprs+prefix`.
+    pub fn label(&self) -> String {
+        if self.filtered && self.plan != Plan::Full {
+            format!("{}+prefix", self.plan.name())
+        } else {
+            self.plan.name().to_string()
+        }
+    }
+}
+
+/// Chooses the plan for `layer` of a session reusing `prefix` stored tokens (`filtered`:
+/// part of a stored context), unless `forced`.
+pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, forced: Option<Plan>) -> Choice {
+    let (plan, reason) = match forced {
+        Some(p) => (p, "forced by the caller"),
+        None if prefix <= rules.short_context => (Plan::Full, "short context"),
+        None if layer == 0 => (Plan::Flat, "layer 0 attends broadly"),
+        None if filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
+        None => (Plan::Diprs, "long context"),
+    };
+    Choice { plan, filtered, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follows_the_papers_rules_and_honours_overrides() {
+        let r = Rules::default();
+        assert_eq!(choose(&r, 5, 1000, false, None).plan, Plan::Full);
+        assert_eq!(choose(&r, 0, 100_000, false, None).plan, Plan::Flat);
+        let c = choose(&r, 3, 100_000, true, None);
+        assert_eq!((c.plan, c.label()), (Plan::Diprs, "diprs+prefix".to_string()));
+        assert_eq!(choose(&r, 3, 100_000, false, None).label(), "diprs");
+        assert_eq!(choose(&r, 0, 100_000, false, Some(Plan::Topk)).plan, Plan::Topk);
+        assert_eq!(choose(&r, 3, 100, true, None).label(), "full");
+        assert_eq!("topk".parse::<Plan>(), Ok(Plan::Topk));
+        assert!("nope".parse::<Plan>().is_err());
+    }
+}

@@ -1,0 +1,491 @@
+//! A session: a prompt's reused prefix (searched on storage), its window (attended exactly,
+//! in memory), and the tokens it added since (late materialization: they stay in memory
+//! until `Db::store`).
+//!
+//! One attention call, for every q head of a layer: the window and the session's own tokens
+//! are attended exactly; the optimizer's plan retrieves the prefix tokens outside the window
+//! from each stored segment (filtered where only part of a segment is reused), their values
+//! are read through the buffer pool in one batch per segment, and the parts are merged with
+//! the log-sum-exp rule. The kv heads of a layer run in parallel.
+
+use crate::db::{Db, Window};
+use crate::error::{input, Error, Result};
+use crate::layout::{FileBlocks, Segment};
+use crate::plan::{choose, Choice, Plan};
+use ctxfs_index::paged::{gather_rows, PagedIndex};
+use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::{flat, DiprsParams, SearchResult, SearchStats};
+use ctxfs_kernels::Partial;
+use ctxfs_vfs::{ModelShape, Snapshot};
+use half::f16;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Data blocks one value gather pins at most.
+const PIN_BATCH: usize = 256;
+
+/// The stored prefix a session reuses.
+#[derive(Debug, Clone)]
+pub(crate) struct Reuse {
+    pub context: u32,
+    pub name: String,
+    /// Tokens reused.
+    pub prefix: u32,
+    /// Fewer tokens than the context holds: searches filter to the prefix.
+    pub filtered: bool,
+    pub segments: Vec<Segment>,
+}
+
+/// Knobs of one attention call; the defaults are the optimizer's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionOptions {
+    /// Overrides the optimizer.
+    pub plan: Option<Plan>,
+    /// DIPR range below the best inner product, in inner-product units.
+    pub beta: f32,
+    /// DIPRS explores without pruning until its candidate list holds this many keys.
+    pub l0: usize,
+    /// Tokens top-k retrieves beyond the window.
+    pub k: usize,
+    /// At most this many retrieved tokens (the best by score), beyond the window.
+    pub budget: Option<usize>,
+    /// Softmax scale (default 1/sqrt(head_dim)).
+    pub scale: Option<f32>,
+    /// Report every selected token id per head.
+    pub detail: bool,
+}
+
+impl Default for AttentionOptions {
+    fn default() -> Self {
+        AttentionOptions { plan: None, beta: 50.0, l0: 64, k: 100, budget: None, scale: None, detail: false }
+    }
+}
+
+/// What one q head's attention did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadReport {
+    pub lse: f32,
+    /// Token ids whose values entered the output (with `detail`), ascending.
+    pub selected: Vec<u32>,
+    /// Tokens retrieved beyond the window and the session's own tokens.
+    pub retrieved: usize,
+    pub stats: SearchStats,
+}
+
+/// One layer's attention output, `q_heads × head_dim`, and how it was found.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub output: Vec<f32>,
+    pub heads: Vec<HeadReport>,
+    pub choice: Choice,
+    pub micros: u64,
+}
+
+/// Each q head of a GQA group: its output and report.
+type GroupOutput = Vec<(Vec<f32>, HeadReport)>;
+
+/// The window's keys and values of one (layer, kv head), in window order.
+struct HeadWindow {
+    keys: Vec<f16>,
+    values: Vec<f16>,
+}
+
+/// The session's own tokens of one layer, per kv head (and the prefill queries that will
+/// train their index when stored).
+#[derive(Default)]
+pub(crate) struct Fresh {
+    pub rows: usize,
+    pub keys: Vec<Vec<f16>>,
+    pub values: Vec<Vec<f16>>,
+    pub queries: Vec<Vec<f32>>,
+}
+
+pub struct Session {
+    db: Db,
+    snap: Arc<Snapshot>,
+    reuse: Option<Reuse>,
+    shape: ModelShape,
+    window: Window,
+    window_ids: Vec<u32>,
+    /// Loaded on a layer's first attention call, per (layer, kv head).
+    windows: Mutex<Vec<Option<Arc<HeadWindow>>>>,
+    fresh: Vec<Fresh>,
+    /// Ids of the tokens after the prefix: the prompt's unreused tokens, then appended ones.
+    new_tokens: Vec<u32>,
+}
+
+impl Session {
+    pub(crate) fn new(db: Db, snap: Arc<Snapshot>, reuse: Option<Reuse>, new_tokens: Vec<u32>) -> Result<Session> {
+        let shape = match &reuse {
+            Some(r) => snap.context_by_id(r.context)?.record().shape,
+            None => db.config().model.ok_or_else(|| {
+                Error::Input("no stored context shares a prefix with these tokens, and the DB has no model shape for new sessions (DbConfig::model)".into())
+            })?,
+        };
+        let window = db.config().window;
+        let prefix = reuse.as_ref().map_or(0, |r| r.prefix);
+        let files = shape.files();
+        let fresh = (0..shape.layers)
+            .map(|_| Fresh {
+                rows: 0,
+                keys: vec![Vec::new(); shape.kv_heads as usize],
+                values: vec![Vec::new(); shape.kv_heads as usize],
+                queries: vec![Vec::new(); shape.kv_heads as usize],
+            })
+            .collect();
+        Ok(Session {
+            db,
+            snap,
+            reuse,
+            shape,
+            window,
+            window_ids: window.tokens(prefix),
+            windows: Mutex::new(vec![None; files]),
+            fresh,
+            new_tokens,
+        })
+    }
+
+    pub fn shape(&self) -> ModelShape {
+        self.shape
+    }
+
+    /// Tokens reused from storage.
+    pub fn prefix_tokens(&self) -> u32 {
+        self.reuse.as_ref().map_or(0, |r| r.prefix)
+    }
+
+    /// The stored context reused, and whether only part of it is.
+    pub fn reused_context(&self) -> Option<(&str, bool)> {
+        self.reuse.as_ref().map(|r| (r.name.as_str(), r.filtered))
+    }
+
+    /// The tokens reused that every plan attends exactly.
+    pub fn window_tokens(&self) -> &[u32] {
+        &self.window_ids
+    }
+
+    /// Ids of the tokens after the reused prefix.
+    pub fn new_tokens(&self) -> &[u32] {
+        &self.new_tokens
+    }
+
+    /// Tokens the session added to `layer` through [`Session::update`].
+    pub fn updated_rows(&self, layer: usize) -> usize {
+        self.fresh.get(layer).map_or(0, |f| f.rows)
+    }
+
+    pub(crate) fn reuse(&self) -> Option<&Reuse> {
+        self.reuse.as_ref()
+    }
+
+    /// The session's own tokens of `layer`, per kv head.
+    pub(crate) fn fresh_layer(&self, layer: usize) -> &Fresh {
+        &self.fresh[layer]
+    }
+
+    /// Ids of tokens generated after the prompt (decode steps), in order.
+    pub fn append_tokens(&mut self, ids: &[u32]) {
+        self.new_tokens.extend_from_slice(ids);
+    }
+
+    /// Appends tokens to `layer`: `k` and `v` are `[kv_heads, t, head_dim]`, `q` is
+    /// `[q_heads, t, head_dim]` or empty (the queries train the index when the session is
+    /// stored). Nothing changes when the input is refused.
+    pub fn update(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32]) -> Result<()> {
+        let s = self.shape;
+        let (kv, qh, d) = (s.kv_heads as usize, s.q_heads as usize, s.head_dim as usize);
+        if layer >= s.layers as usize {
+            return input(format!("layer {layer} does not exist: the model has {} layers", s.layers));
+        }
+        if k.is_empty() || !k.len().is_multiple_of(kv * d) || v.len() != k.len() {
+            return input(format!(
+                "update of layer {layer}: k has {} and v {} elements; both must be kv_heads ({kv}) × t × head_dim ({d})",
+                k.len(),
+                v.len()
+            ));
+        }
+        let t = k.len() / (kv * d);
+        if !q.is_empty() && q.len() != qh * t * d {
+            return input(format!("update of layer {layer}: q has {} elements, expected {qh} × {t} × {d}", q.len()));
+        }
+        for (name, x) in [("q", q), ("k", k), ("v", v)] {
+            if let Some(i) = x.iter().position(|x| !x.is_finite() || x.abs() > f16::MAX.to_f32()) {
+                return input(format!("update of layer {layer}: {name}[{i}] = {} is not a finite f16 value", x[i]));
+            }
+        }
+        let f = &mut self.fresh[layer];
+        let group = qh / kv;
+        for h in 0..kv {
+            f.keys[h].extend(k[h * t * d..(h + 1) * t * d].iter().map(|&x| f16::from_f32(x)));
+            f.values[h].extend(v[h * t * d..(h + 1) * t * d].iter().map(|&x| f16::from_f32(x)));
+            if !q.is_empty() {
+                f.queries[h].extend_from_slice(&q[h * group * t * d..(h + 1) * group * t * d]);
+            }
+        }
+        f.rows += t;
+        Ok(())
+    }
+
+    /// Attention of one decode step's queries (`[q_heads, head_dim]`) over the layer, with
+    /// the optimizer's plan.
+    pub fn attention(&self, layer: usize, q: &[f32]) -> Result<Attention> {
+        self.attention_with(layer, q, &AttentionOptions::default())
+    }
+
+    pub fn attention_with(&self, layer: usize, q: &[f32], opts: &AttentionOptions) -> Result<Attention> {
+        let started = Instant::now();
+        let s = self.shape;
+        let (kv, qh, d) = (s.kv_heads as usize, s.q_heads as usize, s.head_dim as usize);
+        if layer >= s.layers as usize {
+            return input(format!("layer {layer} does not exist: the model has {} layers", s.layers));
+        }
+        if q.len() != qh * d {
+            return input(format!("attention of layer {layer}: q has {} elements, expected {qh} × {d}", q.len()));
+        }
+        if let Some(i) = q.iter().position(|x| !x.is_finite()) {
+            return input(format!("attention of layer {layer}: q[{i}] = {} is not finite", q[i]));
+        }
+        let prefix = self.prefix_tokens();
+        let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
+        let choice = choose(&self.db.config().rules, layer, prefix, filtered, opts.plan);
+        let group = qh / kv;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(kv).max(1);
+        let mut per_head: Vec<Option<Result<GroupOutput>>> = (0..kv).map(|_| None).collect();
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        (t..kv)
+                            .step_by(threads)
+                            .map(|h| (h, self.kv_head(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for w in workers {
+                for (h, r) in w.join().expect("attention worker panicked") {
+                    per_head[h] = Some(r);
+                }
+            }
+        });
+        let mut output = Vec::with_capacity(qh * d);
+        let mut heads = Vec::with_capacity(qh);
+        for r in per_head {
+            for (o, report) in r.expect("every kv head ran")? {
+                output.extend_from_slice(&o);
+                heads.push(report);
+            }
+        }
+        Ok(Attention { output, heads, choice, micros: started.elapsed().as_micros() as u64 })
+    }
+
+    /// The window of (layer, kv head), read from its segments on first use. Returns it and
+    /// the I/O the load did (none when it was cached).
+    fn head_window(&self, layer: usize, h: usize, files: &[Arc<FileBlocks>]) -> Result<(Arc<HeadWindow>, SearchStats)> {
+        let slot = layer * self.shape.kv_heads as usize + h;
+        if let Some(w) = &self.windows.lock().unwrap_or_else(|p| p.into_inner())[slot] {
+            return Ok((w.clone(), SearchStats::default()));
+        }
+        let d = self.shape.head_dim as usize;
+        let mut io = SearchStats::default();
+        let mut keys = Vec::with_capacity(self.window_ids.len() * d);
+        let mut values = Vec::with_capacity(self.window_ids.len() * d);
+        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
+        for (seg, file) in segments.iter().zip(files) {
+            let local: Vec<u32> = self
+                .window_ids
+                .iter()
+                .filter(|&&t| t >= seg.base && t < seg.base + seg.usable)
+                .map(|&t| t - seg.base)
+                .collect();
+            if local.is_empty() {
+                continue;
+            }
+            let index = self.open_index(&file.index, seg, layer, h)?;
+            let (k, kio) = index.gather_keys(&local)?;
+            let (v, vio) = gather_rows(&self.db.inner.pool, &file.data, index.layout().rows_per_block, d, &local)?;
+            kio.add_to(&mut io);
+            vio.add_to(&mut io);
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+        }
+        let w = Arc::new(HeadWindow { keys, values });
+        self.windows.lock().unwrap_or_else(|p| p.into_inner())[slot] = Some(w.clone());
+        Ok((w, io))
+    }
+
+    fn open_index<'a>(
+        &'a self,
+        blocks: &'a [ctxfs_buffer::BlockRequest],
+        seg: &Segment,
+        layer: usize,
+        h: usize,
+    ) -> Result<PagedIndex<'a>> {
+        let index = PagedIndex::open(&self.db.inner.pool, blocks)
+            .map_err(|e| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context)))?;
+        let l = index.layout();
+        if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize {
+            return Err(Error::Corrupt(format!(
+                "context {} layer {layer} head {h}: the index holds {} tokens of dimension {}, the context {} of {}",
+                seg.context, l.tokens, l.dim, seg.own, self.shape.head_dim
+            )));
+        }
+        Ok(index)
+    }
+
+    /// Attention of the q heads of kv head `h`'s group (`qs`: their queries, row after row).
+    fn kv_head(
+        &self,
+        layer: usize,
+        h: usize,
+        qs: &[f32],
+        choice: Choice,
+        opts: &AttentionOptions,
+    ) -> Result<GroupOutput> {
+        let d = self.shape.head_dim as usize;
+        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let isa = ctxfs_kernels::active();
+        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
+        let files = segments
+            .iter()
+            .map(|s| self.db.inner.file(&self.snap, s.context, layer as u16, h as u16))
+            .collect::<Result<Vec<_>>>()?;
+        let (window, window_io) = self.head_window(layer, h, &files)?;
+        let indexes = segments
+            .iter()
+            .zip(&files)
+            .map(|(s, f)| self.open_index(&f.index, s, layer, h))
+            .collect::<Result<Vec<_>>>()?;
+        let fresh = &self.fresh[layer];
+        let prefix = self.prefix_tokens();
+        let mut out = Vec::with_capacity(qs.len() / d);
+        for (i, q) in qs.chunks_exact(d).enumerate() {
+            let mut stats = if i == 0 { window_io } else { SearchStats::default() };
+            let mut win_z = vec![0.0; self.window_ids.len()];
+            ctxfs_kernels::scores_on(isa, &window.keys, q, 1.0, &mut win_z);
+            let mut fresh_z = vec![0.0; fresh.rows];
+            ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
+            let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
+            let found = self.retrieve(&indexes, q, own_max, choice.plan, opts, &mut stats)?;
+            // Values of the retrieved tokens, one batch per segment.
+            let mut ret_z = Vec::with_capacity(found.len());
+            let mut ret_v = Vec::with_capacity(found.len() * d);
+            for (si, (seg, file)) in segments.iter().zip(&files).enumerate() {
+                let mine: Vec<&(usize, u32, f32)> = found.iter().filter(|f| f.0 == si).collect();
+                if mine.is_empty() {
+                    continue;
+                }
+                let local: Vec<u32> = mine.iter().map(|f| f.1 - seg.base).collect();
+                let rows = indexes[si].layout().rows_per_block;
+                // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of a
+                // long prefix (full attention) streams it through a small data area.
+                let mut from = 0;
+                while from < local.len() {
+                    let (mut to, mut blocks) = (from + 1, 1);
+                    while to < local.len() {
+                        let next_block = local[to] / rows != local[to - 1] / rows;
+                        if next_block && blocks == PIN_BATCH {
+                            break;
+                        }
+                        blocks += usize::from(next_block);
+                        to += 1;
+                    }
+                    let (v, io) = gather_rows(&self.db.inner.pool, &file.data, rows, d, &local[from..to])?;
+                    io.add_to(&mut stats);
+                    ret_v.extend_from_slice(&v);
+                    from = to;
+                }
+                ret_z.extend(mine.iter().map(|f| f.2 * scale));
+            }
+            win_z.iter_mut().for_each(|z| *z *= scale);
+            fresh_z.iter_mut().for_each(|z| *z *= scale);
+            let parts = [
+                Partial::from_scores_on(isa, &mut win_z, &window.values, d),
+                Partial::from_scores_on(isa, &mut fresh_z, &fresh.values[h], d),
+                Partial::from_scores_on(isa, &mut ret_z, &ret_v, d),
+            ];
+            let merged = Partial::merge(&parts);
+            let selected = if opts.detail {
+                let mut ids: Vec<u32> = self.window_ids.clone();
+                ids.extend(found.iter().map(|f| f.1));
+                ids.extend((0..fresh.rows as u32).map(|i| prefix + i));
+                ids.sort_unstable();
+                ids
+            } else {
+                Vec::new()
+            };
+            let report = HeadReport { lse: merged.lse(), selected, retrieved: found.len(), stats };
+            out.push((merged.o, report));
+        }
+        Ok(out)
+    }
+
+    /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k).
+    fn retrieve(
+        &self,
+        indexes: &[PagedIndex<'_>],
+        q: &[f32],
+        own_max: f32,
+        plan: Plan,
+        opts: &AttentionOptions,
+        stats: &mut SearchStats,
+    ) -> Result<Vec<(usize, u32, f32)>> {
+        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
+        let prefix = self.prefix_tokens();
+        let win = self.window;
+        let in_window = self.window_ids.len() as u32;
+        let mut best = own_max;
+        let mut found: Vec<(usize, u32, f32)> = Vec::new();
+        for (si, (seg, index)) in segments.iter().zip(indexes).enumerate() {
+            let limit = Some(seg.usable);
+            let r: SearchResult = match plan {
+                Plan::Full => flat::dipr(index, q, f32::INFINITY, f32::NEG_INFINITY, limit)?,
+                Plan::Flat => flat::dipr(index, q, opts.beta, best, limit)?,
+                Plan::Diprs => diprs(
+                    index,
+                    q,
+                    &DiprsParams {
+                        beta: opts.beta,
+                        l0: opts.l0,
+                        window_max: best,
+                        prefix: seg.filter(),
+                        ..Default::default()
+                    },
+                )?,
+                Plan::Topk => {
+                    // Window tokens may rank among the best; ask for enough to fill k without them.
+                    let want = opts.k + in_window as usize;
+                    topk(index, q, want, want.max(64), seg.filter())?
+                }
+            };
+            *stats += r.stats;
+            if let Some(&top) = r.scores.first() {
+                best = best.max(top);
+            }
+            found.extend(
+                r.ids
+                    .iter()
+                    .zip(&r.scores)
+                    .map(|(&local, &s)| (si, seg.base + local, s))
+                    .filter(|&(_, t, _)| !win.contains(prefix, t)),
+            );
+        }
+        if matches!(plan, Plan::Flat | Plan::Diprs) {
+            // Each segment pruned against the best it knew of; the range is the global best's.
+            found.retain(|f| f.2 >= best - opts.beta);
+        }
+        let cap = match plan {
+            Plan::Topk => Some(opts.budget.map_or(opts.k, |b| b.min(opts.k))),
+            _ => opts.budget,
+        };
+        if let Some(cap) = cap {
+            if found.len() > cap {
+                found.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+                found.truncate(cap);
+            }
+        }
+        found.sort_by_key(|f| f.1);
+        Ok(found)
+    }
+}

@@ -1,0 +1,233 @@
+//! import → reopen → session → attention, against exact attention computed independently.
+
+use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, SafetensorsKv};
+use ctxfs_integration::{book, exact, mkfs, rel_err, Book};
+use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
+use half::f16;
+use std::path::Path;
+
+const N: usize = 8192;
+
+fn open(store: &Path) -> Db {
+    Db::open(store, DeviceChoice::Auto, DbConfig { pool_bytes: 64 << 20, ..Default::default() }).expect("open the db")
+}
+
+/// A book imported into a fresh store.
+fn imported(dir: &Path) -> (Book, std::path::PathBuf) {
+    let b = book(dir, N, 2, 4, 2, 11);
+    let store = mkfs(dir, 256);
+    let db = open(&store);
+    let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
+    src.check_values(|_| {}).unwrap();
+    let report = db.import("book", &src, |_| {}).unwrap();
+    assert_eq!((report.tokens, report.heads), (N, 4));
+    (b, store)
+}
+
+fn opts(plan: Plan, beta: f32) -> AttentionOptions {
+    AttentionOptions { plan: Some(plan), beta, detail: true, ..Default::default() }
+}
+
+/// Exact attention of every q head of `layer` over the book's tokens `ids`, plus extra
+/// (keys, values) rows per kv head.
+fn exact_layer(b: &Book, layer: usize, q: &[f32], ids: &[u32], extra: Option<&[(Vec<f16>, Vec<f16>)]>) -> Vec<f32> {
+    let d = b.shape.head_dim as usize;
+    let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = Vec::new();
+    for qh in 0..b.shape.q_heads as usize {
+        let h = b.head(layer, qh / group);
+        let (mut keys, mut values) = (h.keys[..].to_vec(), h.values[..].to_vec());
+        let mut all = ids.to_vec();
+        if let Some(extra) = extra {
+            let (k, v) = &extra[qh / group];
+            let base = keys.len() / d;
+            // The extra rows follow the book's rows; their ids there are base.. .
+            keys.extend_from_slice(k);
+            values.extend_from_slice(v);
+            all.extend((0..(k.len() / d) as u32).map(|i| base as u32 + i));
+        }
+        out.extend(exact(&keys, &values, d, &all, &q[qh * d..(qh + 1) * d], scale).0);
+    }
+    out
+}
+
+#[test]
+fn import_reopen_attend_exactly_and_dipr_recall() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    let (session, remaining) = db.create_session(&b.tokens).unwrap();
+    assert_eq!((remaining, session.prefix_tokens()), (0, N as u32));
+    assert_eq!(session.reused_context(), Some(("book", false)));
+    let all: Vec<u32> = (0..N as u32).collect();
+    let d = b.shape.head_dim as usize;
+    let beta = 5.0 * (d as f32).sqrt();
+    let (mut recall, mut queries, mut scored) = (0.0, 0, 0u64);
+    for layer in 0..2 {
+        for step in 0..4 {
+            let q = b.decode_step(layer, step);
+            let want = exact_layer(&b, layer, &q, &all, None);
+            let full = session.attention_with(layer, &q, &opts(Plan::Full, 0.0)).unwrap();
+            assert_eq!(full.choice.label(), "full");
+            assert!(rel_err(&full.output, &want) <= 1e-3, "full: {}", rel_err(&full.output, &want));
+            let wide = session.attention_with(layer, &q, &opts(Plan::Diprs, 1e9)).unwrap();
+            assert!(rel_err(&wide.output, &want) <= 1e-3, "β large: {}", rel_err(&wide.output, &want));
+            let auto =
+                session.attention_with(layer, &q, &AttentionOptions { beta, detail: true, ..Default::default() });
+            assert_eq!(auto.unwrap().choice.label(), if layer == 0 { "flat" } else { "diprs" });
+            let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
+            let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
+            for (qh, r) in auto.heads.iter().enumerate() {
+                let h = b.head(layer, qh / group);
+                let qv = &q[qh * d..(qh + 1) * d];
+                let s: Vec<f32> =
+                    h.keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a.to_f32() * b).sum()).collect();
+                let best = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let dipr: Vec<u32> = (0..N as u32).filter(|&t| s[t as usize] >= best - beta).collect();
+                let hit = dipr.iter().filter(|t| r.selected.binary_search(t).is_ok()).count();
+                recall += hit as f64 / dipr.len() as f64;
+                queries += 1;
+                scored += r.stats.keys_scored;
+            }
+        }
+    }
+    let recall = recall / queries as f64;
+    let scored = scored as f64 / queries as f64 / N as f64;
+    println!("DIPRS: DIPR recall {recall:.3}, keys scored {:.1}%", scored * 100.0);
+    assert!(recall >= 0.95, "DIPR recall {recall}");
+}
+
+#[test]
+fn a_partial_prefix_session_uses_only_tokens_below_p() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    let p = 5000usize;
+    let prompt: Vec<u32> = b.tokens[..p].iter().copied().chain([900_001, 900_002]).collect();
+    let (mut session, remaining) = db.create_session(&prompt).unwrap();
+    assert_eq!((remaining, session.prefix_tokens()), (2, p as u32));
+    assert_eq!(session.reused_context(), Some(("book", true)));
+    let below: Vec<u32> = (0..p as u32).collect();
+    for layer in 0..2 {
+        let q = b.decode_step(layer, 1);
+        for plan in [Plan::Diprs, Plan::Topk, Plan::Flat, Plan::Full] {
+            let a = session.attention_with(layer, &q, &opts(plan, 40.0)).unwrap();
+            assert!(a.heads.iter().all(|h| h.selected.iter().all(|&t| (t as usize) < p)), "{plan:?} left the prefix");
+            if plan != Plan::Full {
+                assert_eq!(a.choice.label(), format!("{}+prefix", plan.name()));
+            }
+        }
+        let full = session.attention_with(layer, &q, &opts(Plan::Full, 0.0)).unwrap();
+        let want = exact_layer(&b, layer, &q, &below, None);
+        assert!(rel_err(&full.output, &want) <= 1e-3);
+    }
+    // The prompt's two new tokens, then attention covers them exactly.
+    let d = b.shape.head_dim as usize;
+    let mut rng = SplitMix64::new(5);
+    let mut extra = Vec::new();
+    for layer in 0..2 {
+        let k: Vec<f32> = (0..2 * 2 * d).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+        let v: Vec<f32> = (0..2 * 2 * d).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+        session.update(layer, &[], &k, &v).unwrap();
+        extra.push((k, v));
+    }
+    for (layer, (k, v)) in extra.iter().enumerate() {
+        let q = b.decode_step(layer, 2);
+        let a = session.attention_with(layer, &q, &opts(Plan::Full, 0.0)).unwrap();
+        assert!(a.heads.iter().all(|h| h.selected.ends_with(&[p as u32, p as u32 + 1])));
+        let rows: Vec<(Vec<f16>, Vec<f16>)> = (0..2)
+            .map(|h| {
+                let f = |x: &[f32]| x[h * 2 * d..(h + 1) * 2 * d].iter().map(|&x| f16::from_f32(x)).collect();
+                (f(k), f(v))
+            })
+            .collect();
+        let want = exact_layer(&b, layer, &q, &below, Some(&rows));
+        assert!(rel_err(&a.output, &want) <= 1e-3, "{}", rel_err(&a.output, &want));
+    }
+}
+
+#[test]
+fn update_store_reopen_round_trips_and_survives_deleting_the_parent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let p = 6000usize;
+    let added = 300usize;
+    let d = b.shape.head_dim as usize;
+    let new_ids: Vec<u32> = (0..added as u32).map(|i| 800_000 + i).collect();
+    let prompt: Vec<u32> = b.tokens[..p].iter().copied().chain(new_ids.iter().copied()).collect();
+    let mut rows = Vec::new();
+    {
+        let db = open(&store);
+        let (mut session, remaining) = db.create_session(&prompt).unwrap();
+        assert_eq!(remaining, added);
+        let mut rng = SplitMix64::new(9);
+        for layer in 0..2 {
+            let mut gen = |n: usize| (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect::<Vec<f32>>();
+            let (q, k, v) = (gen(4 * added * d), gen(2 * added * d), gen(2 * added * d));
+            session.update(layer, &q, &k, &v).unwrap();
+            rows.push((k, v));
+        }
+        let before = db.store().space();
+        let report = db.store_session(&session, "book+300").unwrap();
+        assert_eq!((report.tokens, report.heads), (added, 4));
+        let used = before.free - db.store().space().free;
+        println!("stored 300 tokens on a {p}-token prefix: {} blocks written, {used} blocks used", report.blocks);
+        assert!(report.blocks < 200, "only the new tokens are written: {} blocks", report.blocks);
+        assert!(db.store_session(&session, "book+300").is_err(), "a second store under the same name is refused");
+    }
+    let prefix: Vec<u32> = (0..p as u32).collect();
+    let extra = |layer: usize| -> Vec<(Vec<f16>, Vec<f16>)> {
+        let (k, v) = &rows[layer];
+        (0..2)
+            .map(|h| {
+                let f = |x: &[f32]| x[h * added * d..(h + 1) * added * d].iter().map(|&x| f16::from_f32(x)).collect();
+                (f(k), f(v))
+            })
+            .collect()
+    };
+    let check = |db: &Db| {
+        let child = db.open_session("book+300", None).unwrap();
+        assert_eq!(child.prefix_tokens(), (p + added) as u32);
+        for layer in 0..2 {
+            let q = b.decode_step(layer, 3);
+            let want = exact_layer(&b, layer, &q, &prefix, Some(&extra(layer)));
+            for (plan, beta) in [(Plan::Full, 0.0), (Plan::Diprs, 1e9), (Plan::Flat, 1e9)] {
+                let a = child.attention_with(layer, &q, &opts(plan, beta)).unwrap();
+                assert!(rel_err(&a.output, &want) <= 1e-3, "{plan:?}: {}", rel_err(&a.output, &want));
+            }
+        }
+    };
+    let db = open(&store);
+    check(&db);
+    let (again, remaining) = db.create_session(&prompt).unwrap();
+    assert_eq!((remaining, again.reused_context()), (0, Some(("book+300", false))));
+    db.delete("book").unwrap();
+    assert!(db.open_session("book", None).is_err());
+    drop((again, db));
+    let db = open(&store);
+    check(&db);
+    let report = ctxfs_vfs::fsck::check(db.store().device().as_ref()).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn eight_concurrent_sessions_match_serial_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    let prefixes = [N, 3000, N, 7000, 2000, N, 5000, 6500];
+    let run = |i: usize| -> Vec<Vec<f32>> {
+        let s = db.open_session("book", Some(prefixes[i] as u32)).unwrap();
+        (0..4)
+            .flat_map(|step| (0..2).map(move |layer| (step, layer)))
+            .map(|(step, layer)| s.attention(layer, &b.decode_step(layer, (step + i) % 8)).unwrap().output)
+            .collect()
+    };
+    let serial: Vec<_> = (0..8).map(run).collect();
+    let parallel: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8).map(|i| s.spawn(move || run(i))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(serial, parallel);
+}
