@@ -198,6 +198,31 @@ impl Db {
         Session::new(self.clone(), snap, Some(reuse), Vec::new())
     }
 
+    /// Reads every index block (graph and keys) of a context and of the prefix it stands on
+    /// into the pool's index area, where they stay resident while it has room: what a server
+    /// does once per context so that sessions search memory and read only value blocks.
+    /// Returns the index blocks read.
+    pub fn warm(&self, name: &str) -> Result<u64> {
+        let snap = self.inner.store.snapshot();
+        let ctx = snap.context(name)?;
+        let shape = ctx.record().shape;
+        let total = ctx.token_count() as u32;
+        let mut read = 0;
+        for seg in segments(&snap, ctx.record().id, total)? {
+            for layer in 0..shape.layers {
+                for head in 0..shape.kv_heads {
+                    let file = self.inner.file(&snap, seg.context, layer, head)?;
+                    for chunk in file.index.chunks(256) {
+                        for g in self.inner.pool.get_many(chunk) {
+                            read += u64::from(g?.read_here());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(read)
+    }
+
     /// Deletes a context by name. Contexts stored on top of it keep its blocks alive.
     pub fn delete(&self, name: &str) -> Result<()> {
         let id = self.inner.store.snapshot().context(name)?.record().id;

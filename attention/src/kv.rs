@@ -3,14 +3,20 @@
 //! of shape [kv_heads, tokens, head_dim], optionally `layers.{l}.q` [q_heads, n, head_dim]
 //! (prefill queries that train the index) and `tokens` [tokens]; f32, f16 or bf16.
 //!
-//! The file is memory-mapped and read one (layer, kv head) at a time, so an import's memory
-//! is bounded by one head's keys and values, not by the file.
+//! Only the header is parsed up front; tensor data is read with positioned reads, one (layer,
+//! kv head) at a time, so an import's memory is bounded by one head's keys and values, not by
+//! the file (a memory map would leave the whole file resident in the importer).
 
 use crate::error::{input, Error, Result};
 use ctxfs_vfs::{DType, ModelShape};
 use half::{bf16, f16};
+use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
+
+/// Largest header accepted (safetensors' own limit).
+const MAX_HEADER: u64 = 100_000_000;
 
 /// A context's KV cache, one (layer, kv head) at a time.
 pub trait KvSource: Sync {
@@ -28,33 +34,61 @@ pub trait KvSource: Sync {
     fn train_queries(&self, layer: usize, kv_head: usize) -> Result<Vec<f32>>;
 }
 
-/// A memory-mapped safetensors context file, its shapes checked on open.
+/// A safetensors context file, its header parsed and shapes checked on open.
 pub struct SafetensorsKv {
-    map: memmap2::Mmap,
+    file: std::fs::File,
+    path: std::path::PathBuf,
+    meta: Metadata,
+    /// File offset of the data section.
+    data_start: u64,
     shape: ModelShape,
     tokens: usize,
     /// Prefill queries per layer (0 when the layer has none).
     queries: Vec<usize>,
 }
 
+/// Bytes read per call while checking values.
+const CHECK_CHUNK: usize = 8 << 20;
+
 impl SafetensorsKv {
-    /// Opens and checks a context file: tensor names, shapes and dtypes agree. Values are
-    /// checked by [`SafetensorsKv::check_values`].
+    /// Opens and checks a context file: header, tensor names, shapes and dtypes agree. Values
+    /// are checked by [`SafetensorsKv::check_values`].
     pub fn open(path: &Path, dtype: DType) -> Result<SafetensorsKv> {
+        let bad = |why: String| Error::Input(format!("{} is not a safetensors file: {why}", path.display()));
         let file =
             std::fs::File::open(path).map_err(|e| Error::Input(format!("cannot open {}: {e}", path.display())))?;
-        // SAFETY: the file is mapped read-only and not modified while mapped; a concurrent
-        // truncation by another process would fault the read, the usual caveat of mapped input.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| Error::Input(format!("cannot map {}: {e}", path.display())))?;
-        let st = parse(&map, path)?;
-        let layers = (0..).take_while(|l| st.tensor(&format!("layers.{l}.k")).is_ok()).count();
+        let len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+        let mut head = [0u8; 8];
+        file.read_exact_at(&mut head, 0).map_err(|_| bad("shorter than its 8-byte header length".into()))?;
+        let n = u64::from_le_bytes(head);
+        if n > MAX_HEADER || 8 + n > len {
+            return Err(bad(format!("header length {n} does not fit the file's {len} bytes")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8).map_err(|e| bad(e.to_string()))?;
+        let meta: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+        let data_len = len - 8 - n;
+        for (name, info) in meta.tensors() {
+            if info.data_offsets.1 as u64 > data_len {
+                return Err(bad(format!("tensor {name} lies beyond the end of the file")));
+            }
+        }
+        let mut kv = SafetensorsKv {
+            file,
+            path: path.to_path_buf(),
+            meta,
+            data_start: 8 + n,
+            shape: ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 1, dtype },
+            tokens: 0,
+            queries: Vec::new(),
+        };
+        let layers = (0..).take_while(|l| kv.meta.info(&format!("layers.{l}.k")).is_some()).count();
         if layers == 0 {
             return input(format!("{} has no layers.0.k tensor", path.display()));
         }
-        let k0 = shape_of(&st, "layers.0.k", &[None, None, None])?;
-        let (kv, n, d) = (k0[0], k0[1], k0[2]);
-        let q_heads = st.tensor("layers.0.q").map_or(kv, |t| t.shape().first().copied().unwrap_or(0));
+        let k0 = kv.shape_of("layers.0.k", &[None, None, None])?;
+        let (heads, n, d) = (k0[0], k0[1], k0[2]);
+        let q_heads = kv.meta.info("layers.0.q").map_or(heads, |t| t.shape.first().copied().unwrap_or(0));
         if n == 0 || n > u32::MAX as usize / 2 {
             return input(format!("{}: {n} tokens (expected 1..2^31)", path.display()));
         }
@@ -64,43 +98,75 @@ impl SafetensorsKv {
         let shape = ModelShape {
             layers: narrow(layers, "layers")?,
             q_heads: narrow(q_heads, "q heads")?,
-            kv_heads: narrow(kv, "kv heads")?,
+            kv_heads: narrow(heads, "kv heads")?,
             head_dim: narrow(d, "head dim")?,
             dtype,
         };
         shape.validate().map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
-        let mut queries = Vec::with_capacity(layers);
         for l in 0..layers {
-            shape_of(&st, &format!("layers.{l}.k"), &[Some(kv), Some(n), Some(d)])?;
-            shape_of(&st, &format!("layers.{l}.v"), &[Some(kv), Some(n), Some(d)])?;
+            for part in ["k", "v"] {
+                let name = format!("layers.{l}.{part}");
+                kv.shape_of(&name, &[Some(heads), Some(n), Some(d)])?;
+                element_size(&name, kv.meta.info(&name).expect("checked").dtype)?;
+            }
             let qname = format!("layers.{l}.q");
-            queries.push(match st.tensor(&qname) {
-                Ok(_) => shape_of(&st, &qname, &[Some(q_heads), None, Some(d)])?[1],
-                Err(_) => 0,
+            kv.queries.push(match kv.meta.info(&qname) {
+                Some(t) => {
+                    element_size(&qname, t.dtype)?;
+                    kv.shape_of(&qname, &[Some(q_heads), None, Some(d)])?[1]
+                }
+                None => 0,
             });
         }
-        if st.tensor("tokens").is_ok() {
-            shape_of(&st, "tokens", &[Some(n)])?;
+        if kv.meta.info("tokens").is_some() {
+            kv.shape_of("tokens", &[Some(n)])?;
         }
-        drop(st);
-        Ok(SafetensorsKv { map, shape, tokens: n, queries })
+        kv.shape = shape;
+        kv.tokens = n;
+        Ok(kv)
     }
 
-    fn st(&self) -> SafeTensors<'_> {
-        SafeTensors::deserialize(&self.map).expect("parsed on open")
+    /// A tensor's shape, checked against what is expected (`None` matches any size).
+    fn shape_of(&self, name: &str, expect: &[Option<usize>]) -> Result<Vec<usize>> {
+        let t = self.meta.info(name).ok_or_else(|| Error::Input(format!("missing tensor {name}")))?;
+        let fits = t.shape.len() == expect.len() && t.shape.iter().zip(expect).all(|(s, e)| e.is_none_or(|e| e == *s));
+        if !fits {
+            let dims: Vec<String> = expect.iter().map(|e| e.map_or("_".into(), |v| v.to_string())).collect();
+            return input(format!("tensor {name} has shape {:?}, expected [{}]", t.shape, dims.join(", ")));
+        }
+        Ok(t.shape.clone())
+    }
+
+    /// Bytes `[from, from + len)` of a tensor's data.
+    fn read(&self, name: &str, from: usize, len: usize) -> Result<Vec<u8>> {
+        let t = self.meta.info(name).ok_or_else(|| Error::Input(format!("missing tensor {name}")))?;
+        if from + len > t.data_offsets.1 - t.data_offsets.0 {
+            return input(format!("tensor {name} is shorter than its shape says"));
+        }
+        let mut buf = vec![0u8; len];
+        self.file
+            .read_exact_at(&mut buf, self.data_start + (t.data_offsets.0 + from) as u64)
+            .map_err(|e| Error::Input(format!("cannot read tensor {name} of {}: {e}", self.path.display())))?;
+        Ok(buf)
     }
 
     /// Checks every key, value and query is finite and fits the stored dtype, reporting the
     /// first offender by tensor and element. One sequential pass over the file, run before an
-    /// import writes anything.
+    /// import writes anything; `progress` is told the bytes checked.
     pub fn check_values(&self, mut progress: impl FnMut(u64)) -> Result<()> {
-        let st = self.st();
         for l in 0..self.shape.layers as usize {
             for part in ["k", "v", "q"] {
                 let name = format!("layers.{l}.{part}");
-                if let Ok(t) = st.tensor(&name) {
-                    check_finite(&name, t.dtype(), t.data(), self.shape.dtype)?;
-                    progress(t.data().len() as u64);
+                let Some(t) = self.meta.info(&name) else { continue };
+                let size = element_size(&name, t.dtype)?;
+                let total = t.data_offsets.1 - t.data_offsets.0;
+                let chunk = CHECK_CHUNK / size * size;
+                let mut at = 0;
+                while at < total {
+                    let len = chunk.min(total - at);
+                    check_finite(&name, t.dtype, &self.read(&name, at, len)?, at / size, self.shape.dtype)?;
+                    progress(len as u64);
+                    at += len;
                 }
             }
         }
@@ -109,13 +175,21 @@ impl SafetensorsKv {
 
     /// Bytes [`SafetensorsKv::check_values`] reads.
     pub fn tensor_bytes(&self) -> u64 {
-        let st = self.st();
-        st.tensors().iter().filter(|(n, _)| n.starts_with("layers.")).map(|(_, t)| t.data().len() as u64).sum()
+        self.meta
+            .tensors()
+            .iter()
+            .filter(|(n, _)| n.starts_with("layers."))
+            .map(|(_, t)| (t.data_offsets.1 - t.data_offsets.0) as u64)
+            .sum()
     }
 
+    /// Rows `head * rows .. (head + 1) * rows` of a `[heads, rows, head_dim]` tensor, as f32.
     fn head(&self, name: &str, head: usize, rows: usize) -> Result<Vec<f32>> {
         let d = self.shape.head_dim as usize;
-        f32s(&self.st(), name, head * rows * d..(head + 1) * rows * d)
+        let t = self.meta.info(name).ok_or_else(|| Error::Input(format!("missing tensor {name}")))?;
+        let size = element_size(name, t.dtype)?;
+        let bytes = self.read(name, head * rows * d * size, rows * d * size)?;
+        decode(name, t.dtype, &bytes, head * rows * d)
     }
 }
 
@@ -127,12 +201,11 @@ impl KvSource for SafetensorsKv {
         self.tokens
     }
     fn token_ids(&self) -> Result<Vec<u32>> {
-        let st = self.st();
-        let Ok(t) = st.tensor("tokens") else {
+        let Some(t) = self.meta.info("tokens") else {
             return Ok((0..self.tokens as u32).collect());
         };
-        let data = t.data();
-        let ids: Vec<i64> = match t.dtype() {
+        let data = self.read("tokens", 0, t.data_offsets.1 - t.data_offsets.0)?;
+        let ids: Vec<i64> = match t.dtype {
             Dtype::I64 => data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect(),
             Dtype::I32 => {
                 data.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64).collect()
@@ -159,30 +232,11 @@ impl KvSource for SafetensorsKv {
             return Ok(Vec::new());
         }
         let group = (self.shape.q_heads / self.shape.kv_heads) as usize;
-        let d = self.shape.head_dim as usize;
-        let name = format!("layers.{layer}.q");
-        f32s(&self.st(), &name, kv_head * group * m * d..(kv_head + 1) * group * m * d)
+        self.head(&format!("layers.{layer}.q"), kv_head, group * m)
     }
 }
 
-fn parse<'a>(bytes: &'a [u8], path: &Path) -> Result<SafeTensors<'a>> {
-    SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::Input(format!("{} is not a safetensors file: {e}", path.display())))
-}
-
-/// A tensor's shape, checked against what is expected (`None` matches any size).
-fn shape_of(st: &SafeTensors<'_>, name: &str, expect: &[Option<usize>]) -> Result<Vec<usize>> {
-    let t = st.tensor(name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
-    let shape = t.shape().to_vec();
-    let fits = shape.len() == expect.len() && shape.iter().zip(expect).all(|(s, e)| e.is_none_or(|e| e == *s));
-    if !fits {
-        let dims: Vec<String> = expect.iter().map(|e| e.map_or("_".into(), |v| v.to_string())).collect();
-        return input(format!("tensor {name} has shape {shape:?}, expected [{}]", dims.join(", ")));
-    }
-    Ok(shape)
-}
-
-/// Elements `range` of a tensor as f32.
+/// Elements `range` of a tensor of an in-memory safetensors file (a query file) as f32.
 pub fn f32s(st: &SafeTensors<'_>, name: &str, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
     let t = st.tensor(name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
     let size = element_size(name, t.dtype())?;
@@ -190,14 +244,20 @@ pub fn f32s(st: &SafeTensors<'_>, name: &str, range: std::ops::Range<usize>) -> 
     if range.end * size > data.len() {
         return input(format!("tensor {name} is shorter than its shape says"));
     }
-    let bytes = &data[range.start * size..range.end * size];
-    let out: Vec<f32> = match t.dtype() {
+    decode(name, t.dtype(), &data[range.start * size..range.end * size], range.start)
+}
+
+/// Elements of `dtype` as f32, refusing non-finite ones (`first`: the index of the first, for
+/// the message).
+fn decode(name: &str, dtype: Dtype, bytes: &[u8], first: usize) -> Result<Vec<f32>> {
+    let out: Vec<f32> = match dtype {
         Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
         Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        _ => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return input(format!("tensor {name} has dtype {other:?}; expected F32, F16 or BF16")),
     };
     if let Some(i) = out.iter().position(|x| !x.is_finite()) {
-        return input(format!("tensor {name} holds a non-finite value ({}) at element {}", out[i], range.start + i));
+        return input(format!("tensor {name} element {} = {} is not finite", first + i, out[i]));
     }
     Ok(out)
 }
@@ -211,8 +271,8 @@ fn element_size(name: &str, dtype: Dtype) -> Result<usize> {
 }
 
 /// Finds the first non-finite element, or one the stored dtype cannot hold, by its bits.
-fn check_finite(name: &str, dtype: Dtype, data: &[u8], stored: DType) -> Result<()> {
-    let bad = |i: usize, v: f32, why: &str| input(format!("tensor {name} element {i} = {v} {why}"));
+fn check_finite(name: &str, dtype: Dtype, data: &[u8], first: usize, stored: DType) -> Result<()> {
+    let bad = |i: usize, v: f32, why: &str| input(format!("tensor {name} element {} = {v} {why}", first + i));
     match dtype {
         Dtype::F16 => {
             for (i, c) in data.chunks_exact(2).enumerate() {

@@ -110,12 +110,32 @@ impl BufferPool {
 
     /// One block, pinned until the guard is dropped.
     pub fn get(&self, req: &BlockRequest) -> Result<PageGuard<'_>, BufferError> {
+        // A hit needs neither the batch bookkeeping nor an allocation: searches take one per hop.
+        if let Some(Ok(g)) = self.lookup(req, false) {
+            return Ok(g);
+        }
         self.get_many(std::slice::from_ref(req)).pop().expect("one result")
     }
 
     /// A set of blocks, pinned until their guards are dropped. Misses are read in one
     /// submission; requests for the same block, here or in other threads, share one read.
     pub fn get_many(&self, reqs: &[BlockRequest]) -> Vec<Result<PageGuard<'_>, BufferError>> {
+        // Leading hits (all of them, for resident index blocks) need no batch bookkeeping:
+        // searches call this once per hop. The rest goes through the batch path.
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            match self.lookup(r, false) {
+                Some(Ok(g)) => out.push(Ok(g)),
+                _ => break,
+            }
+        }
+        if out.len() < reqs.len() {
+            out.extend(self.load_many(&reqs[out.len()..]));
+        }
+        out
+    }
+
+    fn load_many(&self, reqs: &[BlockRequest]) -> Vec<Result<PageGuard<'_>, BufferError>> {
         let mut out: Vec<Option<Result<PageGuard<'_>, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
         for class in [BlockClass::Index, BlockClass::Data] {
             let mut distinct: Vec<u64> = reqs.iter().filter(|r| r.class() == class).map(|r| r.block).collect();

@@ -1,12 +1,28 @@
 //! `ctxfs bench search`: every search method side by side on generated attention, against
 //! exact attention over all tokens. Every method attends the same window (128 + 512 tokens).
+//!
+//! Besides the graph and flat searches, the coarse indexes (Quest pages, InfLLM blocks, PQ
+//! codes at PQCache's two settings) and graph top-k select at equal token budgets (1K, 2K,
+//! 4K). DIPRS has no budget: its range sets how many tokens it returns (fewer than 1K outside
+//! the window on generated data at β = 5·√d), so graph top-k is the graph index's row at
+//! each budget. A coarse method's budget counts every token it selects, including any that
+//! the window already holds (those are attended once); top-k's counts tokens outside it.
+//!
+//! Bytes per query, at 4 KiB blocks: `meta` is the index metadata a selection touched (a
+//! coarse method's page bounds, representatives or codes and centroids; for graph and flat
+//! rows, the key rows scored and the adjacency records expanded); `data` is 4 KiB per
+//! distinct value block of the retrieved tokens outside the window, and for coarse methods
+//! per key block too, since only their exact scores (from the keys) weigh the values.
 
 use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
+use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
+use ctxfs_index::coarse::pq::{Pq, PqParams};
+use ctxfs_index::coarse::quest::{Quest, QuestParams};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::Pair;
-use ctxfs_index::{build, flat, BuildParams, DiprsParams, MemKeys};
+use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemKeys};
 use ctxfs_kernels::Partial;
 use half::f16;
 use serde_json::json;
@@ -34,16 +50,66 @@ pub struct Args {
 
 const WINDOW: (usize, usize) = (128, 512);
 const GROUP: usize = 4;
+/// Token budgets of the coarse rows and of graph top-k beside them.
+const BUDGETS: [usize; 3] = [1024, 2048, 4096];
+/// The block size bytes are counted in.
+const BLOCK: usize = 4096;
+/// The coarse indexes, in the order they are built for each head.
+const COARSE: [&str; 4] = ["quest", "infllm", "pq m2b6", "pq m4b8"];
+
+/// How a row selects its tokens.
+#[derive(Clone, Copy)]
+enum Method {
+    /// Exact DIPR by a scan.
+    Flat,
+    /// Graph top-k, keeping the best `k` outside the window.
+    Topk(usize),
+    /// DIPRS.
+    Diprs { beta: f32, prefix: Option<u32> },
+    /// A coarse index (of [`COARSE`]) at a token budget.
+    Coarse { index: usize, budget: usize },
+}
 
 #[derive(Default, Clone)]
 struct Row {
     name: String,
+    budget: Option<usize>,
     recall: Vec<f64>,
     recovery: Vec<f64>,
     error: Vec<f64>,
     exact_dipr_error: Vec<f64>,
     scored: Vec<f64>,
     micros: Vec<f64>,
+    selected: Vec<f64>,
+    meta_bytes: Vec<f64>,
+    data_bytes: Vec<f64>,
+    meta_per_token: Vec<f64>,
+}
+
+/// The rows, in order: the graph and flat searches, then per budget graph top-k and the
+/// coarse indexes.
+fn methods(n: usize, sqrt_d: f32) -> Vec<(String, Method)> {
+    let beta = 5.0 * sqrt_d;
+    let plain = |beta: f32, prefix: Option<u32>| Method::Diprs { beta, prefix };
+    let mut m: Vec<(String, Method)> = vec![
+        ("flat".into(), Method::Flat),
+        ("topk k=100".into(), Method::Topk(100)),
+        ("topk k=2000".into(), Method::Topk(2000)),
+        ("diprs beta=2·√d".into(), plain(2.0 * sqrt_d, None)),
+        ("diprs beta=3·√d".into(), plain(3.0 * sqrt_d, None)),
+        ("diprs beta=5·√d".into(), plain(beta, None)),
+        ("diprs filtered 20%".into(), plain(beta, Some((n / 5) as u32))),
+        ("diprs filtered 50%".into(), plain(beta, Some((n / 2) as u32))),
+        ("diprs filtered 100%".into(), plain(beta, Some(n as u32))),
+    ];
+    for budget in BUDGETS {
+        let k = budget / 1024;
+        m.push((format!("topk k={k}K"), Method::Topk(budget)));
+        for (index, name) in COARSE.iter().enumerate() {
+            m.push((format!("{name} {k}K"), Method::Coarse { index, budget }));
+        }
+    }
+    m
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -85,61 +151,90 @@ pub fn run(a: Args) -> Result<()> {
         let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed: a.seed };
         let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
         let keys = MemKeys::new(d, h.keys.clone());
+        let prefill = h.prefill.concat();
         let started = Instant::now();
-        let (graph, report) = build(&keys, &h.prefill.concat(), &BuildParams::default());
+        let (graph, report) = build(&keys, &prefill, &BuildParams::default());
         builds.push(json!({
             "kv_head": kv, "sharpness": h.sharpness, "seconds": started.elapsed().as_secs_f64(),
             "knn_seconds": report.knn.as_secs_f64(), "projection_seconds": report.projection.as_secs_f64(),
             "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
         }));
         let idx = Pair { keys: &keys, graph: &graph };
+        let mut coarse: Vec<Box<dyn Coarse>> = Vec::new();
+        let mut coarse_seconds = serde_json::Map::new();
+        for name in COARSE {
+            let started = Instant::now();
+            coarse.push(match name {
+                "quest" => Box::new(Quest::build(&keys, &QuestParams::default()).map_err(anyhow::Error::msg)?),
+                "infllm" => {
+                    Box::new(Infllm::build(&keys, &prefill, &InfllmParams::default()).map_err(anyhow::Error::msg)?)
+                }
+                "pq m2b6" => Box::new(Pq::build(&keys, &PqParams::M2B6).map_err(anyhow::Error::msg)?),
+                _ => Box::new(Pq::build(&keys, &PqParams::M4B8).map_err(anyhow::Error::msg)?),
+            });
+            coarse_seconds.insert(name.into(), json!(started.elapsed().as_secs_f64()));
+        }
+        builds.last_mut().expect("pushed above")["coarse_seconds"] = coarse_seconds.into();
+        // Bytes the graph index holds per token: the key row and the adjacency record.
+        let graph_per_token = (2 * d + 4 * graph.degree) as f64;
+        let rows_per_block = ctxfs_vfs::max_payload(BLOCK) / (2 * d);
         for q in h.decode.concat().chunks(d) {
             let mut all = vec![0.0f32; n];
             ctxfs_kernels::scores(keys.data(), q, 1.0, &mut all);
             let all_ids: Vec<u32> = (0..n as u32).collect();
             let exact = attend(&all_ids, &all, &h.values, d, scale);
             let lse_full = exact.lse() as f64;
-            let methods: Vec<(String, f32, Option<u32>)> = vec![
-                ("flat".into(), reference_beta, None),
-                ("topk k=100".into(), reference_beta, None),
-                ("topk k=2000".into(), reference_beta, None),
-                ("diprs beta=2·√d".into(), 2.0 * sqrt_d, None),
-                ("diprs beta=3·√d".into(), 3.0 * sqrt_d, None),
-                ("diprs beta=5·√d".into(), reference_beta, None),
-                ("diprs filtered 20%".into(), reference_beta, Some((n / 5) as u32)),
-                ("diprs filtered 50%".into(), reference_beta, Some((n / 2) as u32)),
-                ("diprs filtered 100%".into(), reference_beta, Some(n as u32)),
-            ];
-            for (mi, (name, beta, prefix)) in methods.iter().enumerate() {
+            for (mi, (name, method)) in methods(n, sqrt_d).iter().enumerate() {
+                let (beta, prefix) = match *method {
+                    Method::Diprs { beta, prefix } => (beta, prefix),
+                    _ => (reference_beta, None),
+                };
                 let p_len = prefix.map_or(n, |p| p as usize);
                 let window =
                     ctxfs_attention::Window { init: WINDOW.0 as u32, recent: WINDOW.1 as u32 }.tokens(p_len as u32);
                 let win_set: BTreeSet<u32> = window.iter().copied().collect();
                 let win_max = window.iter().map(|&t| all[t as usize]).fold(f32::NEG_INFINITY, f32::max);
                 let t = Instant::now();
-                let found = match mi {
-                    0 => flat::dipr(&keys, q, *beta, win_max, *prefix)?,
-                    1 => topk(&idx, q, 100 + window.len(), 128 + window.len(), None)?,
-                    2 => topk(&idx, q, 2000 + window.len(), 2000 + window.len(), None)?,
-                    _ => diprs(
-                        &idx,
-                        q,
-                        &DiprsParams {
-                            beta: *beta,
-                            l0: 64,
-                            window_max: win_max,
-                            prefix: *prefix,
-                            ..Default::default()
-                        },
-                    )?,
+                // Tokens (best first for the searches, ascending for coarse indexes), keys
+                // scored, metadata bytes touched, and bytes per token the index holds.
+                let (ids, keys_scored, meta_bytes, per_token) = match *method {
+                    Method::Flat => {
+                        let f = flat::dipr(&keys, q, beta, win_max, prefix)?;
+                        let scored = f.stats.keys_scored;
+                        (f.ids, scored, scored * 2 * d as u64, (2 * d) as f64)
+                    }
+                    Method::Topk(k) => {
+                        let f = topk(&idx, q, k + window.len(), k.max(128) + window.len(), None)?;
+                        let meta = f.stats.keys_scored * 2 * d as u64 + f.stats.hops * 4 * graph.degree as u64;
+                        (f.ids, f.stats.keys_scored, meta, graph_per_token)
+                    }
+                    Method::Diprs { beta, prefix } => {
+                        let params = DiprsParams { beta, l0: 64, window_max: win_max, prefix, ..Default::default() };
+                        let f = diprs(&idx, q, &params)?;
+                        let meta = f.stats.keys_scored * 2 * d as u64 + f.stats.hops * 4 * graph.degree as u64;
+                        (f.ids, f.stats.keys_scored, meta, graph_per_token)
+                    }
+                    Method::Coarse { index, budget } => {
+                        let c = &coarse[index];
+                        let f = c.select(q, budget, None)?;
+                        (f.ids, f.stats.keys_scored, f.metadata_bytes, c.metadata_bytes_per_token())
+                    }
                 };
                 let micros = t.elapsed().as_secs_f64() * 1e6;
-                let mut retrieved: Vec<u32> = found.ids.iter().copied().filter(|t| !win_set.contains(t)).collect();
-                if mi == 1 {
-                    retrieved.truncate(100);
-                } else if mi == 2 {
-                    retrieved.truncate(2000);
-                }
+                let mut retrieved: Vec<u32> = ids.iter().copied().filter(|t| !win_set.contains(t)).collect();
+                let budget = match *method {
+                    Method::Topk(k) => {
+                        retrieved.truncate(k);
+                        Some(k)
+                    }
+                    Method::Coarse { budget, .. } => Some(budget),
+                    _ => None,
+                };
+                let mut blocks: Vec<usize> = retrieved.iter().map(|&t| t as usize / rows_per_block).collect();
+                blocks.sort_unstable();
+                blocks.dedup();
+                let per_block = if matches!(method, Method::Coarse { .. }) { 2 } else { 1 };
+                let data_bytes = (blocks.len() * per_block * BLOCK) as f64;
                 let selected: Vec<u32> = window.iter().copied().chain(retrieved.iter().copied()).collect();
                 let z: Vec<f32> = selected.iter().map(|&t| all[t as usize]).collect();
                 let part = attend(&selected, &z, &h.values, d, scale);
@@ -157,15 +252,19 @@ pub fn run(a: Args) -> Result<()> {
                 let exact_dipr = attend(&dipr_sel, &dz, &h.values, d, scale);
                 let lse_ref = if p_len == n { lse_full } else { exact_p.lse() as f64 };
                 if rows.len() <= mi {
-                    rows.push(Row { name: name.clone(), ..Default::default() });
+                    rows.push(Row { name: name.clone(), budget, ..Default::default() });
                 }
                 let r = &mut rows[mi];
                 r.recall.push(recall);
                 r.recovery.push((part.lse() as f64 - lse_ref).exp());
                 r.error.push(err(&part.o, &exact_p.o));
                 r.exact_dipr_error.push(err(&exact_dipr.o, &exact_p.o));
-                r.scored.push(found.stats.keys_scored as f64 / p_len as f64);
+                r.scored.push(keys_scored as f64 / p_len as f64);
                 r.micros.push(micros);
+                r.selected.push(selected.len() as f64);
+                r.meta_bytes.push(meta_bytes as f64);
+                r.data_bytes.push(data_bytes);
+                r.meta_per_token.push(per_token);
             }
         }
         bar.inc(n as u64);
@@ -181,6 +280,10 @@ pub fn run(a: Args) -> Result<()> {
                 "exact_dipr_output_error": mean(&r.exact_dipr_error), "keys_scored_fraction": mean(&r.scored),
                 "latency_median_us": median(r.micros.clone()), "latency_p99_us": p99(&r.micros),
                 "speedup_vs_flat": ratio(flat_lat, median(r.micros.clone())),
+                "budget_tokens": r.budget, "selected_tokens": mean(&r.selected),
+                "meta_bytes_per_query": mean(&r.meta_bytes), "data_bytes_per_query": mean(&r.data_bytes),
+                "bytes_per_query": mean(&r.meta_bytes) + mean(&r.data_bytes),
+                "metadata_bytes_per_token": mean(&r.meta_per_token),
             })
         })
         .collect();
@@ -201,21 +304,38 @@ pub fn run(a: Args) -> Result<()> {
         GROUP * a.queries
     );
     println!(
-        "{:<22} {:>7} {:>9} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8}",
-        "method", "recall", "recovery", "out err", "DIPR err", "scored", "median µs", "p99 µs", "vs flat"
+        "{:<22} {:>7} {:>9} {:>9} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8}",
+        "method",
+        "recall",
+        "recovery",
+        "out err",
+        "DIPR err",
+        "scored",
+        "sel",
+        "meta KiB",
+        "data KiB",
+        "B/tok",
+        "median µs",
+        "p99 µs",
+        "vs flat"
     );
     for r in &out_rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<22} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>10.0} {:>10.0} {:>7.1}×",
+            "{:<22} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>7.0} {:>8.1} {:>8.1} {:>7.1} {:>10.0} {:>10.0} {:>7.1}×",
             r["method"].as_str().unwrap_or(""),
-            r["dipr_recall"].as_f64().unwrap_or(0.0),
-            r["recovery"].as_f64().unwrap_or(0.0),
-            r["output_error"].as_f64().unwrap_or(0.0),
-            r["exact_dipr_output_error"].as_f64().unwrap_or(0.0),
-            r["keys_scored_fraction"].as_f64().unwrap_or(0.0) * 100.0,
-            r["latency_median_us"].as_f64().unwrap_or(0.0),
-            r["latency_p99_us"].as_f64().unwrap_or(0.0),
-            r["speedup_vs_flat"].as_f64().unwrap_or(0.0)
+            f("dipr_recall"),
+            f("recovery"),
+            f("output_error"),
+            f("exact_dipr_output_error"),
+            f("keys_scored_fraction") * 100.0,
+            f("selected_tokens"),
+            f("meta_bytes_per_query") / 1024.0,
+            f("data_bytes_per_query") / 1024.0,
+            f("metadata_bytes_per_token"),
+            f("latency_median_us"),
+            f("latency_p99_us"),
+            f("speedup_vs_flat")
         );
     }
     for b in &builds {
@@ -227,6 +347,11 @@ pub fn run(a: Args) -> Result<()> {
             b["projection_seconds"].as_f64().unwrap_or(0.0),
             b["enhancement_seconds"].as_f64().unwrap_or(0.0),
             b["training_queries"]
+        );
+        let c = &b["coarse_seconds"];
+        println!(
+            "  coarse builds: {}",
+            COARSE.map(|name| format!("{name} {:.2} s", c[name].as_f64().unwrap_or(0.0))).join(", ")
         );
     }
     println!(

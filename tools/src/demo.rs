@@ -303,7 +303,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
 }
 
 /// Bytes of the index streams and of the data streams of every stored context.
-fn stream_bytes(path: &std::path::Path, choice: DeviceChoice) -> Result<(u64, u64)> {
+pub(crate) fn stream_bytes(path: &std::path::Path, choice: DeviceChoice) -> Result<(u64, u64)> {
     let store = ctxfs_vfs::Store::open_path(path, choice)?;
     let bs = store.device().block_size() as u64;
     let snap = store.snapshot();

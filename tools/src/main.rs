@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_buffer;
+mod bench_decode;
 mod bench_io;
 mod bench_search;
 mod demo;
@@ -66,6 +67,9 @@ enum BenchCommand {
     Buffer(bench_buffer::Args),
     /// Every search method side by side on generated attention at equal windows.
     Search(bench_search::Args),
+    /// Decode steps of a Llama-3-8B-shaped 128K-token context on disk, against exact
+    /// attention over the same store and against loading the full KV, then attending.
+    Decode(bench_decode::Args),
 }
 
 fn main() -> ExitCode {
@@ -84,6 +88,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Io(args) } => bench_io::run(args, device),
         Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
         Command::Bench { which: BenchCommand::Search(args) } => bench_search::run(args),
+        Command::Bench { which: BenchCommand::Decode(args) } => bench_decode::run(args, device),
         Command::Demo(args) => demo::run(args, device),
         Command::Gen(args) => gen::run(args),
         Command::Import(args) => import::run(args, device),

@@ -554,3 +554,99 @@ fn bench_search_reports_every_method_against_exact_attention() {
     assert!(v["ratios"]["filtered20_vs_unfiltered_latency"].as_f64().unwrap() > 0.0);
     assert_eq!(v["build"].as_array().unwrap().len(), 1);
 }
+
+/// A context file of many thin layers: large against one head's working set.
+fn thin_layers(dir: &Path) -> std::path::PathBuf {
+    let ctx = dir.join("thin.safetensors");
+    let args = ["--tokens", "8192", "--layers", "32", "--q-heads", "1", "--kv-heads", "1", "--head-dim", "64"];
+    ok(&[&["gen", p(&ctx)][..], &args, &["--queries", "256", "--decode-queries", "1"]].concat());
+    ctx
+}
+
+/// Peak resident memory of a running child, polled until it exits (VmHWM only grows).
+fn peak_rss_kib(child: &mut std::process::Child) -> (std::process::ExitStatus, u64) {
+    let mut peak = 0;
+    loop {
+        if let Ok(s) = std::fs::read_to_string(format!("/proc/{}/status", child.id())) {
+            if let Some(kib) = s.lines().find_map(|l| l.strip_prefix("VmHWM:")) {
+                peak = peak.max(kib.trim().trim_end_matches("kB").trim().parse().unwrap_or(0));
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status, peak);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn import_streams_a_file_larger_than_its_memory_and_buffer_budget() {
+    let dir = tmp();
+    let ctx = thin_layers(dir.path());
+    let file_kib = std::fs::metadata(&ctx).unwrap().len() / 1024;
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "512M"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(["import", p(&store), p(&ctx), "--name", "thin", "--json"])
+        .env_remove("CTXFS_DEVICE")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (status, peak) = peak_rss_kib(&mut child);
+    assert!(status.success());
+    // The import's buffer pool is 16 MiB and it holds one head at a time: its peak stays
+    // well below the 67 MiB it reads.
+    assert!(file_kib > 60 * 1024, "{file_kib} KiB");
+    assert!(peak < file_kib / 2, "peak RSS {peak} KiB for a {file_kib} KiB file");
+    let v = json(&["inspect", p(&store), "--json"]);
+    assert_eq!(v["contexts"][0]["name"], "thin");
+    assert_eq!(v["contexts"][0]["shape"]["layers"], 32);
+}
+
+#[test]
+fn an_interrupted_import_leaves_nothing_visible_and_no_space_lost() {
+    let dir = tmp();
+    let ctx = thin_layers(dir.path());
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "512M"]);
+    let before = json(&["inspect", p(&store), "--json"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(["import", p(&store), p(&ctx), "--name", "thin"])
+        .env_remove("CTXFS_DEVICE")
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(child.try_wait().unwrap().is_none(), "the import must still be running to be interrupted");
+    child.kill().unwrap();
+    assert!(!child.wait().unwrap().success());
+    let after = json(&["inspect", p(&store), "--json"]);
+    assert_eq!(after["contexts"], before["contexts"], "nothing visible");
+    assert_eq!(after["superblock"]["generation"], before["superblock"]["generation"]);
+    assert_eq!(after["space"]["free_blocks"], before["space"]["free_blocks"], "no space lost");
+    // The blocks it wrote were never allocated by a commit: fsck finds nothing to reclaim.
+    let out = ctxfs(&["fsck", p(&store), "--repair"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    ok(&["import", p(&store), p(&ctx), "--name", "thin"]);
+}
+
+#[test]
+fn import_into_a_full_store_is_refused_before_writing() {
+    let dir = tmp();
+    let ctx = thin_layers(dir.path());
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "16M"]);
+    let before = json(&["inspect", p(&store), "--json"]);
+    let out = ctxfs(&["import", p(&store), p(&ctx), "--name", "thin"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("store full") && err.contains("blocks"), "{err}");
+    let after = json(&["inspect", p(&store), "--json"]);
+    assert_eq!(after["superblock"]["generation"], before["superblock"]["generation"], "nothing was committed");
+    assert_eq!(after["space"], before["space"]);
+    // The same name twice: the second import is refused, the first context untouched.
+    let big = dir.path().join("big.ctxfs");
+    ok(&["mkfs", p(&big), "--size", "512M"]);
+    ok(&["import", p(&big), p(&ctx), "--name", "thin"]);
+    let again = ctxfs(&["import", p(&big), p(&ctx), "--name", "thin"]);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+}

@@ -1,0 +1,272 @@
+//! Coarse-grained indexes: per (layer, kv head) metadata much smaller than the keys, scored
+//! against a decode query to choose the tokens whose exact attention the caller computes.
+//!
+//! * [`quest`]: per page of P tokens, each channel's minimum and maximum key (Quest);
+//! * [`infllm`]: per block of B tokens, r representative keys (InfLLM);
+//! * [`pq`]: per token, product-quantisation codes against per-subspace centroids (PQCache).
+//!
+//! Each method has an in-memory form (`build`, `payloads`) and a paged reader (`open`) that
+//! scores directly on buffer-pool pages. Both run the same scoring code over the same record
+//! layout (only where the bytes come from differs), so they answer identically. All of them
+//! implement [`Coarse`]: `select(q, budget_tokens, prefix)` returns the chosen token ids in
+//! ascending order.
+//!
+//! # On-disk payloads (shared rules)
+//!
+//! A method's payloads are a run of blocks, meant to be appended to the index stream after
+//! the graph index; its reader takes the slice of block requests of that run. Block 0 of the
+//! run is the **meta block**: a 4-byte magic, the format version ([`COARSE_VERSION`]) as a
+//! little-endian u32 at byte 4, then the method's fields, each a little-endian u32, from
+//! byte 8 (each module documents its fields). The other blocks hold fixed-size records,
+//! `per_block` of them to a block (the last block may hold fewer), record `i` in block
+//! `i / per_block` of its section at byte `(i % per_block) · record_size`. f16 values are
+//! IEEE binary16, little-endian. A record never spans two blocks.
+
+pub mod infllm;
+pub mod pq;
+pub mod quest;
+
+use crate::stats::SearchStats;
+use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard};
+use ctxfs_vfs::BlockFault;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The layout version of every coarse index's payloads.
+pub const COARSE_VERSION: u32 = 1;
+
+/// What a coarse selection chose, and what choosing it cost.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CoarseResult {
+    /// The selected tokens, ascending (pages and blocks become runs of consecutive ids).
+    pub ids: Vec<u32>,
+    /// `keys_scored`: metadata entries scored (page bounds, representative keys, PQ codes);
+    /// `blocks_touched` and `blocks_read`: metadata blocks pinned and read (paged readers).
+    pub stats: SearchStats,
+    /// Bytes of metadata the selection scored (the same for the in-memory and paged forms).
+    pub metadata_bytes: u64,
+}
+
+/// A coarse index, in memory or on buffered pages.
+pub trait Coarse {
+    /// Tokens the index covers.
+    fn tokens(&self) -> u32;
+    /// Metadata stored per token: per-token records, with fixed parts (PQ centroids)
+    /// amortised over the tokens; the meta block and block headers are left out.
+    fn metadata_bytes_per_token(&self) -> f64;
+    /// The tokens to attend for `q` (`dim` elements): at most `budget_tokens`, only tokens
+    /// below `prefix` when one is given. Pages and blocks are taken whole, best first, until
+    /// the next one would not fit (so up to a unit less than the budget); PQ takes exactly
+    /// the budget's count of best tokens. Fails on a storage error, a block that contradicts
+    /// its meta block (the error names it), or a query of another dimension.
+    fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError>;
+}
+
+/// Called with each run of records: its first record's index and its bytes. An `Err` says
+/// the bytes are malformed.
+type Visitor<'a> = dyn FnMut(usize, &[u8]) -> Result<(), String> + 'a;
+
+/// Fixed-size records, read in runs of whole records: how every coarse index reaches its
+/// metadata, whether it lies in one array or across pinned pages.
+trait Records {
+    /// Calls `f(first, bytes)` for the records of `range`, in order, in runs of whole records
+    /// (`first` is the run's first record). An error from `f` (malformed contents) or from
+    /// the storage ends the visit. Counts pinned blocks in `stats`.
+    fn visit(&self, range: Range<usize>, stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError>;
+}
+
+/// Records in one array (the in-memory form of every method).
+struct MemRecords<'a> {
+    bytes: &'a [u8],
+    size: usize,
+}
+
+impl Records for MemRecords<'_> {
+    fn visit(&self, range: Range<usize>, _stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError> {
+        f(range.start, &self.bytes[range.start * self.size..range.end * self.size]).map_err(invalid)
+    }
+}
+
+/// A request the index cannot answer (a query of the wrong dimension, or in-memory records
+/// that contradict their own parameters), as an error rather than a panic.
+fn invalid(why: String) -> BufferError {
+    BufferError::Block(Arc::new(ctxfs_vfs::Error::InvalidArgument(why)))
+}
+
+/// Checks the query's dimension against the index's (which may come from a meta block).
+fn check_query(q: &[f32], dim: usize) -> Result<(), BufferError> {
+    if q.len() != dim {
+        return Err(invalid(format!("a query of {} elements for an index of dimension {dim}", q.len())));
+    }
+    Ok(())
+}
+
+/// Blocks pinned per batch: a scan of a long context's metadata must not ask for more frames
+/// than the pool's index area has at once.
+const PIN_BATCH: usize = 64;
+
+/// Records packed `per_block` to a block in a run of blocks read through the pool.
+struct PagedRecords<'p> {
+    pool: &'p BufferPool,
+    blocks: &'p [BlockRequest],
+    size: usize,
+    per_block: usize,
+}
+
+/// A block whose contents contradict its index's meta block, as a storage error naming it.
+fn malformed(req: &BlockRequest, why: String) -> BufferError {
+    BufferError::Block(Arc::new(ctxfs_vfs::Error::mismatch(req.block, &req.expect, BlockFault::Malformed(why))))
+}
+
+impl Records for PagedRecords<'_> {
+    fn visit(&self, range: Range<usize>, stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        let per = self.per_block;
+        let wanted = range.start / per..(range.end - 1) / per + 1;
+        for batch in wanted.clone().step_by(PIN_BATCH) {
+            let reqs = &self.blocks[batch..(batch + PIN_BATCH).min(wanted.end)];
+            let guards: Vec<PageGuard<'_>> = self.pool.get_many(reqs).into_iter().collect::<Result<_, _>>()?;
+            stats.blocks_touched += guards.len() as u64;
+            stats.blocks_read += guards.iter().filter(|g| g.read_here()).count() as u64;
+            for (i, g) in guards.iter().enumerate() {
+                let b = batch + i;
+                let first = range.start.max(b * per);
+                let last = range.end.min((b + 1) * per);
+                let (lo, hi) = ((first - b * per) * self.size, (last - b * per) * self.size);
+                let p = g.payload();
+                if p.len() < hi {
+                    return Err(malformed(
+                        &reqs[i],
+                        format!("coarse index block holds {} bytes, its records need {hi}", p.len()),
+                    ));
+                }
+                f(first, &p[lo..hi]).map_err(|why| malformed(&reqs[i], why))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Packs records (`size` bytes each) into block payloads: how many fit a block, and the blocks.
+fn pack(bytes: &[u8], size: usize, payload: usize, what: &str) -> Result<(u32, Vec<Vec<u8>>), String> {
+    let per = payload / size;
+    if per == 0 {
+        return Err(format!("a {what} record of {size} bytes does not fit a block payload of {payload} bytes"));
+    }
+    Ok((per as u32, bytes.chunks(per * size).map(<[u8]>::to_vec).collect()))
+}
+
+/// A meta block: magic, version, then `fields` as little-endian u32.
+fn encode_meta(magic: &[u8; 4], fields: &[u32]) -> Vec<u8> {
+    let mut out = magic.to_vec();
+    for v in std::iter::once(COARSE_VERSION).chain(fields.iter().copied()) {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// The `n` fields of a meta block written by [`encode_meta`], or why it is not one.
+fn decode_meta(b: &[u8], magic: &[u8; 4], what: &str, n: usize) -> Result<Vec<u32>, String> {
+    if b.len() < 8 + 4 * n || &b[..4] != magic {
+        return Err(format!("{what} meta block: bad magic or length ({} bytes)", b.len()));
+    }
+    let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    if word(4) != COARSE_VERSION {
+        return Err(format!("{what} layout version {} (this build reads {COARSE_VERSION})", word(4)));
+    }
+    Ok((0..n).map(|i| word(8 + 4 * i)).collect())
+}
+
+/// Reads the meta block of a run of coarse-index blocks.
+fn read_meta(pool: &BufferPool, blocks: &[BlockRequest], what: &str) -> Result<Vec<u8>, String> {
+    let first = blocks.first().ok_or_else(|| format!("empty {what} block run"))?;
+    Ok(pool.get(first).map_err(|e| e.to_string())?.payload().to_vec())
+}
+
+/// A run of record blocks: `records` of `size` bytes, `per_block` to a block.
+#[derive(Clone, Copy)]
+struct Section {
+    records: usize,
+    size: usize,
+    per_block: usize,
+}
+
+/// Blocks of a whole run: the meta block and every section's blocks.
+fn run_blocks(sections: &[Section]) -> usize {
+    1 + sections.iter().map(|s| s.records.div_ceil(s.per_block.max(1))).sum::<usize>()
+}
+
+/// Checks that a run holds exactly the meta block and the sections' blocks, and that a
+/// section's records fit the pool's blocks (so the meta block cannot make a reader allocate
+/// more than the blocks it has could hold).
+fn check_run(pool: &BufferPool, have: usize, sections: &[Section], what: &str) -> Result<(), String> {
+    let payload = ctxfs_vfs::max_payload(pool.block_size());
+    for s in sections {
+        if s.per_block == 0 || s.size == 0 || s.per_block.saturating_mul(s.size) > payload {
+            return Err(format!("{what} meta block: {} records of {} bytes do not fit a block", s.per_block, s.size));
+        }
+    }
+    let need = run_blocks(sections);
+    if have != need {
+        return Err(format!("{what} has {have} blocks, its meta block needs {need}"));
+    }
+    Ok(())
+}
+
+/// Which coarse index a meta block begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CoarseKind {
+    Quest,
+    Infllm,
+    Pq,
+}
+
+/// The kind of coarse index whose meta block is `meta`, and how many blocks its run holds
+/// (the meta block included): what a reader needs to walk runs stored one after another.
+pub fn run_of(meta: &[u8]) -> Result<(CoarseKind, usize), String> {
+    match meta.get(..4) {
+        Some(m) if m == quest::MAGIC => Ok((CoarseKind::Quest, quest::QuestMeta::decode(meta)?.run_blocks())),
+        Some(m) if m == infllm::MAGIC => Ok((CoarseKind::Infllm, infllm::InfllmMeta::decode(meta)?.run_blocks())),
+        Some(m) if m == pq::MAGIC => Ok((CoarseKind::Pq, pq::PqMeta::decode(meta)?.run_blocks())),
+        _ => Err("not the meta block of a coarse index (unknown magic)".into()),
+    }
+}
+
+/// Units (pages or blocks of `unit` tokens covering `0..limit`) best first by `scores`
+/// (ties: the lower unit), taken while the whole next unit fits the budget; their tokens,
+/// ascending.
+fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+    let mut taken = Vec::new();
+    let mut used = 0usize;
+    for u in order {
+        let len = ((u + 1).saturating_mul(unit)).min(limit) - u * unit;
+        if used + len as usize > budget {
+            break;
+        }
+        used += len as usize;
+        taken.push(u);
+    }
+    taken.sort_unstable();
+    taken.iter().flat_map(|&u| u * unit..((u + 1).saturating_mul(unit)).min(limit)).collect()
+}
+
+/// The `k` best tokens by `scores` (ties: the lower id), ascending.
+fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..scores.len() as u32).collect();
+    let order = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k, order);
+        ids.truncate(k);
+    }
+    ids.sort_unstable();
+    ids
+}
+
+/// Tokens a selection may return: those below the prefix, if one is given.
+fn limit(tokens: u32, prefix: Option<u32>) -> u32 {
+    prefix.map_or(tokens, |p| p.min(tokens))
+}

@@ -1,0 +1,508 @@
+//! PQCache (Zhang et al., 2025): product quantisation of one kv head's keys. The d channels
+//! split into m subspaces of d/m; k-means in each gives 2^b centroids; every token keeps,
+//! per subspace, the code of its nearest centroid. For a query, `LUT[j][c]` = q_j · centroid
+//! (j, c) (q_j the query's part in subspace j), and a token's approximate score is
+//! `Σ_j LUT[j][code(t, j)]` = q · (the token's reconstructed key). The best `budget` tokens by
+//! approximate score are selected; the caller computes their exact attention.
+//!
+//! The paper's two settings are [`PqParams::M2B6`] (LongBench: m = 2, b = 6) and
+//! [`PqParams::M4B8`] (InfiniteBench: m = 4, b = 8). Codes take one byte per subspace
+//! (b ≤ 8; the paper packs b bits, which at b = 6 would save a quarter of the codes), and
+//! centroids are stored in f16, like the keys they summarise.
+//!
+//! **k-means**, per subspace, deterministic for a seed: on at most 256 · 2^b keys sampled
+//! without replacement (all of them when there are fewer; more barely moves centroids and
+//! costs linear time), k-means++ seeding, then at most `iters` Lloyd iterations, stopping
+//! early when no key changes cluster. A cluster left empty is re-seeded with the key
+//! farthest from its centroid. The final codes assign every key to the nearest of the
+//! f16-rounded centroids, the ones stored and scored.
+//!
+//! # Payloads
+//!
+//! Meta block (magic `CXPQ`):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic `CXPQ` |
+//! | 4..8 | version (1) |
+//! | 8..12 | tokens |
+//! | 12..16 | dim (d) |
+//! | 16..20 | m (subspaces; d is a multiple of m) |
+//! | 20..24 | bits (b, 1..=8) |
+//! | 24..28 | iters (the build's iteration cap, for the record) |
+//! | 28..32 | seed, low 32 bits |
+//! | 32..36 | seed, high 32 bits |
+//! | 36..40 | centroids_per_block (C) |
+//! | 40..44 | codes_per_block (T, tokens) |
+//!
+//! Then ⌈m · 2^b / C⌉ centroid blocks: centroid `c` of subspace `j` is row `j · 2^b + c`,
+//! record `row % C` of centroid block `row / C`, d/m f16 (2·d/m bytes). Then
+//! ⌈tokens / T⌉ code blocks: token `t`'s m codes (one u8 per subspace, in subspace order)
+//! are record `t % T` of code block `t / T`.
+
+use super::{check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
+use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
+use crate::mem::MemKeys;
+use crate::source::Keys;
+use crate::stats::SearchStats;
+use crate::synth::Rng;
+use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use half::f16;
+
+pub(super) const MAGIC: &[u8; 4] = b"CXPQ";
+
+/// Keys sampled per centroid to train k-means (FAISS's default cap).
+const TRAIN_PER_CENTROID: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PqParams {
+    /// Subspaces (m); the head dimension must be a multiple of it.
+    pub m: u32,
+    /// Bits per code (b, 1..=8): 2^b centroids per subspace.
+    pub bits: u32,
+    /// Lloyd iterations at most.
+    pub iters: u32,
+    pub seed: u64,
+}
+
+impl PqParams {
+    /// PQCache's LongBench setting.
+    pub const M2B6: PqParams = PqParams { m: 2, bits: 6, iters: 25, seed: 0 };
+    /// PQCache's InfiniteBench setting.
+    pub const M4B8: PqParams = PqParams { m: 4, bits: 8, iters: 25, seed: 0 };
+}
+
+impl Default for PqParams {
+    fn default() -> Self {
+        PqParams::M2B6
+    }
+}
+
+/// The meta block of a stored PQ index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PqMeta {
+    pub tokens: u32,
+    pub dim: u32,
+    pub params: PqParams,
+    pub centroids_per_block: u32,
+    pub codes_per_block: u32,
+}
+
+impl PqMeta {
+    pub fn encode(&self) -> Vec<u8> {
+        let p = &self.params;
+        encode_meta(
+            MAGIC,
+            &[
+                self.tokens,
+                self.dim,
+                p.m,
+                p.bits,
+                p.iters,
+                p.seed as u32,
+                (p.seed >> 32) as u32,
+                self.centroids_per_block,
+                self.codes_per_block,
+            ],
+        )
+    }
+    pub fn decode(b: &[u8]) -> Result<PqMeta, String> {
+        let f = decode_meta(b, MAGIC, "pq", 9)?;
+        let params = PqParams { m: f[2], bits: f[3], iters: f[4], seed: f[5] as u64 | (f[6] as u64) << 32 };
+        let m = PqMeta { tokens: f[0], dim: f[1], params, centroids_per_block: f[7], codes_per_block: f[8] };
+        if check_params(m.dim as usize, &params).is_err() || m.centroids_per_block == 0 || m.codes_per_block == 0 {
+            return Err(format!("pq meta block: inconsistent fields {m:?}"));
+        }
+        Ok(m)
+    }
+    /// Blocks of the whole run, the meta block included.
+    pub fn run_blocks(&self) -> usize {
+        run_blocks(&self.sections())
+    }
+    /// The centroid rows, then the codes.
+    fn sections(&self) -> [Section; 2] {
+        let s = self.shape();
+        [
+            Section { records: s.m * s.k, size: 2 * s.sub(), per_block: self.centroids_per_block as usize },
+            Section { records: self.tokens as usize, size: s.m, per_block: self.codes_per_block as usize },
+        ]
+    }
+    fn shape(&self) -> Shape {
+        Shape { tokens: self.tokens, dim: self.dim as usize, m: self.params.m as usize, k: 1 << self.params.bits }
+    }
+}
+
+fn check_params(dim: usize, p: &PqParams) -> Result<(), String> {
+    if p.m == 0 || dim == 0 || !dim.is_multiple_of(p.m as usize) || !(1..=8).contains(&p.bits) {
+        return Err(format!("pq: {dim} channels cannot be split by {p:?} (m must divide d, 1 ≤ bits ≤ 8)"));
+    }
+    Ok(())
+}
+
+/// What scoring needs to know about the records.
+#[derive(Clone, Copy)]
+struct Shape {
+    tokens: u32,
+    dim: usize,
+    m: usize,
+    /// Centroids per subspace.
+    k: usize,
+}
+
+impl Shape {
+    fn sub(&self) -> usize {
+        self.dim / self.m
+    }
+    /// Bytes of all centroids.
+    fn centroid_bytes(&self) -> usize {
+        self.m * self.k * self.sub() * 2
+    }
+    fn per_token(&self) -> f64 {
+        self.m as f64 + self.centroid_bytes() as f64 / self.tokens.max(1) as f64
+    }
+}
+
+/// One subspace's quantiser, as a build thread returns it.
+struct Subspace {
+    index: usize,
+    centroids: Vec<f16>,
+    /// One per token.
+    codes: Vec<u8>,
+}
+
+/// Codes and centroids in memory: what the import builds and encodes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pq {
+    tokens: u32,
+    dim: usize,
+    params: PqParams,
+    /// `m · 2^b` rows of `d / m`: subspace `j`'s centroid `c` is row `j · 2^b + c`.
+    centroids: Vec<f16>,
+    /// `m` codes per token.
+    codes: Vec<u8>,
+}
+
+impl Pq {
+    /// Trains the centroids and encodes every key (subspaces in parallel; the result does
+    /// not depend on the thread count).
+    pub fn build(keys: &MemKeys, p: &PqParams) -> Result<Pq, String> {
+        let (d, n) = (keys.dim(), keys.len() as usize);
+        check_params(d, p)?;
+        let (m, k) = (p.m as usize, 1usize << p.bits);
+        let sub = d / m;
+        let encode = |j: usize| {
+            let points: Vec<f32> =
+                (0..n as u32).flat_map(|t| keys.row(t)[j * sub..(j + 1) * sub].iter().map(|x| x.to_f32())).collect();
+            let mut rng = Rng::new(p.seed ^ (j as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let trained = kmeans(&points, sub, k, p.iters, &mut rng);
+            let centroids: Vec<f16> = trained.iter().map(|&x| f16::from_f32(x)).collect();
+            let rounded: Vec<f32> = centroids.iter().map(|x| x.to_f32()).collect();
+            let mut nearest = Nearest::new(&rounded, sub);
+            let codes = points.chunks_exact(sub).map(|x| nearest.find(x) as u8).collect();
+            Subspace { index: j, centroids, codes }
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(m);
+        let mut parts: Vec<Subspace> = std::thread::scope(|s| {
+            let encode = &encode;
+            let handles: Vec<_> = (0..threads)
+                .map(|w| s.spawn(move || (w..m).step_by(threads).map(encode).collect::<Vec<_>>()))
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("pq build thread panicked")).collect()
+        });
+        parts.sort_by_key(|part| part.index);
+        let centroids = parts.iter().flat_map(|part| part.centroids.iter().copied()).collect();
+        let mut codes = vec![0u8; n * m];
+        for part in &parts {
+            for (t, &code) in part.codes.iter().enumerate() {
+                codes[t * m + part.index] = code;
+            }
+        }
+        Ok(Pq { tokens: n as u32, dim: d, params: *p, centroids, codes })
+    }
+
+    pub fn params(&self) -> &PqParams {
+        &self.params
+    }
+
+    /// Token `t`'s key as its codes reconstruct it.
+    pub fn reconstruct(&self, t: u32) -> Vec<f32> {
+        let s = self.shape();
+        let codes = &self.codes[t as usize * s.m..(t as usize + 1) * s.m];
+        let row = |j: usize| j * s.k + codes[j] as usize;
+        (0..s.m)
+            .flat_map(|j| self.centroids[row(j) * s.sub()..(row(j) + 1) * s.sub()].iter().map(|x| x.to_f32()))
+            .collect()
+    }
+
+    /// Every approximate score below the prefix (what [`Coarse::select`] ranks).
+    pub fn token_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
+        let (c, k) = self.mem();
+        Ok(token_scores(&c, &k, self.shape(), q, prefix)?.0)
+    }
+
+    /// The meta block, the centroid blocks, then the code blocks, for blocks of `payload`
+    /// bytes.
+    pub fn payloads(&self, payload: usize) -> Result<Vec<Vec<u8>>, String> {
+        let s = self.shape();
+        let (cper, cblocks) = pack(bytemuck::cast_slice(&self.centroids), 2 * s.sub(), payload, "pq centroid")?;
+        let (tper, tblocks) = pack(&self.codes, s.m, payload, "pq code")?;
+        let meta = PqMeta {
+            tokens: self.tokens,
+            dim: self.dim as u32,
+            params: self.params,
+            centroids_per_block: cper,
+            codes_per_block: tper,
+        };
+        Ok(std::iter::once(meta.encode()).chain(cblocks).chain(tblocks).collect())
+    }
+
+    fn shape(&self) -> Shape {
+        Shape { tokens: self.tokens, dim: self.dim, m: self.params.m as usize, k: 1 << self.params.bits }
+    }
+    fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>) {
+        let s = self.shape();
+        (
+            MemRecords { bytes: bytemuck::cast_slice(&self.centroids), size: 2 * s.sub() },
+            MemRecords { bytes: &self.codes, size: s.m },
+        )
+    }
+}
+
+impl Coarse for Pq {
+    fn tokens(&self) -> u32 {
+        self.tokens
+    }
+    fn metadata_bytes_per_token(&self) -> f64 {
+        self.shape().per_token()
+    }
+    fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
+        let (c, k) = self.mem();
+        select(&c, &k, self.shape(), q, budget_tokens, prefix)
+    }
+}
+
+/// A stored PQ index read through the buffer pool.
+pub struct PagedPq<'p> {
+    meta: PqMeta,
+    centroids: PagedRecords<'p>,
+    codes: PagedRecords<'p>,
+}
+
+impl<'p> PagedPq<'p> {
+    /// Opens a PQ index from the block requests of its run (meta block first).
+    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedPq<'p>, String> {
+        let meta = PqMeta::decode(&read_meta(pool, blocks, "pq index")?)?;
+        let [c, t] = meta.sections();
+        check_run(pool, blocks.len(), &[c, t], "pq index")?;
+        let split = 1 + c.records.div_ceil(c.per_block);
+        Ok(PagedPq {
+            meta,
+            centroids: PagedRecords { pool, blocks: &blocks[1..split], size: c.size, per_block: c.per_block },
+            codes: PagedRecords { pool, blocks: &blocks[split..], size: t.size, per_block: t.per_block },
+        })
+    }
+
+    pub fn meta(&self) -> &PqMeta {
+        &self.meta
+    }
+
+    /// Every approximate score below the prefix, as [`Pq::token_scores`].
+    pub fn token_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
+        Ok(token_scores(&self.centroids, &self.codes, self.meta.shape(), q, prefix)?.0)
+    }
+}
+
+impl Coarse for PagedPq<'_> {
+    fn tokens(&self) -> u32 {
+        self.meta.tokens
+    }
+    fn metadata_bytes_per_token(&self) -> f64 {
+        self.meta.shape().per_token()
+    }
+    fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
+        select(&self.centroids, &self.codes, self.meta.shape(), q, budget_tokens, prefix)
+    }
+}
+
+/// The lookup table (one pass over the centroids), then every token's approximate score.
+fn token_scores(
+    centroids: &dyn Records,
+    codes: &dyn Records,
+    s: Shape,
+    q: &[f32],
+    prefix: Option<u32>,
+) -> Result<(Vec<f32>, SearchStats), BufferError> {
+    check_query(q, s.dim)?;
+    let sub = s.sub();
+    let mut stats = SearchStats::default();
+    let mut lut = vec![0.0f32; s.m * s.k];
+    centroids.visit(0..s.m * s.k, &mut stats, &mut |first, bytes| {
+        let rows: &[f16] = bytemuck::cast_slice(bytes);
+        for (i, row) in rows.chunks_exact(sub).enumerate() {
+            let j = (first + i) / s.k;
+            lut[first + i] = ctxfs_kernels::dot(row, &q[j * sub..(j + 1) * sub]);
+        }
+        Ok(())
+    })?;
+    let lim = limit(s.tokens, prefix) as usize;
+    let mut out = vec![0.0f32; lim];
+    codes.visit(0..lim, &mut stats, &mut |first, bytes| {
+        for (i, codes) in bytes.chunks_exact(s.m).enumerate() {
+            let mut score = 0.0;
+            for (j, &c) in codes.iter().enumerate() {
+                if c as usize >= s.k {
+                    return Err(format!("pq code {c} of token {} exceeds the {} centroids", first + i, s.k));
+                }
+                score += lut[j * s.k + c as usize];
+            }
+            out[first + i] = score;
+        }
+        Ok(())
+    })?;
+    stats.keys_scored = lim as u64;
+    Ok((out, stats))
+}
+
+fn select(
+    centroids: &dyn Records,
+    codes: &dyn Records,
+    s: Shape,
+    q: &[f32],
+    budget: usize,
+    prefix: Option<u32>,
+) -> Result<CoarseResult, BufferError> {
+    let (scores, stats) = token_scores(centroids, codes, s, q, prefix)?;
+    Ok(CoarseResult {
+        ids: take_tokens(&scores, budget),
+        metadata_bytes: (s.centroid_bytes() + scores.len() * s.m) as u64,
+        stats,
+    })
+}
+
+/// Nearest-centroid search for many points. The centroids are kept transposed (channel
+/// after channel), so a point's scores against all of them are one weighted sum of rows:
+/// k-wide vector work, with no horizontal sum per centroid as dot products would need.
+struct Nearest {
+    transposed: Vec<f32>,
+    half_norms: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+impl Nearest {
+    fn new(centroids: &[f32], dim: usize) -> Nearest {
+        let k = centroids.len() / dim;
+        let mut transposed = vec![0.0; k * dim];
+        for (c, row) in centroids.chunks_exact(dim).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                transposed[i * k + c] = x;
+            }
+        }
+        let half_norms = centroids.chunks_exact(dim).map(|c| 0.5 * c.iter().map(|x| x * x).sum::<f32>()).collect();
+        Nearest { transposed, half_norms, scores: vec![0.0; k] }
+    }
+
+    /// The centroid nearest to `x` (ties: the lower index): the largest x · c − ½‖c‖².
+    fn find(&mut self, x: &[f32]) -> u32 {
+        self.scores.fill(0.0);
+        ctxfs_kernels::weighted_sum(&mut self.scores, x, &self.transposed);
+        let mut best = (0u32, f32::NEG_INFINITY);
+        for (c, (&s, &h)) in self.scores.iter().zip(&self.half_norms).enumerate() {
+            if s - h > best.1 {
+                best = (c as u32, s - h);
+            }
+        }
+        best.0
+    }
+}
+
+fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
+}
+
+/// k-means of `points` (rows of `dim`) into `k` centroids, as the module describes.
+fn kmeans(points: &[f32], dim: usize, k: usize, iters: u32, rng: &mut Rng) -> Vec<f32> {
+    let n = points.len() / dim;
+    if n == 0 {
+        return vec![0.0; k * dim];
+    }
+    let sample: Vec<f32> = if n > TRAIN_PER_CENTROID * k {
+        let mut ids: Vec<usize> = (0..n).collect();
+        for i in 0..TRAIN_PER_CENTROID * k {
+            let pick = i + rng.below(n - i);
+            ids.swap(i, pick);
+        }
+        ids[..TRAIN_PER_CENTROID * k].iter().flat_map(|&i| points[i * dim..(i + 1) * dim].iter().copied()).collect()
+    } else {
+        points.to_vec()
+    };
+    let rows: Vec<&[f32]> = sample.chunks_exact(dim).collect();
+    let mut centroids = plus_plus(&rows, k, rng);
+    let mut assigned = vec![u32::MAX; rows.len()];
+    let mut far = vec![0.0f32; rows.len()];
+    for _ in 0..iters {
+        let mut nearest = Nearest::new(&centroids, dim);
+        let mut changed = 0;
+        for (i, x) in rows.iter().enumerate() {
+            let c = nearest.find(x);
+            changed += (assigned[i] != c) as usize;
+            assigned[i] = c;
+            far[i] = sq_dist(x, &centroids[c as usize * dim..(c as usize + 1) * dim]);
+        }
+        if changed == 0 {
+            break;
+        }
+        let mut sums = vec![0.0f64; k * dim];
+        let mut counts = vec![0usize; k];
+        for (x, &c) in rows.iter().zip(&assigned) {
+            counts[c as usize] += 1;
+            sums[c as usize * dim..(c as usize + 1) * dim].iter_mut().zip(*x).for_each(|(s, &v)| *s += v as f64);
+        }
+        for c in 0..k {
+            let centroid = &mut centroids[c * dim..(c + 1) * dim];
+            if counts[c] > 0 {
+                let sum = &sums[c * dim..(c + 1) * dim];
+                centroid.iter_mut().zip(sum).for_each(|(x, s)| *x = (s / counts[c] as f64) as f32);
+            } else {
+                // Re-seed with the key its centroid serves worst, and take it out of the
+                // running so a second empty cluster gets another.
+                let worst = (0..rows.len()).fold(0, |w, i| if far[i] > far[w] { i } else { w });
+                centroid.copy_from_slice(rows[worst]);
+                far[worst] = -1.0;
+            }
+        }
+    }
+    centroids
+}
+
+/// k-means++ seeding: the first centroid uniformly, each next one with probability
+/// proportional to its squared distance from the nearest chosen so far (uniformly once
+/// every point coincides with a centroid, as when there are fewer distinct points than k).
+fn plus_plus(rows: &[&[f32]], k: usize, rng: &mut Rng) -> Vec<f32> {
+    let first = rows[rng.below(rows.len())];
+    let mut centroids = first.to_vec();
+    let mut d2: Vec<f32> = rows.iter().map(|x| sq_dist(x, first)).collect();
+    for _ in 1..k {
+        let total: f64 = d2.iter().map(|&x| x as f64).sum();
+        let pick = if total > 0.0 {
+            // The first point whose running sum passes the target; rounding can leave the
+            // target unpassed, and then the last point not yet a centroid is taken.
+            let target = rng.uniform() as f64 * total;
+            let mut acc = 0.0;
+            let mut pick = None;
+            for (i, &x) in d2.iter().enumerate().filter(|(_, &x)| x > 0.0) {
+                acc += x as f64;
+                pick = Some(i);
+                if acc > target {
+                    break;
+                }
+            }
+            pick.unwrap_or(0)
+        } else {
+            rng.below(rows.len())
+        };
+        let chosen = rows[pick];
+        centroids.extend_from_slice(chosen);
+        d2.iter_mut().zip(rows).for_each(|(d, x)| *d = d.min(sq_dist(x, chosen)));
+    }
+    centroids
+}

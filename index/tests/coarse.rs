@@ -1,0 +1,526 @@
+//! The coarse indexes: Quest's bound is an upper bound, PQ scores are inner products with the
+//! reconstructed keys, InfLLM picks what its rule says, the prefix filter holds, the paged
+//! readers answer exactly as the in-memory forms, and damaged metadata is an error.
+
+use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
+use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
+use ctxfs_index::coarse::pq::{PagedPq, Pq, PqMeta, PqParams};
+use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
+use ctxfs_index::coarse::{run_of, CoarseKind};
+use ctxfs_index::synth::{head, Rng, SynthParams};
+use ctxfs_index::{Coarse, Keys, MemKeys};
+use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
+use half::f16;
+use std::sync::Arc;
+
+const PAYLOAD: usize = 4096 - 40;
+
+fn random_keys(n: usize, d: usize, rng: &mut Rng) -> MemKeys {
+    MemKeys::new(d, (0..n * d).map(|_| f16::from_f32(rng.normal() * 2.0)).collect())
+}
+
+fn random_queries(count: usize, d: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..count * d).map(|_| rng.normal() * 1.5).collect()
+}
+
+/// A generated head: keys, prefill queries and decode queries.
+fn synth(tokens: usize, d: usize) -> (MemKeys, Vec<f32>, Vec<f32>) {
+    let h = head(&SynthParams { tokens, head_dim: d, group: 2, seed: 3 }, 1, 0, 256, 6);
+    (MemKeys::new(d, h.keys), h.prefill.concat(), h.decode.concat())
+}
+
+fn dot64(k: &[f16], q: &[f32]) -> f64 {
+    k.iter().zip(q).map(|(a, b)| a.to_f64() * *b as f64).sum()
+}
+
+#[test]
+fn quest_bound_is_never_below_the_best_key_of_its_page() {
+    let mut rng = Rng::new(1);
+    let d = 32;
+    // Ordinary keys, keys at the edges of f16's range, and tiny ones; queries with negative
+    // components, zeros and large magnitudes.
+    let extreme = |rng: &mut Rng| match rng.below(4) {
+        0 => 65504.0 * if rng.uniform() < 0.5 { 1.0 } else { -1.0 },
+        1 => rng.normal() * 1e-4,
+        _ => rng.normal() * 3.0,
+    };
+    for (n, page) in [(500, 16), (333, 1), (257, 7), (1000, 64)] {
+        let keys = MemKeys::new(d, (0..n * d).map(|_| f16::from_f32(extreme(&mut rng))).collect());
+        let quest = Quest::build(&keys, &QuestParams { page_tokens: page }).unwrap();
+        for trial in 0..20 {
+            let q: Vec<f32> = (0..d)
+                .map(|_| match trial % 3 {
+                    0 => rng.normal(),
+                    1 => -rng.uniform() * 1e3,
+                    _ => {
+                        if rng.uniform() < 0.3 {
+                            0.0
+                        } else {
+                            rng.normal() * 1e3
+                        }
+                    }
+                })
+                .collect();
+            let bounds = quest.page_scores(&q, None).unwrap();
+            assert_eq!(bounds.len(), n.div_ceil(page as usize));
+            for (p, &bound) in bounds.iter().enumerate() {
+                let tokens = p * page as usize..((p + 1) * page as usize).min(n);
+                let (mut best, mut scale) = (f64::NEG_INFINITY, 0.0f64);
+                for t in tokens {
+                    let row = keys.row(t as u32);
+                    best = best.max(dot64(row, &q));
+                    scale = scale.max(row.iter().zip(&q).map(|(a, b)| (a.to_f64() * *b as f64).abs()).sum());
+                }
+                // The bound is exact in real arithmetic; f32 rounding is all the slack.
+                assert!(bound as f64 >= best - 1e-5 * scale - 1e-6, "page {p}: bound {bound} < best {best}");
+            }
+        }
+    }
+}
+
+#[test]
+fn quest_selects_the_best_pages_whole_within_the_budget() {
+    let mut rng = Rng::new(2);
+    let keys = random_keys(1000, 16, &mut rng);
+    let quest = Quest::build(&keys, &QuestParams { page_tokens: 16 }).unwrap();
+    for q in random_queries(10, 16, &mut rng).chunks(16) {
+        let bounds = quest.page_scores(q, None).unwrap();
+        let mut order: Vec<usize> = (0..bounds.len()).collect();
+        order.sort_by(|&a, &b| bounds[b].total_cmp(&bounds[a]).then(a.cmp(&b)));
+        for budget in [0, 15, 16, 100, 1000, 5000] {
+            let got = quest.select(q, budget, None).unwrap();
+            // Best first while the whole next page fits (the last page holds 8 tokens).
+            let (mut pages, mut used) = (Vec::new(), 0);
+            for &p in &order {
+                let len = if p == 62 { 8 } else { 16 };
+                if used + len > budget {
+                    break;
+                }
+                used += len;
+                pages.push(p);
+            }
+            pages.sort_unstable();
+            let want: Vec<u32> = pages.iter().flat_map(|&p| p as u32 * 16..((p as u32 + 1) * 16).min(1000)).collect();
+            assert_eq!(got.ids, want, "budget {budget}");
+            assert!(got.ids.len() <= budget);
+            assert_eq!(got.stats.keys_scored, 63);
+            assert_eq!(got.metadata_bytes, 63 * 4 * 16);
+        }
+    }
+    assert_eq!(quest.metadata_bytes_per_token(), 4.0);
+}
+
+#[test]
+fn pq_scores_are_inner_products_with_the_reconstructed_keys() {
+    let mut rng = Rng::new(3);
+    let keys = random_keys(3000, 32, &mut rng);
+    for params in [PqParams::M2B6, PqParams::M4B8, PqParams { m: 8, bits: 3, iters: 5, seed: 7 }] {
+        let pq = Pq::build(&keys, &params).unwrap();
+        for q in random_queries(5, 32, &mut rng).chunks(32) {
+            let scores = pq.token_scores(q, None).unwrap();
+            assert_eq!(scores.len(), 3000);
+            for (t, &s) in scores.iter().enumerate() {
+                let r = pq.reconstruct(t as u32);
+                let exact: f64 = r.iter().zip(q).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let scale: f64 = r.iter().zip(q).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                assert!((s as f64 - exact).abs() <= 1e-5 * scale + 1e-6, "{params:?} token {t}: {s} vs {exact}");
+            }
+            // Selection is the top of those scores.
+            let got = pq.select(q, 100, None).unwrap();
+            let mut order: Vec<u32> = (0..3000).collect();
+            order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+            let mut want = order[..100].to_vec();
+            want.sort_unstable();
+            assert_eq!(got.ids, want);
+            assert_eq!(got.stats.keys_scored, 3000);
+        }
+    }
+}
+
+#[test]
+fn pq_kmeans_is_deterministic_for_a_seed_and_more_centroids_reconstruct_better() {
+    let (keys, _, _) = synth(4000, 64);
+    let a = Pq::build(&keys, &PqParams::M4B8).unwrap();
+    let b = Pq::build(&keys, &PqParams::M4B8).unwrap();
+    assert_eq!(a, b, "same seed, same codes and centroids");
+    assert_eq!(a.payloads(PAYLOAD).unwrap(), b.payloads(PAYLOAD).unwrap());
+    let other = Pq::build(&keys, &PqParams { seed: 99, ..PqParams::M4B8 }).unwrap();
+    assert_ne!(a, other, "another seed, other centroids");
+
+    let error = |pq: &Pq| -> f64 {
+        (0..keys.len())
+            .map(|t| {
+                pq.reconstruct(t).iter().zip(keys.row(t)).map(|(r, k)| (*r as f64 - k.to_f64()).powi(2)).sum::<f64>()
+            })
+            .sum::<f64>()
+            / keys.len() as f64
+    };
+    let errors: Vec<f64> =
+        (1..=8).map(|bits| error(&Pq::build(&keys, &PqParams { m: 4, bits, iters: 25, seed: 0 }).unwrap())).collect();
+    for w in errors.windows(2) {
+        assert!(w[1] < w[0], "reconstruction error by bits 1..=8: {errors:?}");
+    }
+    // More subspaces at the same bits reconstruct better too.
+    let m2 = error(&Pq::build(&keys, &PqParams { m: 2, bits: 6, iters: 25, seed: 0 }).unwrap());
+    let m8 = error(&Pq::build(&keys, &PqParams { m: 8, bits: 6, iters: 25, seed: 0 }).unwrap());
+    assert!(m8 < m2, "m=8 {m8} vs m=2 {m2}");
+}
+
+#[test]
+fn pq_handles_fewer_or_identical_keys_than_centroids() {
+    let mut rng = Rng::new(4);
+    // Fewer keys than centroids: every key becomes a centroid (up to f16 rounding).
+    let keys = random_keys(10, 16, &mut rng);
+    let pq = Pq::build(&keys, &PqParams::M4B8).unwrap();
+    for t in 0..10 {
+        let r = pq.reconstruct(t);
+        assert!(r.iter().zip(keys.row(t)).all(|(a, b)| (a - b.to_f32()).abs() < 1e-3));
+    }
+    // All keys alike, and no keys at all.
+    let same = MemKeys::new(16, [f16::from_f32(0.5); 16 * 300].to_vec());
+    let pq = Pq::build(&same, &PqParams::M2B6).unwrap();
+    assert!(pq.reconstruct(299).iter().all(|&x| x == 0.5));
+    let none = Pq::build(&MemKeys::new(16, Vec::new()), &PqParams::M2B6).unwrap();
+    assert!(none.select(&[0.0; 16], 10, None).unwrap().ids.is_empty());
+    // Parameters that cannot split the keys.
+    assert!(Pq::build(&same, &PqParams { m: 3, ..PqParams::M2B6 }).is_err());
+    assert!(Pq::build(&same, &PqParams { bits: 9, ..PqParams::M2B6 }).is_err());
+    assert!(Pq::build(&same, &PqParams { bits: 0, ..PqParams::M2B6 }).is_err());
+}
+
+/// InfLLM's rule, written out directly: representatives by q̄ · k (or the block's mean key),
+/// block score the best q · representative, blocks best first while they fit.
+fn infllm_by_hand(
+    keys: &MemKeys,
+    queries: &[f32],
+    b: u32,
+    r: usize,
+    q: &[f32],
+    budget: usize,
+) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let (d, n) = (keys.dim(), keys.len());
+    let mean = |rows: Vec<&[f32]>| -> Vec<f32> {
+        let mut acc = vec![0.0f64; d];
+        for row in &rows {
+            acc.iter_mut().zip(*row).for_each(|(a, &x)| *a += x as f64);
+        }
+        acc.iter().map(|a| (a / rows.len().max(1) as f64) as f32).collect()
+    };
+    let qbar = mean(queries.chunks(d).collect());
+    let mut reps = Vec::new();
+    let mut scores = Vec::new();
+    for first in (0..n).step_by(b as usize) {
+        let ids: Vec<u32> = (first..(first + b).min(n)).collect();
+        let dir = if queries.is_empty() {
+            let rows: Vec<Vec<f32>> = ids.iter().map(|&t| keys.row(t).iter().map(|x| x.to_f32()).collect()).collect();
+            mean(rows.iter().map(|r| r.as_slice()).collect())
+        } else {
+            qbar.clone()
+        };
+        let mut ranked = ids.clone();
+        ranked.sort_by(|&x, &y| {
+            ctxfs_kernels::dot(keys.row(y), &dir).total_cmp(&ctxfs_kernels::dot(keys.row(x), &dir)).then(x.cmp(&y))
+        });
+        let chosen: Vec<u32> = (0..r).map(|i| ranked[i.min(ranked.len() - 1)]).collect();
+        scores.push(chosen.iter().map(|&t| ctxfs_kernels::dot(keys.row(t), q)).fold(f32::NEG_INFINITY, f32::max));
+        reps.push(chosen);
+    }
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&x, &y| scores[y].total_cmp(&scores[x]).then(x.cmp(&y)));
+    let (mut taken, mut used) = (Vec::new(), 0);
+    for blk in order {
+        let len = ((blk as u32 + 1) * b).min(n) - blk as u32 * b;
+        if used + len as usize > budget {
+            break;
+        }
+        used += len as usize;
+        taken.push(blk as u32);
+    }
+    taken.sort_unstable();
+    (reps, taken.iter().flat_map(|&blk| blk * b..((blk + 1) * b).min(n)).collect())
+}
+
+#[test]
+fn infllm_picks_the_blocks_its_rule_says() {
+    let (keys, prefill, decode) = synth(3000, 64);
+    for (queries, rule) in [(&prefill[..], RepRule::MeanQuery), (&[][..], RepRule::MeanKey)] {
+        for (b, r) in [(128, 4), (100, 3), (7, 16)] {
+            let idx = Infllm::build(&keys, queries, &InfllmParams { block_tokens: b, reps: r }).unwrap();
+            assert_eq!(idx.rule(), rule);
+            for q in decode.chunks(64).take(4) {
+                for budget in [0, 256, 1000, 4000] {
+                    let (reps, want) = infllm_by_hand(&keys, queries, b, r as usize, q, budget);
+                    for (blk, rep) in reps.iter().enumerate() {
+                        assert_eq!(&idx.representatives(blk as u32), rep, "block {blk}");
+                    }
+                    let got = idx.select(q, budget, None).unwrap();
+                    assert_eq!(got.ids, want, "blocks of {b}, {r} representatives, budget {budget}");
+                    assert_eq!(got.stats.keys_scored, 3000u64.div_ceil(b as u64) * r as u64);
+                }
+            }
+        }
+    }
+    assert!(Infllm::build(&keys, &[], &InfllmParams { block_tokens: 0, reps: 4 }).is_err());
+    assert!(Infllm::build(&keys, &[1.0; 3], &InfllmParams::default()).is_err());
+}
+
+/// The in-memory forms of every method on one head.
+struct All {
+    quest: Quest,
+    quest1: Quest,
+    infllm: Infllm,
+    pq26: Pq,
+    pq48: Pq,
+}
+
+fn all(keys: &MemKeys, prefill: &[f32]) -> All {
+    All {
+        quest: Quest::build(keys, &QuestParams::default()).unwrap(),
+        quest1: Quest::build(keys, &QuestParams { page_tokens: 1 }).unwrap(),
+        infllm: Infllm::build(keys, prefill, &InfllmParams::default()).unwrap(),
+        pq26: Pq::build(keys, &PqParams::M2B6).unwrap(),
+        pq48: Pq::build(keys, &PqParams::M4B8).unwrap(),
+    }
+}
+
+#[test]
+fn prefix_filter_never_returns_a_token_at_or_beyond_the_prefix() {
+    let (keys, prefill, decode) = synth(2000, 64);
+    let a = all(&keys, &prefill);
+    let methods: [&dyn Coarse; 5] = [&a.quest, &a.quest1, &a.infllm, &a.pq26, &a.pq48];
+    for q in decode.chunks(64).take(3) {
+        for prefix in [0, 1, 15, 16, 17, 127, 128, 129, 1000, 1999, 2000, 5000] {
+            for budget in [0, 10, 100, 512, 3000] {
+                for m in methods {
+                    let got = m.select(q, budget, Some(prefix)).unwrap();
+                    assert!(got.ids.iter().all(|&t| t < prefix), "prefix {prefix}");
+                    assert!(got.ids.len() <= budget);
+                    assert!(got.ids.windows(2).all(|w| w[0] < w[1]), "ascending, no repeats");
+                    if budget >= 2000.min(prefix as usize) {
+                        assert_eq!(got.ids.len(), 2000.min(prefix as usize), "a budget beyond the prefix takes it all");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Formats a store on `dev` and appends each run of payloads to one index stream, one run
+/// after another (as the graph index and its coarse indexes will be); returns each run's
+/// block requests.
+fn store_runs(dev: Arc<dyn BlockDevice>, d: usize, runs: &[Vec<Vec<u8>>]) -> (Store, Vec<Vec<BlockRequest>>) {
+    let store = ctxfs_vfs::format(dev).unwrap();
+    let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: d as u16, dtype: DType::F16 };
+    let mut txn = store.begin().unwrap();
+    txn.create_context("c", shape, &[]).unwrap();
+    for run in runs {
+        for b in run {
+            txn.append_block("c", 0, 0, FileStream::Index, b).unwrap();
+        }
+    }
+    txn.commit().unwrap();
+    let snap = store.snapshot();
+    let s = snap.context("c").unwrap().stream(0, 0, FileStream::Index).unwrap();
+    let all: Vec<BlockRequest> = (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect();
+    drop(snap);
+    let mut at = 0;
+    let out = runs
+        .iter()
+        .map(|run| {
+            at += run.len();
+            all[at - run.len()..at].to_vec()
+        })
+        .collect();
+    (store, out)
+}
+
+fn file_device(dir: &tempfile::TempDir) -> Arc<dyn BlockDevice> {
+    let path = dir.path().join("coarse.img");
+    std::fs::File::create(&path).unwrap().set_len(32 << 20).unwrap();
+    Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap())
+}
+
+#[test]
+fn paged_readers_answer_exactly_as_memory() {
+    let (keys, prefill, decode) = synth(3000, 64);
+    let a = all(&keys, &prefill);
+    let payload = max_payload(4096);
+    let runs = vec![
+        a.quest.payloads(payload).unwrap(),
+        a.quest1.payloads(payload).unwrap(),
+        a.infllm.payloads(payload).unwrap(),
+        a.pq26.payloads(payload).unwrap(),
+        a.pq48.payloads(payload).unwrap(),
+    ];
+    assert!(runs.iter().flatten().all(|b| b.len() <= payload));
+    // Each run's meta block names its kind and length, so runs stored back to back can be
+    // walked.
+    let kinds = [CoarseKind::Quest, CoarseKind::Quest, CoarseKind::Infllm, CoarseKind::Pq, CoarseKind::Pq];
+    for (run, kind) in runs.iter().zip(kinds) {
+        assert_eq!(run_of(&run[0]).unwrap(), (kind, run.len()));
+    }
+    assert!(run_of(&runs[0][1]).is_err(), "a page block is not a meta block");
+    assert!(runs[1].len() > 64, "page size 1 needs more blocks than one pinned batch");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let (store, reqs) = store_runs(file_device(&dir), 64, &runs);
+    // An index area of 80 frames: the page-size-1 scan (200 blocks) must pin in batches.
+    let config = PoolConfig { budget_bytes: 100 * 4096, data_fraction: 0.2, ..Default::default() };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    let quest = PagedQuest::open(&pool, &reqs[0]).unwrap();
+    let quest1 = PagedQuest::open(&pool, &reqs[1]).unwrap();
+    let infllm = PagedInfllm::open(&pool, &reqs[2]).unwrap();
+    let pq26 = PagedPq::open(&pool, &reqs[3]).unwrap();
+    let pq48 = PagedPq::open(&pool, &reqs[4]).unwrap();
+    assert_eq!(quest.meta().pages(), 188);
+    assert_eq!(infllm.meta().rule, RepRule::MeanQuery);
+    assert_eq!(pq48.meta().params, PqParams::M4B8);
+    let pairs: [(&dyn Coarse, &dyn Coarse); 5] =
+        [(&a.quest, &quest), (&a.quest1, &quest1), (&a.infllm, &infllm), (&a.pq26, &pq26), (&a.pq48, &pq48)];
+    for q in decode.chunks(64) {
+        assert_eq!(a.quest.page_scores(q, None).unwrap(), quest.page_scores(q, None).unwrap());
+        assert_eq!(a.infllm.block_scores(q, Some(1000)).unwrap(), infllm.block_scores(q, Some(1000)).unwrap());
+        assert_eq!(a.pq48.token_scores(q, None).unwrap(), pq48.token_scores(q, None).unwrap());
+        for (mem, paged) in pairs {
+            assert_eq!(mem.tokens(), paged.tokens());
+            assert_eq!(mem.metadata_bytes_per_token(), paged.metadata_bytes_per_token());
+            for (budget, prefix) in [(256, None), (1024, None), (1024, Some(1500)), (5000, Some(2999)), (0, None)] {
+                let (m, p) = (mem.select(q, budget, prefix).unwrap(), paged.select(q, budget, prefix).unwrap());
+                assert_eq!(m.ids, p.ids);
+                assert_eq!((m.stats.keys_scored, m.metadata_bytes), (p.stats.keys_scored, p.metadata_bytes));
+                assert_eq!(m.stats.blocks_touched, 0);
+                assert!(p.stats.blocks_touched > 0 || (m.stats.keys_scored == 0 && budget == 0));
+            }
+        }
+    }
+    // With room for them, the indexes stay resident: a second pass reads nothing.
+    let roomy = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let paged: Vec<Box<dyn Coarse>> = vec![
+        Box::new(PagedQuest::open(&roomy, &reqs[1]).unwrap()),
+        Box::new(PagedInfllm::open(&roomy, &reqs[2]).unwrap()),
+        Box::new(PagedPq::open(&roomy, &reqs[4]).unwrap()),
+    ];
+    for pass in 0..2 {
+        for q in decode.chunks(64) {
+            for p in &paged {
+                let r = p.select(q, 1024, None).unwrap();
+                assert!(pass == 0 || r.stats.blocks_read == 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn damaged_meta_blocks_are_errors_never_panics() {
+    let mut rng = Rng::new(5);
+    let keys = random_keys(500, 32, &mut rng);
+    let metas = [
+        Quest::build(&keys, &QuestParams::default()).unwrap().payloads(PAYLOAD).unwrap().remove(0),
+        Infllm::build(&keys, &[], &InfllmParams::default()).unwrap().payloads(PAYLOAD).unwrap().remove(0),
+        Pq::build(&keys, &PqParams::M2B6).unwrap().payloads(PAYLOAD).unwrap().remove(0),
+    ];
+    let decode = |i: usize, b: &[u8]| -> bool {
+        let ok = match i {
+            0 => QuestMeta::decode(b).is_ok(),
+            1 => InfllmMeta::decode(b).is_ok(),
+            _ => PqMeta::decode(b).is_ok(),
+        };
+        assert_eq!(
+            ok,
+            run_of(b).is_ok_and(|(kind, _)| kind == [CoarseKind::Quest, CoarseKind::Infllm, CoarseKind::Pq][i])
+        );
+        ok
+    };
+    for (i, meta) in metas.iter().enumerate() {
+        assert!(decode(i, meta));
+        for len in 0..meta.len() {
+            assert!(!decode(i, &meta[..len]), "method {i}: {len} bytes decoded");
+        }
+        for other in (0..3).filter(|&o| o != i) {
+            assert!(!decode(other, meta), "method {other} decoded method {i}'s meta");
+        }
+        let mut bad = meta.clone();
+        bad[4] = 2; // version 2
+        assert!(!decode(i, &bad));
+        // Every single-byte corruption decodes or fails, and never panics.
+        for at in 0..meta.len() {
+            for v in [0u8, 1, 0x7F, 0xFF, meta[at] ^ 0x10] {
+                let mut bad = meta.clone();
+                bad[at] = v;
+                decode(i, &bad);
+            }
+        }
+        // Random fields.
+        for _ in 0..2000 {
+            let mut bad = meta.clone();
+            for x in bad[8..].iter_mut() {
+                if rng.uniform() < 0.3 {
+                    *x = rng.next_u64() as u8;
+                }
+            }
+            decode(i, &bad);
+        }
+    }
+}
+
+#[test]
+fn damaged_runs_are_errors_never_panics() {
+    let (keys, prefill, decode) = synth(2000, 64);
+    let payload = max_payload(4096);
+    let quest = Quest::build(&keys, &QuestParams::default()).unwrap().payloads(payload).unwrap();
+    let infllm = Infllm::build(&keys, &prefill, &InfllmParams::default()).unwrap().payloads(payload).unwrap();
+    let pq = Pq::build(&keys, &PqParams::M4B8).unwrap().payloads(payload).unwrap();
+    // Short last blocks; an InfLLM offset beyond its block; a PQ code beyond 2^b (bits = 6).
+    let mut short_quest = quest.clone();
+    short_quest.last_mut().unwrap().truncate(100);
+    let mut bad_offset = infllm.clone();
+    let rec = 2 * 4 * 64 + 2 * 4;
+    bad_offset[1][2 * 4 * 64..2 * 4 * 64 + 2].copy_from_slice(&200u16.to_le_bytes());
+    assert!(bad_offset[1].len() >= rec);
+    let pq26 = Pq::build(&keys, &PqParams::M2B6).unwrap().payloads(payload).unwrap();
+    let mut bad_code = pq26.clone();
+    *bad_code.last_mut().unwrap().last_mut().unwrap() = 64;
+    let runs = vec![short_quest, bad_offset, bad_code, quest.clone(), pq];
+    let mem = Arc::new(ctxfs_vfs::device::MemDevice::new(4096, 4096));
+    let (store, reqs) = store_runs(mem, 64, &runs);
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let q = &decode[..64];
+    let e = PagedQuest::open(&pool, &reqs[0]).unwrap().select(q, 1000, None).unwrap_err();
+    assert_eq!(e.block(), reqs[0].last().unwrap().block.into(), "{e}");
+    let e = PagedInfllm::open(&pool, &reqs[1]).unwrap().select(q, 1000, None).unwrap_err();
+    assert_eq!(e.block(), Some(reqs[1][1].block), "{e}");
+    let e = PagedPq::open(&pool, &reqs[2]).unwrap().select(q, 1000, None).unwrap_err();
+    assert_eq!(e.block(), Some(reqs[2].last().unwrap().block), "{e}");
+    // Runs of the wrong length, the wrong method, and queries of the wrong dimension.
+    assert!(PagedQuest::open(&pool, &reqs[3][..reqs[3].len() - 1]).is_err());
+    assert!(PagedQuest::open(&pool, &[]).is_err());
+    assert!(PagedPq::open(&pool, &reqs[3]).is_err());
+    assert!(PagedInfllm::open(&pool, &reqs[4]).is_err());
+    assert!(PagedQuest::open(&pool, &reqs[3]).unwrap().select(&[0.0; 32], 10, None).is_err());
+    assert!(PagedPq::open(&pool, &reqs[4]).unwrap().select(&[0.0; 65], 10, None).is_err());
+}
+
+#[test]
+fn on_generated_attention_every_method_beats_evenly_spaced_tokens() {
+    let (keys, prefill, decode) = synth(8192, 64);
+    let a = all(&keys, &prefill);
+    let scale = 1.0 / 8.0;
+    let mass = |ids: &[u32], z: &[f32]| -> f64 {
+        let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = z.iter().map(|&x| ((x - m) * scale).exp() as f64).sum();
+        ids.iter().map(|&t| ((z[t as usize] - m) * scale).exp() as f64).sum::<f64>() / total
+    };
+    let budget = 1024;
+    let even: Vec<u32> = (0..8192).step_by(8).collect();
+    let methods: [(&str, &dyn Coarse); 4] =
+        [("quest", &a.quest), ("infllm", &a.infllm), ("pq m2b6", &a.pq26), ("pq m4b8", &a.pq48)];
+    for (name, m) in methods {
+        let (mut got, mut base) = (0.0, 0.0);
+        for q in decode.chunks(64) {
+            let mut z = vec![0.0f32; 8192];
+            ctxfs_kernels::scores(keys.data(), q, 1.0, &mut z);
+            got += mass(&m.select(q, budget, None).unwrap().ids, &z);
+            base += mass(&even, &z);
+        }
+        assert!(got > base * 1.5, "{name}: attention mass {got} vs {base} for evenly spaced tokens");
+    }
+}
