@@ -63,6 +63,10 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     let all: Vec<u32> = (0..N as u32).collect();
     let d = b.shape.head_dim as usize;
     let beta = 5.0 * (d as f32).sqrt();
+    // A DB whose data area is far smaller than the context's values.
+    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
+    let lean_db = Db::open(&store, DeviceChoice::Auto, small).unwrap();
+    let lean = lean_db.open_session("book", None).unwrap();
     let (mut recall, mut queries, mut scored) = (0.0, 0, 0u64);
     for layer in 0..2 {
         for step in 0..4 {
@@ -73,9 +77,22 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             assert!(rel_err(&full.output, &want) <= 1e-3, "full: {}", rel_err(&full.output, &want));
             let wide = session.attention_with(layer, &q, &opts(Plan::Diprs, 1e9)).unwrap();
             assert!(rel_err(&wide.output, &want) <= 1e-3, "β large: {}", rel_err(&wide.output, &want));
+            for plan in [Plan::Quest, Plan::Infllm, Plan::Pq] {
+                // A budget covering the context selects all of it: exact attention.
+                let every = AttentionOptions { budget: Some(N), ..opts(plan, 0.0) };
+                let a = session.attention_with(layer, &q, &every).unwrap();
+                assert!(rel_err(&a.output, &want) <= 1e-3, "{plan:?} whole: {}", rel_err(&a.output, &want));
+                let some = AttentionOptions { budget: Some(1024), ..opts(plan, 0.0) };
+                let a = session.attention_with(layer, &q, &some).unwrap();
+                assert!(a.heads.iter().all(|h| h.retrieved <= 1024 && h.selected.len() <= 640 + 1024));
+                assert!(rel_err(&a.output, &want) < 0.5, "{plan:?} at 1K: {}", rel_err(&a.output, &want));
+            }
             let auto =
                 session.attention_with(layer, &q, &AttentionOptions { beta, detail: true, ..Default::default() });
-            assert_eq!(auto.unwrap().choice.label(), if layer == 0 { "flat" } else { "diprs" });
+            // This DB's data area holds every value: the optimizer's coarse rule applies.
+            assert_eq!(auto.unwrap().choice.label(), if layer == 0 { "flat" } else { "quest" });
+            let lean = lean.attention(layer, &q).unwrap();
+            assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "diprs" });
             let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
             let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
             for (qh, r) in auto.heads.iter().enumerate() {
@@ -111,7 +128,7 @@ fn a_partial_prefix_session_uses_only_tokens_below_p() {
     let below: Vec<u32> = (0..p as u32).collect();
     for layer in 0..2 {
         let q = b.decode_step(layer, 1);
-        for plan in [Plan::Diprs, Plan::Topk, Plan::Flat, Plan::Full] {
+        for plan in [Plan::Diprs, Plan::Topk, Plan::Flat, Plan::Full, Plan::Quest, Plan::Infllm, Plan::Pq] {
             let a = session.attention_with(layer, &q, &opts(plan, 40.0)).unwrap();
             assert!(a.heads.iter().all(|h| h.selected.iter().all(|&t| (t as usize) < p)), "{plan:?} left the prefix");
             if plan != Plan::Full {

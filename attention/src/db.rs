@@ -8,6 +8,7 @@ use crate::plan::Rules;
 use crate::session::{Reuse, Session};
 use crate::trie::PrefixTrie;
 use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats};
+use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_index::BuildParams;
 use ctxfs_vfs::{DeviceChoice, ModelShape, Snapshot, Store};
 use std::collections::HashMap;
@@ -52,6 +53,9 @@ pub struct DbConfig {
     pub build: BuildParams,
     /// The model of sessions that reuse nothing (a reused context brings its own shape).
     pub model: Option<ModelShape>,
+    /// The product quantisation imports store beside Quest's and InfLLM's metadata (PQCache's
+    /// m = 2, b = 6 by default; `PqParams::M4B8` is its other setting; None stores none).
+    pub pq: Option<PqParams>,
 }
 
 impl Default for DbConfig {
@@ -63,6 +67,7 @@ impl Default for DbConfig {
             rules: Rules::default(),
             build: BuildParams::default(),
             model: None,
+            pq: Some(PqParams::M2B6),
         }
     }
 }

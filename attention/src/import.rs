@@ -8,6 +8,9 @@ use crate::db::Db;
 use crate::error::{input, Error, Result};
 use crate::kv::KvSource;
 use crate::session::Session;
+use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
+use ctxfs_index::coarse::pq::{Pq, PqParams};
+use ctxfs_index::coarse::quest::{Quest, QuestParams};
 use ctxfs_index::paged::{index_payloads, row_payloads, Layout};
 use ctxfs_index::{build, BuildParams, MemKeys};
 use ctxfs_vfs::{max_payload, DType, FileStream, ModelShape, Txn};
@@ -44,7 +47,11 @@ fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
 fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Result<u64> {
     let payload = max_payload(db.store().device().block_size());
     let degree = build.degree + build.extra_degree + usize::from(build.sequence_edges) * 2;
-    let per_head = head_blocks(n, shape.head_dim as usize, degree, payload);
+    let d = shape.head_dim as usize;
+    // Coarse metadata: Quest's page bounds (d/4 bytes a token), InfLLM's representatives and
+    // PQ codes (a few bytes a token), PQ's centroids, and their meta blocks.
+    let coarse = (n * (d / 4 + 16)).div_ceil(payload) as u64 + 256 * d as u64 * 2 / payload as u64 + 8;
+    let per_head = head_blocks(n, d, degree, payload) + coarse;
     let tokens = (n * 4).div_ceil(payload) as u64;
     let needed = per_head * shape.files() as u64 + tokens;
     let needed = needed + needed / 50 + 16;
@@ -66,19 +73,29 @@ struct Head<'a> {
     keys: Vec<f16>,
     values: &'a [f16],
     train: Vec<f32>,
+    /// The product quantisation to store, if any.
+    pq: Option<PqParams>,
 }
 
 /// Builds one head's graph and appends its index and data streams.
 fn write_head(txn: &mut Txn<'_>, name: &str, h: Head<'_>, params: &BuildParams, r: &mut WriteReport) -> Result<()> {
     let payload = h.payload;
     let keys = MemKeys::new(h.dim, h.keys);
-    let train = if h.train.is_empty() { keys.data().iter().map(|x| x.to_f32()).collect() } else { h.train };
+    let train = if h.train.is_empty() { keys.data().iter().map(|x| x.to_f32()).collect() } else { h.train.clone() };
     let (graph, built) = build(&keys, &train, params);
     r.knn += built.knn;
     r.projection += built.projection;
     r.enhancement += built.enhancement;
     let (l, hd) = (h.layer as u16, h.head as u16);
-    let (_, index) = index_payloads(&keys, &graph, payload);
+    let (_, mut index) = index_payloads(&keys, &graph, payload);
+    // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
+    let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));
+    index.extend(Quest::build(&keys, &QuestParams::default()).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+    let infllm = Infllm::build(&keys, if h.train.is_empty() { &[] } else { &train }, &InfllmParams::default());
+    index.extend(infllm.and_then(|i| i.payloads(payload)).map_err(coarse)?);
+    if let Some(pq) = &h.pq {
+        index.extend(Pq::build(&keys, pq).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+    }
     for b in &index {
         txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
@@ -130,7 +147,7 @@ impl Db {
                 write_head(
                     &mut txn,
                     name,
-                    Head { layer, head, dim: d, payload, keys, values: &values, train },
+                    Head { layer, head, dim: d, payload, keys, values: &values, train, pq: self.config().pq },
                     &params,
                     &mut report,
                 )?;
@@ -192,6 +209,7 @@ impl Db {
                     keys: fresh.keys[head].clone(),
                     values: &fresh.values[head],
                     train: fresh.queries[head].clone(),
+                    pq: self.config().pq,
                 };
                 write_head(&mut txn, name, h, &params, &mut report)?;
             }

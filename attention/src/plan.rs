@@ -12,6 +12,12 @@ pub enum Plan {
     Diprs,
     /// Beam search for the `k` best keys.
     Topk,
+    /// Quest: the pages whose per-channel key bounds score best, up to a token budget.
+    Quest,
+    /// InfLLM: the blocks whose representative keys score best, up to a token budget.
+    Infllm,
+    /// PQCache: the tokens whose product-quantised keys score best, up to a token budget.
+    Pq,
 }
 
 impl Plan {
@@ -21,7 +27,15 @@ impl Plan {
             Plan::Flat => "flat",
             Plan::Diprs => "diprs",
             Plan::Topk => "topk",
+            Plan::Quest => "quest",
+            Plan::Infllm => "infllm",
+            Plan::Pq => "pq",
         }
+    }
+
+    /// Plans that select by coarse metadata up to a token budget.
+    pub fn is_coarse(self) -> bool {
+        matches!(self, Plan::Quest | Plan::Infllm | Plan::Pq)
     }
 }
 
@@ -33,7 +47,10 @@ impl std::str::FromStr for Plan {
             "flat" => Ok(Plan::Flat),
             "diprs" => Ok(Plan::Diprs),
             "topk" => Ok(Plan::Topk),
-            _ => Err(format!("unknown plan {s:?} (expected full, flat, diprs or topk)")),
+            "quest" => Ok(Plan::Quest),
+            "infllm" => Ok(Plan::Infllm),
+            "pq" => Ok(Plan::Pq),
+            _ => Err(format!("unknown plan {s:?} (expected full, flat, diprs, topk, quest, infllm or pq)")),
         }
     }
 }
@@ -73,12 +90,15 @@ impl Choice {
 }
 
 /// Chooses the plan for `layer` of a session reusing `prefix` stored tokens (`filtered`:
-/// part of a stored context), unless `forced`.
-pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, forced: Option<Plan>) -> Choice {
+/// part of a stored context; `ample`: the memory budget holds the prefix's values, so whole
+/// pages cost little to attend), unless `forced`.
+pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: bool, forced: Option<Plan>) -> Choice {
     let (plan, reason) = match forced {
         Some(p) => (p, "forced by the caller"),
         None if prefix <= rules.short_context => (Plan::Full, "short context"),
         None if layer == 0 => (Plan::Flat, "layer 0 attends broadly"),
+        // Quest measured best of the coarse types at equal budgets (README, bench search).
+        None if ample => (Plan::Quest, "ample memory budget: coarse pages"),
         None if filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
         None => (Plan::Diprs, "long context"),
     };
@@ -92,14 +112,17 @@ mod tests {
     #[test]
     fn follows_the_papers_rules_and_honours_overrides() {
         let r = Rules::default();
-        assert_eq!(choose(&r, 5, 1000, false, None).plan, Plan::Full);
-        assert_eq!(choose(&r, 0, 100_000, false, None).plan, Plan::Flat);
-        let c = choose(&r, 3, 100_000, true, None);
+        assert_eq!(choose(&r, 5, 1000, false, false, None).plan, Plan::Full);
+        assert_eq!(choose(&r, 0, 100_000, false, false, None).plan, Plan::Flat);
+        let c = choose(&r, 3, 100_000, true, false, None);
         assert_eq!((c.plan, c.label()), (Plan::Diprs, "diprs+prefix".to_string()));
-        assert_eq!(choose(&r, 3, 100_000, false, None).label(), "diprs");
-        assert_eq!(choose(&r, 0, 100_000, false, Some(Plan::Topk)).plan, Plan::Topk);
-        assert_eq!(choose(&r, 3, 100, true, None).label(), "full");
+        assert_eq!(choose(&r, 3, 100_000, false, false, None).label(), "diprs");
+        assert_eq!(choose(&r, 3, 100_000, false, true, None).label(), "quest");
+        assert_eq!(choose(&r, 0, 100_000, false, true, None).label(), "flat");
+        assert_eq!(choose(&r, 0, 100_000, false, false, Some(Plan::Topk)).plan, Plan::Topk);
+        assert_eq!(choose(&r, 3, 100, true, false, None).label(), "full");
         assert_eq!("topk".parse::<Plan>(), Ok(Plan::Topk));
+        assert_eq!("pq".parse::<Plan>(), Ok(Plan::Pq));
         assert!("nope".parse::<Plan>().is_err());
     }
 }

@@ -12,14 +12,21 @@ use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan};
+use ctxfs_index::coarse::infllm::PagedInfllm;
+use ctxfs_index::coarse::pq::PagedPq;
+use ctxfs_index::coarse::quest::PagedQuest;
+use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
 use ctxfs_index::paged::{gather_rows, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
-use ctxfs_index::{flat, DiprsParams, SearchResult, SearchStats};
+use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::{ModelShape, Snapshot};
 use half::f16;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Tokens a coarse plan attends beyond the window when the caller gives no budget.
+pub const COARSE_BUDGET: usize = 2048;
 
 /// Data blocks one value gather pins at most.
 const PIN_BATCH: usize = 256;
@@ -81,6 +88,13 @@ pub struct Attention {
     pub micros: u64,
 }
 
+/// One stored segment of the session's prefix, opened for one (layer, kv head).
+struct SegmentReader<'a> {
+    seg: Segment,
+    index: PagedIndex<'a>,
+    file: &'a FileBlocks,
+}
+
 /// Each q head of a GQA group: its output and report.
 type GroupOutput = Vec<(Vec<f32>, HeadReport)>;
 
@@ -112,6 +126,8 @@ pub struct Session {
     fresh: Vec<Fresh>,
     /// Ids of the tokens after the prefix: the prompt's unreused tokens, then appended ones.
     new_tokens: Vec<u32>,
+    /// The pool's data area could hold every value of the reused prefix.
+    ample: bool,
 }
 
 impl Session {
@@ -133,7 +149,11 @@ impl Session {
                 queries: vec![Vec::new(); shape.kv_heads as usize],
             })
             .collect();
+        let config = db.config();
+        let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
+        let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
         Ok(Session {
+            ample,
             db,
             snap,
             reuse,
@@ -248,7 +268,7 @@ impl Session {
         }
         let prefix = self.prefix_tokens();
         let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
-        let choice = choose(&self.db.config().rules, layer, prefix, filtered, opts.plan);
+        let choice = choose(&self.db.config().rules, layer, prefix, filtered, self.ample, opts.plan);
         let group = qh / kv;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(kv).max(1);
         let mut per_head: Vec<Option<Result<GroupOutput>>> = (0..kv).map(|_| None).collect();
@@ -352,10 +372,10 @@ impl Session {
             .map(|s| self.db.inner.file(&self.snap, s.context, layer as u16, h as u16))
             .collect::<Result<Vec<_>>>()?;
         let (window, window_io) = self.head_window(layer, h, &files)?;
-        let indexes = segments
+        let readers = segments
             .iter()
             .zip(&files)
-            .map(|(s, f)| self.open_index(&f.index, s, layer, h))
+            .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(&f.index, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
@@ -367,7 +387,7 @@ impl Session {
             let mut fresh_z = vec![0.0; fresh.rows];
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
-            let found = self.retrieve(&indexes, q, own_max, choice.plan, opts, &mut stats)?;
+            let found = self.retrieve(&readers, q, own_max, choice.plan, opts, &mut stats)?;
             // Values of the retrieved tokens, one batch per segment.
             let mut ret_z = Vec::with_capacity(found.len());
             let mut ret_v = Vec::with_capacity(found.len() * d);
@@ -377,7 +397,7 @@ impl Session {
                     continue;
                 }
                 let local: Vec<u32> = mine.iter().map(|f| f.1 - seg.base).collect();
-                let rows = indexes[si].layout().rows_per_block;
+                let rows = readers[si].index.layout().rows_per_block;
                 // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of a
                 // long prefix (full attention) streams it through a small data area.
                 let mut from = 0;
@@ -421,23 +441,76 @@ impl Session {
         Ok(out)
     }
 
+    /// A coarse plan's selection from one segment, with the exact scores of the tokens it
+    /// chose (their keys are read from the graph index's key blocks).
+    fn coarse(
+        &self,
+        r: &SegmentReader<'_>,
+        plan: Plan,
+        q: &[f32],
+        budget: usize,
+        stats: &mut SearchStats,
+    ) -> Result<SearchResult> {
+        let (index, file, seg) = (&r.index, r.file, &r.seg);
+        let pool = &self.db.inner.pool;
+        let kind = match plan {
+            Plan::Quest => CoarseKind::Quest,
+            Plan::Infllm => CoarseKind::Infllm,
+            _ => CoarseKind::Pq,
+        };
+        let corrupt = |e: String| Error::Corrupt(format!("context {} {}: {e}", seg.context, plan.name()));
+        // The coarse runs follow the graph index in the index stream, each self-describing.
+        let mut at = index.layout().index_blocks() as usize;
+        let run = loop {
+            if at >= file.index.len() {
+                return input(format!(
+                    "context {} has no {} index (stored without it); choose another --mode",
+                    seg.context,
+                    plan.name()
+                ));
+            }
+            let meta = pool.get(&file.index[at])?;
+            let (k, blocks) = run_of(meta.payload()).map_err(corrupt)?;
+            if at + blocks > file.index.len() {
+                return Err(corrupt(format!("a run of {blocks} blocks at block {at} overruns the stream")));
+            }
+            if k == kind {
+                break &file.index[at..at + blocks];
+            }
+            at += blocks;
+        };
+        let selected = match kind {
+            CoarseKind::Quest => PagedQuest::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
+            CoarseKind::Infllm => PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
+            CoarseKind::Pq => PagedPq::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
+        };
+        *stats += selected.stats;
+        let mut scores = vec![0.0; selected.ids.len()];
+        let mut scoring = SearchStats::default();
+        index.score(&selected.ids, q, &mut scores, &mut scoring)?;
+        // The exact scores of the chosen tokens are attention work, not selection work.
+        stats.blocks_touched += scoring.blocks_touched;
+        stats.blocks_read += scoring.blocks_read;
+        Ok(SearchResult::from_pairs(selected.ids.into_iter().zip(scores).collect(), SearchStats::default()))
+    }
+
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k).
     fn retrieve(
         &self,
-        indexes: &[PagedIndex<'_>],
+        readers: &[SegmentReader<'_>],
         q: &[f32],
         own_max: f32,
         plan: Plan,
         opts: &AttentionOptions,
         stats: &mut SearchStats,
     ) -> Result<Vec<(usize, u32, f32)>> {
-        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         let prefix = self.prefix_tokens();
         let win = self.window;
         let in_window = self.window_ids.len() as u32;
         let mut best = own_max;
         let mut found: Vec<(usize, u32, f32)> = Vec::new();
-        for (si, (seg, index)) in segments.iter().zip(indexes).enumerate() {
+        for (si, r) in readers.iter().enumerate() {
+            let (seg, index) = (&r.seg, &r.index);
             let limit = Some(seg.usable);
             let r: SearchResult = match plan {
                 Plan::Full => flat::dipr(index, q, f32::INFINITY, f32::NEG_INFINITY, limit)?,
@@ -458,6 +531,11 @@ impl Session {
                     let want = opts.k + in_window as usize;
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
+                Plan::Quest | Plan::Infllm | Plan::Pq => {
+                    let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
+                    let budget = opts.budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
+                    self.coarse(r, plan, q, budget, stats)?
+                }
             };
             *stats += r.stats;
             if let Some(&top) = r.scores.first() {
@@ -477,6 +555,7 @@ impl Session {
         }
         let cap = match plan {
             Plan::Topk => Some(opts.budget.map_or(opts.k, |b| b.min(opts.k))),
+            Plan::Quest | Plan::Infllm | Plan::Pq => Some(opts.budget.unwrap_or(COARSE_BUDGET)),
             _ => opts.budget,
         };
         if let Some(cap) = cap {

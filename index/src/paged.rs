@@ -128,14 +128,15 @@ impl<'p> PagedIndex<'p> {
         let meta = pool.get(blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
         let layout = Layout::decode(meta.payload())?;
         drop(meta);
-        if blocks.len() != layout.index_blocks() as usize {
+        // Coarse indexes (quest, infllm, pq runs) may follow the graph index in the stream.
+        if blocks.len() < layout.index_blocks() as usize {
             return Err(format!(
                 "index stream has {} blocks, its layout needs {}",
                 blocks.len(),
                 layout.index_blocks()
             ));
         }
-        Ok(PagedIndex { pool, layout, blocks })
+        Ok(PagedIndex { pool, layout, blocks: &blocks[..layout.index_blocks() as usize] })
     }
 
     pub fn layout(&self) -> &Layout {

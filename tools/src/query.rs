@@ -20,6 +20,9 @@ pub enum Mode {
     Flat,
     Diprs,
     Topk,
+    Quest,
+    Infllm,
+    Pq,
 }
 
 #[derive(clap::Args)]
@@ -47,7 +50,8 @@ pub struct Args {
     /// Window: INIT,RECENT tokens attended exactly.
     #[arg(long, default_value = "128,512", value_parser = parse_window)]
     window: (u32, u32),
-    /// At most this many retrieved tokens (the best by score), beyond the window.
+    /// At most this many retrieved tokens (the best by score), beyond the window; the token
+    /// budget of the coarse modes (default 2048).
     #[arg(long)]
     budget: Option<usize>,
     /// Softmax scale (default 1/sqrt(head_dim)).
@@ -95,6 +99,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             Mode::Flat => Some(Plan::Flat),
             Mode::Diprs => Some(Plan::Diprs),
             Mode::Topk => Some(Plan::Topk),
+            Mode::Quest => Some(Plan::Quest),
+            Mode::Infllm => Some(Plan::Infllm),
+            Mode::Pq => Some(Plan::Pq),
         },
         beta: args.beta,
         k: args.k,
