@@ -10,6 +10,7 @@ use crate::trie::PrefixTrie;
 use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats};
 use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_index::BuildParams;
+use ctxfs_kernels::gpu::Gpu;
 use ctxfs_vfs::{DeviceChoice, ModelShape, Snapshot, Store};
 use std::collections::HashMap;
 use std::path::Path;
@@ -53,6 +54,9 @@ pub struct DbConfig {
     pub build: BuildParams,
     /// The model of sessions that reuse nothing (a reused context brings its own shape).
     pub model: Option<ModelShape>,
+    /// Attend session windows on the GPU when one is present (`CTXFS_GPU=off` also disables
+    /// it).
+    pub gpu: bool,
     /// The product quantisation imports store beside Quest's and InfLLM's metadata (PQCache's
     /// m = 2, b = 6 by default; `PqParams::M4B8` is its other setting; None stores none).
     pub pq: Option<PqParams>,
@@ -68,6 +72,7 @@ impl Default for DbConfig {
             build: BuildParams::default(),
             model: None,
             pq: Some(PqParams::M2B6),
+            gpu: true,
         }
     }
 }
@@ -81,6 +86,9 @@ pub(crate) struct Inner {
     /// Block locations of vector files, by (context id, layer, kv head). Context ids are
     /// never reused and stored contexts never change, so entries stay valid until deleted.
     files: Mutex<HashMap<(u32, u16, u16), Arc<FileBlocks>>>,
+    pub gpu: Option<Gpu>,
+    /// Which GPU, or why none is used.
+    gpu_status: String,
 }
 
 impl Inner {
@@ -135,7 +143,17 @@ impl Db {
             Arc::new(DeviceSource::new(store.device().clone())),
             PoolConfig { budget_bytes: config.pool_bytes, data_fraction: config.data_fraction, ..Default::default() },
         )?;
-        let inner = Inner { store, pool, config, trie: RwLock::default(), files: Mutex::default() };
+        let (gpu, gpu_status) = match config.gpu {
+            false => (None, "the GPU is disabled by the DB's configuration".to_string()),
+            true => match Gpu::open() {
+                Ok(g) => {
+                    let name = g.name().to_string();
+                    (Some(g), name)
+                }
+                Err(e) => (None, e.reason().to_string()),
+            },
+        };
+        let inner = Inner { store, pool, config, trie: RwLock::default(), files: Mutex::default(), gpu, gpu_status };
         inner.refresh_trie()?;
         Ok(Db { inner: Arc::new(inner) })
     }
@@ -146,6 +164,11 @@ impl Db {
 
     pub fn config(&self) -> &DbConfig {
         &self.inner.config
+    }
+
+    /// The GPU's name when sessions use one, otherwise why they do not.
+    pub fn gpu_status(&self) -> &str {
+        &self.inner.gpu_status
     }
 
     pub fn pool_stats(&self) -> PoolStats {

@@ -19,6 +19,7 @@ use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
 use ctxfs_index::paged::{gather_rows, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
+use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::{ModelShape, Snapshot};
 use half::f16;
@@ -60,11 +61,22 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
     /// Report every selected token id per head.
     pub detail: bool,
+    /// Attend the window on the CPU even when the DB has a GPU.
+    pub cpu_only: bool,
 }
 
 impl Default for AttentionOptions {
     fn default() -> Self {
-        AttentionOptions { plan: None, beta: 50.0, l0: 64, k: 100, budget: None, scale: None, detail: false }
+        AttentionOptions {
+            plan: None,
+            beta: 50.0,
+            l0: 64,
+            k: 100,
+            budget: None,
+            scale: None,
+            detail: false,
+            cpu_only: false,
+        }
     }
 }
 
@@ -85,7 +97,36 @@ pub struct Attention {
     pub output: Vec<f32>,
     pub heads: Vec<HeadReport>,
     pub choice: Choice,
+    /// Where the window was attended and the parts merged.
+    pub device: Device,
     pub micros: u64,
+}
+
+/// Where a session's window is attended and the partial attentions merged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl Attention {
+    /// The plan as `ctxfs query` reports it: the optimizer's choice, `@gpu` when the window
+    /// was attended on the GPU.
+    pub fn plan(&self) -> String {
+        match self.device {
+            Device::Cpu => self.choice.label(),
+            Device::Gpu => format!("{}@gpu", self.choice.label()),
+        }
+    }
+}
+
+/// A session's GPU: the device, and each layer's window uploaded on first use.
+struct SessionGpu {
+    device: Gpu,
+    windows: Mutex<Vec<Option<GpuWindow>>>,
+    /// Set when a GPU call failed: the session stays on the CPU from then on.
+    failed: std::sync::atomic::AtomicBool,
+    reason: Mutex<String>,
 }
 
 /// One stored segment of the session's prefix, opened for one (layer, kv head).
@@ -95,8 +136,15 @@ struct SegmentReader<'a> {
     file: &'a FileBlocks,
 }
 
-/// Each q head of a GQA group: its output and report.
-type GroupOutput = Vec<(Vec<f32>, HeadReport)>;
+/// One q head's attention in two parts: over the window and the session's own tokens, and
+/// over the retrieved tokens.
+struct Parts {
+    own: Partial,
+    retrieved: Partial,
+}
+
+/// Each q head of a GQA group: its parts and report.
+type GroupOutput = Vec<(Parts, HeadReport)>;
 
 /// The window's keys and values of one (layer, kv head), in window order.
 struct HeadWindow {
@@ -128,6 +176,7 @@ pub struct Session {
     new_tokens: Vec<u32>,
     /// The pool's data area could hold every value of the reused prefix.
     ample: bool,
+    gpu: Option<SessionGpu>,
 }
 
 impl Session {
@@ -152,7 +201,14 @@ impl Session {
         let config = db.config();
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
+        let gpu = db.inner.gpu.clone().map(|device| SessionGpu {
+            device,
+            windows: Mutex::new((0..shape.layers).map(|_| None).collect()),
+            failed: false.into(),
+            reason: Mutex::default(),
+        });
         Ok(Session {
+            gpu,
             ample,
             db,
             snap,
@@ -244,6 +300,16 @@ impl Session {
             }
         }
         f.rows += t;
+        if let Some(g) = &self.gpu {
+            let mut windows = g.windows.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(w) = windows[layer].as_mut() {
+                let half = |x: &[f32]| x.iter().map(|&x| f16::from_f32(x)).collect::<Vec<f16>>();
+                if w.append(&half(k), &half(v)).is_err() {
+                    // Rebuilt from the host copy on the next attention call.
+                    windows[layer] = None;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -269,6 +335,8 @@ impl Session {
         let prefix = self.prefix_tokens();
         let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
         let choice = choose(&self.db.config().rules, layer, prefix, filtered, self.ample, opts.plan);
+        let on_gpu =
+            !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed));
         let group = qh / kv;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(kv).max(1);
         let mut per_head: Vec<Option<Result<GroupOutput>>> = (0..kv).map(|_| None).collect();
@@ -278,7 +346,10 @@ impl Session {
                     scope.spawn(move || {
                         (t..kv)
                             .step_by(threads)
-                            .map(|h| (h, self.kv_head(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts)))
+                            .map(|h| {
+                                let qs = &q[h * group * d..(h + 1) * group * d];
+                                (h, self.kv_head(layer, h, qs, choice, opts, !on_gpu))
+                            })
                             .collect::<Vec<_>>()
                     })
                 })
@@ -289,15 +360,77 @@ impl Session {
                 }
             }
         });
-        let mut output = Vec::with_capacity(qh * d);
-        let mut heads = Vec::with_capacity(qh);
+        let (mut parts, mut heads) = (Vec::with_capacity(qh), Vec::with_capacity(qh));
         for r in per_head {
-            for (o, report) in r.expect("every kv head ran")? {
-                output.extend_from_slice(&o);
+            for (p, report) in r.expect("every kv head ran")? {
+                parts.push(p);
                 heads.push(report);
             }
         }
-        Ok(Attention { output, heads, choice, micros: started.elapsed().as_micros() as u64 })
+        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let merged = if on_gpu {
+            match self.gpu_merge(layer, q, scale, &parts) {
+                Ok(m) => m,
+                // The device failed mid-call: answer on the CPU, and stay there.
+                Err(e) => {
+                    self.gpu_failed(&e);
+                    return self.attention_with(layer, q, &AttentionOptions { cpu_only: true, ..opts.clone() });
+                }
+            }
+        } else {
+            parts.into_iter().map(|p| Partial::merge(&[p.own, p.retrieved])).collect()
+        };
+        let mut output = Vec::with_capacity(qh * d);
+        for (m, report) in merged.into_iter().zip(&mut heads) {
+            report.lse = m.lse();
+            output.extend_from_slice(&m.o);
+        }
+        let device = if on_gpu { Device::Gpu } else { Device::Cpu };
+        Ok(Attention { output, heads, choice, device, micros: started.elapsed().as_micros() as u64 })
+    }
+
+    /// The window (and own tokens) attended on the GPU for all q heads of the layer in one
+    /// launch, merged there with the retrieved parts in a second. The layer's window is
+    /// uploaded on its first use and grows as `update` appends.
+    fn gpu_merge(&self, layer: usize, q: &[f32], scale: f32, parts: &[Parts]) -> Result<Vec<Partial>, GpuError> {
+        let gpu = self.gpu.as_ref().expect("on_gpu implies a GPU");
+        let mut windows = gpu.windows.lock().unwrap_or_else(|p| p.into_inner());
+        if windows[layer].is_none() {
+            let s = self.shape;
+            let (kv, d) = (s.kv_heads as usize, s.head_dim as usize);
+            let host = self.windows.lock().unwrap_or_else(|p| p.into_inner());
+            let fresh = &self.fresh[layer];
+            let (mut keys, mut values) = (Vec::new(), Vec::new());
+            for h in 0..kv {
+                let w = host[layer * kv + h].as_ref().expect("the kv head loaded its window");
+                keys.extend_from_slice(&w.keys);
+                keys.extend_from_slice(&fresh.keys[h]);
+                values.extend_from_slice(&w.values);
+                values.extend_from_slice(&fresh.values[h]);
+            }
+            let tokens = self.window_ids.len() + fresh.rows;
+            let mut w = GpuWindow::new(&gpu.device, s.q_heads as usize, kv, d, (tokens * 2).max(64))?;
+            w.load(&keys, &values)?;
+            windows[layer] = Some(w);
+        }
+        let host: Vec<Partial> = parts.iter().map(|p| p.retrieved.clone()).collect();
+        windows[layer].as_mut().expect("loaded above").attention(q, scale, Some(&host))
+    }
+
+    fn gpu_failed(&self, e: &GpuError) {
+        if let Some(g) = &self.gpu {
+            g.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+            *g.reason.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
+        }
+    }
+
+    /// Where this session's window is attended, and why (the GPU's name, or why not).
+    pub fn device(&self) -> String {
+        match &self.gpu {
+            Some(g) if !g.failed.load(std::sync::atomic::Ordering::Relaxed) => format!("gpu ({})", g.device.name()),
+            Some(g) => format!("cpu (the GPU failed: {})", g.reason.lock().unwrap_or_else(|p| p.into_inner())),
+            None => format!("cpu ({})", self.db.gpu_status()),
+        }
     }
 
     /// The window of (layer, kv head), read from its segments on first use. Returns it and
@@ -362,6 +495,7 @@ impl Session {
         qs: &[f32],
         choice: Choice,
         opts: &AttentionOptions,
+        own_on_cpu: bool,
     ) -> Result<GroupOutput> {
         let d = self.shape.head_dim as usize;
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
@@ -418,14 +552,18 @@ impl Session {
                 }
                 ret_z.extend(mine.iter().map(|f| f.2 * scale));
             }
-            win_z.iter_mut().for_each(|z| *z *= scale);
-            fresh_z.iter_mut().for_each(|z| *z *= scale);
-            let parts = [
-                Partial::from_scores_on(isa, &mut win_z, &window.values, d),
-                Partial::from_scores_on(isa, &mut fresh_z, &fresh.values[h], d),
-                Partial::from_scores_on(isa, &mut ret_z, &ret_v, d),
-            ];
-            let merged = Partial::merge(&parts);
+            // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
+            let own = if own_on_cpu {
+                win_z.iter_mut().for_each(|z| *z *= scale);
+                fresh_z.iter_mut().for_each(|z| *z *= scale);
+                Partial::merge(&[
+                    Partial::from_scores_on(isa, &mut win_z, &window.values, d),
+                    Partial::from_scores_on(isa, &mut fresh_z, &fresh.values[h], d),
+                ])
+            } else {
+                Partial::empty(d)
+            };
+            let retrieved = Partial::from_scores_on(isa, &mut ret_z, &ret_v, d);
             let selected = if opts.detail {
                 let mut ids: Vec<u32> = self.window_ids.clone();
                 ids.extend(found.iter().map(|f| f.1));
@@ -435,8 +573,8 @@ impl Session {
             } else {
                 Vec::new()
             };
-            let report = HeadReport { lse: merged.lse(), selected, retrieved: found.len(), stats };
-            out.push((merged.o, report));
+            let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats };
+            out.push((Parts { own, retrieved }, report));
         }
         Ok(out)
     }

@@ -9,8 +9,13 @@
 //! Each kernel has an AVX-512F path, an AVX2+FMA+F16C path and a scalar reference, chosen at
 //! run time by CPU detection. `CTXFS_KERNELS=scalar|avx2|avx512` lowers the choice (it never
 //! picks a path the CPU lacks). On other architectures the scalar path runs.
+//!
+//! [`gpu`] runs a session's window attention and the merge on a CUDA device when one is there
+//! (libcuda and NVRTC are loaded at run time; without them [`gpu::Gpu::open`] says why and the
+//! CPU path serves).
 
 mod element;
+pub mod gpu;
 mod partial;
 mod scalar;
 #[cfg(target_arch = "x86_64")]

@@ -126,7 +126,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             secs.push(t.elapsed().as_secs_f64());
             io += a.heads.iter().map(|h| h.stats.blocks_read).sum::<u64>();
             if s == 0 {
-                plans.push(a.choice.label());
+                plans.push(a.plan());
             }
         }
         ios.push(io);

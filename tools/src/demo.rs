@@ -158,7 +158,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             if step == 0 && l == 0 {
                 ttft = open_s + secs;
             }
-            plans.insert(got.choice.label());
+            plans.insert(got.plan());
             read += got.heads.iter().map(|h| h.stats.blocks_read).sum::<u64>();
             answers.push(got);
             // The step's token joins the session (late materialization).

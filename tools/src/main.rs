@@ -3,6 +3,7 @@
 mod bench;
 mod bench_buffer;
 mod bench_decode;
+mod bench_gpu;
 mod bench_io;
 mod bench_search;
 mod demo;
@@ -70,6 +71,8 @@ enum BenchCommand {
     /// Decode steps of a Llama-3-8B-shaped 128K-token context on disk, against exact
     /// attention over the same store and against loading the full KV, then attending.
     Decode(bench_decode::Args),
+    /// Window attention and the merge on the GPU, against the memory bandwidth and torch SDPA.
+    Gpu(bench_gpu::Args),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
         Command::Bench { which: BenchCommand::Search(args) } => bench_search::run(args),
         Command::Bench { which: BenchCommand::Decode(args) } => bench_decode::run(args, device),
+        Command::Bench { which: BenchCommand::Gpu(args) } => bench_gpu::run(args),
         Command::Demo(args) => demo::run(args, device),
         Command::Gen(args) => gen::run(args),
         Command::Import(args) => import::run(args, device),

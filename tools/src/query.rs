@@ -133,7 +133,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                 row.copy_from_slice(&queries[(h * nq + qi) * d..(h * nq + qi + 1) * d]);
             }
             let a = session.attention_with(l, &step, &opts)?;
-            let plan = a.choice.label();
+            let plan = a.plan();
             for (h, r) in a.heads.iter().enumerate() {
                 let v = json!({
                     "layer": l, "head": h, "query": qi, "selected": r.selected, "output": &a.output[h * d..(h + 1) * d],

@@ -1,0 +1,452 @@
+//! The GPU window attention and merge against the CPU reference (`Partial::attend`,
+//! `Partial::merge`) on random data with extreme values, every GQA grouping and tail length,
+//! and a window growing across its capacity. Without a usable GPU each test prints
+//! `skipped: <reason>` and passes.
+
+use ctxfs_kernels::gpu::{Gpu, GpuPartials, GpuQueries, GpuWindow};
+use ctxfs_kernels::Partial;
+use half::f16;
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open() {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            eprintln!("skipped: {}", e.reason());
+            None
+        }
+    }
+}
+
+/// A small deterministic generator (as in tests/kernels.rs).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    /// Mostly ordinary values, some `huge`, some `tiny` (f16 subnormals), some zero.
+    fn wild(&mut self, huge: f32, tiny: f32) -> f32 {
+        match self.next() % 16 {
+            0 => huge * self.f32().signum(),
+            1 => tiny * self.f32(),
+            2 => 0.0,
+            _ => self.f32() * 4.0,
+        }
+    }
+    fn halves(&mut self, n: usize, mut f: impl FnMut(&mut Rng) -> f32) -> Vec<f16> {
+        (0..n).map(|_| f16::from_f32(f(self))).collect()
+    }
+}
+
+/// The window's tokens on the host, per kv head, for the reference.
+struct Host {
+    dim: usize,
+    keys: Vec<Vec<f16>>,
+    values: Vec<Vec<f16>>,
+}
+
+impl Host {
+    fn new(kv_heads: usize, dim: usize) -> Host {
+        Host { dim, keys: vec![Vec::new(); kv_heads], values: vec![Vec::new(); kv_heads] }
+    }
+
+    /// Adds `[kv_heads][tokens][dim]` rows, as `GpuWindow::append` does.
+    fn append(&mut self, keys: &[f16], values: &[f16]) {
+        if keys.is_empty() {
+            return;
+        }
+        let per_head = keys.len() / self.keys.len();
+        for (h, (k, v)) in keys.chunks_exact(per_head).zip(values.chunks_exact(per_head)).enumerate() {
+            self.keys[h].extend_from_slice(k);
+            self.values[h].extend_from_slice(v);
+        }
+    }
+
+    /// The CPU's partial for each q head (GQA: head h reads kv head h / group).
+    fn reference(&self, q: &[f32], scale: f32) -> Vec<Want> {
+        let d = self.dim;
+        let q_heads = q.len() / d;
+        let group = q_heads / self.keys.len();
+        (0..q_heads)
+            .map(|h| {
+                let (q, kv) = (&q[h * d..(h + 1) * d], h / group);
+                Want::attend(q, &self.keys[kv], &self.values[kv], scale)
+            })
+            .collect()
+    }
+}
+
+/// A reference partial with the scales its error is measured against: per dimension
+/// Σ a_j |v_ji| (what the f32 sums of o are exact relative to, cancellation or not), and the
+/// largest Σ |scale · q_i k_ji| (what the scores are exact relative to).
+#[derive(Clone)]
+struct Want {
+    p: Partial,
+    magnitude: Vec<f64>,
+    z_magnitude: f64,
+}
+
+impl Want {
+    fn attend(q: &[f32], keys: &[f16], values: &[f16], scale: f32) -> Want {
+        let d = q.len();
+        let p = Partial::attend(q, keys, values, scale);
+        let z: Vec<f64> = keys
+            .chunks_exact(d)
+            .map(|k| k.iter().zip(q).map(|(k, q)| k.to_f64() * f64::from(*q)).sum::<f64>() * f64::from(scale))
+            .collect();
+        let z_magnitude = keys
+            .chunks_exact(d)
+            .map(|k| k.iter().zip(q).map(|(k, q)| (k.to_f64() * f64::from(*q)).abs()).sum::<f64>() * f64::from(scale))
+            .fold(0.0, f64::max);
+        let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = z.iter().map(|z| (z - m).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut magnitude = vec![0.0; d];
+        for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
+            magnitude.iter_mut().zip(v).for_each(|(a, v)| *a += w / total * v.to_f64().abs());
+        }
+        Want { p, magnitude, z_magnitude }
+    }
+
+    /// A host partial given as is: its o is its own magnitude.
+    fn given(p: &Partial) -> Want {
+        Want { magnitude: p.o.iter().map(|x| f64::from(*x).abs()).collect(), z_magnitude: 0.0, p: p.clone() }
+    }
+
+    /// `Partial::merge` of the parts, magnitudes weighted alike.
+    fn merge(parts: &[Want]) -> Want {
+        let p = Partial::merge(&parts.iter().map(|w| w.p.clone()).collect::<Vec<_>>());
+        let mut magnitude = vec![0.0; p.o.len()];
+        for part in parts.iter().filter(|w| !w.p.is_empty()) {
+            let share = f64::from((part.p.m - p.m).exp() * part.p.l / p.l);
+            magnitude.iter_mut().zip(&part.magnitude).for_each(|(a, m)| *a += share * m);
+        }
+        let z_magnitude = parts.iter().map(|w| w.z_magnitude).fold(0.0, f64::max);
+        Want { p, magnitude, z_magnitude }
+    }
+}
+
+/// Relative error at most 1e-3: o per dimension against its magnitude, l relative, m against
+/// the score magnitude (f32 sums of d products in another order differ by a few ulps of it).
+fn check(got: &Partial, want: &Want, what: &str) {
+    let w = &want.p;
+    assert_eq!(got.o.len(), w.o.len(), "{what}: dimension");
+    if w.is_empty() {
+        assert!(got.is_empty() && got.m == f32::NEG_INFINITY, "{what}: expected empty, got m {} l {}", got.m, got.l);
+        assert!(got.o.iter().all(|&x| x == 0.0), "{what}: an empty partial's o is zero");
+        return;
+    }
+    let m_tolerance = 1e-5 * want.z_magnitude + 1e-6 * f64::from(w.m).abs() + 1e-6;
+    assert!(
+        (f64::from(got.m) - f64::from(w.m)).abs() <= m_tolerance,
+        "{what}: m {} vs {} (tolerance {m_tolerance})",
+        got.m,
+        w.m
+    );
+    assert!(
+        ((got.l - w.l) / w.l).abs() <= 1e-3,
+        "{what}: l {} vs {} (relative error {})",
+        got.l,
+        w.l,
+        (got.l - w.l) / w.l
+    );
+    for (i, ((g, x), mag)) in got.o.iter().zip(&w.o).zip(&want.magnitude).enumerate() {
+        let error = (f64::from(*g) - f64::from(*x)).abs();
+        assert!(error <= 1e-3 * mag, "{what}: o[{i}] {g} vs {x} (magnitude {mag}, relative error {})", error / mag);
+    }
+}
+
+fn check_all(got: &[Partial], want: &[Want], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: heads");
+    for (h, (g, w)) in got.iter().zip(want).enumerate() {
+        check(g, w, &format!("{what}, q head {h}"));
+    }
+}
+
+/// Random host partials: ordinary, empty, dominating and negligible ones.
+fn host_partials(rng: &mut Rng, heads: usize, dim: usize) -> Vec<Partial> {
+    (0..heads)
+        .map(|h| {
+            if h % 5 == 1 {
+                return Partial::empty(dim);
+            }
+            let m = match h % 5 {
+                2 => 80.0,  // dominates the window
+                3 => -80.0, // negligible beside it
+                _ => rng.f32() * 3.0,
+            };
+            Partial { o: (0..dim).map(|_| rng.f32() * 2.0).collect(), m, l: 1.0 + rng.f32().abs() * 50.0 }
+        })
+        .collect()
+}
+
+/// (q heads, kv heads): GQA groups of 1, 4 and 12 (two blocks of q heads per kv head).
+const GROUPINGS: [(usize, usize); 3] = [(4, 4), (8, 2), (24, 2)];
+/// Windows of one token, within, at and across tile edges (32), and long ones.
+const LENGTHS: [usize; 8] = [1, 5, 31, 32, 33, 100, 640, 1000];
+
+#[test]
+fn opening_never_panics() {
+    match Gpu::open() {
+        Ok(gpu) => {
+            assert!(!gpu.name().is_empty());
+            eprintln!(
+                "{} (sm_{}{}), kernels from {}",
+                gpu.name(),
+                gpu.compute_capability().0,
+                gpu.compute_capability().1,
+                gpu.nvrtc()
+            );
+        }
+        Err(e) => {
+            assert!(!e.reason().is_empty());
+            eprintln!("skipped: {}", e.reason());
+        }
+    }
+}
+
+#[test]
+fn window_attention_matches_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(1);
+    for dim in [64, 128] {
+        for (q_heads, kv_heads) in GROUPINGS {
+            for len in LENGTHS {
+                let what = format!("d={dim} q={q_heads} kv={kv_heads} len={len}");
+                let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
+                let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
+                let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+                let scale = if len == 100 { 0.5 } else { 1.0 / (dim as f32).sqrt() };
+                let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
+                window.load(&keys, &values).unwrap();
+                let mut host = Host::new(kv_heads, dim);
+                host.append(&keys, &values);
+                check_all(&window.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn merge_matches_partial_merge() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(2);
+    for dim in [64, 128] {
+        for (q_heads, kv_heads) in GROUPINGS {
+            // An empty window too: the result is the host's partial (or empty).
+            for len in [0, 1, 33, 640] {
+                let what = format!("d={dim} q={q_heads} kv={kv_heads} len={len}");
+                let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
+                let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
+                let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+                let scale = 1.0 / (dim as f32).sqrt();
+                let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, 16).unwrap();
+                window.load(&keys, &values).unwrap();
+                let mut host = Host::new(kv_heads, dim);
+                host.append(&keys, &values);
+                let reference = host.reference(&q, scale);
+                let parts = host_partials(&mut rng, q_heads, dim);
+                let want: Vec<Want> =
+                    reference.iter().zip(&parts).map(|(w, p)| Want::merge(&[w.clone(), Want::given(p)])).collect();
+                check_all(&window.attention(&q, scale, Some(&parts)).unwrap(), &want, &what);
+                // Every host partial empty: the window's own partial.
+                let empty = vec![Partial::empty(dim); q_heads];
+                check_all(
+                    &window.attention(&q, scale, Some(&empty)).unwrap(),
+                    &reference,
+                    &format!("{what}, empty host"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn window_grows_across_its_capacity() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(3);
+    let (q_heads, kv_heads, dim) = (8, 2, 128);
+    let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, 4).unwrap();
+    let mut host = Host::new(kv_heads, dim);
+    let first = 3;
+    let keys = rng.halves(kv_heads * first * dim, |r| r.f32() * 2.0);
+    let values = rng.halves(kv_heads * first * dim, |r| r.f32() * 4.0);
+    window.load(&keys, &values).unwrap();
+    host.append(&keys, &values);
+    for (step, tokens) in [1, 1, 2, 7, 30, 64, 1, 200, 1].into_iter().enumerate() {
+        let (capacity, len) = (window.capacity(), window.len());
+        let keys = rng.halves(kv_heads * tokens * dim, |r| r.f32() * 2.0);
+        let values = rng.halves(kv_heads * tokens * dim, |r| r.f32() * 4.0);
+        window.append(&keys, &values).unwrap();
+        host.append(&keys, &values);
+        assert_eq!(window.len(), len + tokens);
+        if len + tokens > capacity {
+            assert_eq!(window.capacity(), (len + tokens).max(2 * capacity), "step {step}: growth");
+        } else {
+            assert_eq!(window.capacity(), capacity, "step {step}: no growth needed");
+        }
+        let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let what = format!("step {step}: {} tokens, capacity {}", window.len(), window.capacity());
+        check_all(&window.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), &what);
+    }
+    // Loading replaces the window.
+    let keys = rng.halves(kv_heads * 2 * dim, |r| r.f32());
+    let values = rng.halves(kv_heads * 2 * dim, |r| r.f32());
+    window.load(&keys, &values).unwrap();
+    let mut host = Host::new(kv_heads, dim);
+    host.append(&keys, &values);
+    let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+    check_all(&window.attention(&q, 0.1, None).unwrap(), &host.reference(&q, 0.1), "reloaded");
+}
+
+#[test]
+fn extreme_values_match_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(4);
+    for dim in [64, 128] {
+        for (q_heads, kv_heads) in [(4, 1), (8, 2)] {
+            for len in [1, 37, 640] {
+                let what = format!("d={dim} q={q_heads} kv={kv_heads} len={len}");
+                // Keys with large entries (scores spread over hundreds), values from f16's
+                // largest to its subnormals, queries with outlier channels.
+                let mut keys = rng.halves(kv_heads * len * dim, |r| r.wild(500.0, 1e-7));
+                let values = rng.halves(kv_heads * len * dim, |r| r.wild(60000.0, 1e-7));
+                let q: Vec<f32> =
+                    (0..q_heads * dim).map(|i| if i % 17 == 0 { rng.f32() * 8.0 } else { rng.f32() }).collect();
+                // A sink: the first token of kv head 0 points along q head 0, and dominates.
+                for i in 0..dim {
+                    keys[i] = f16::from_f32(q[i].signum() * 8.0);
+                }
+                let scale = 1.0 / (dim as f32).sqrt();
+                let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
+                window.load(&keys, &values).unwrap();
+                let mut host = Host::new(kv_heads, dim);
+                host.append(&keys, &values);
+                check_all(&window.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn attend_runs_while_the_host_computes_its_part() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(5);
+    let (q_heads, kv_heads, dim, len) = (32, 8, 128, 640);
+    let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
+    let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
+    let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
+    window.load(&keys, &values).unwrap();
+    let mut host = Host::new(kv_heads, dim);
+    host.append(&keys, &values);
+    let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+    let scale = 1.0 / (dim as f32).sqrt();
+
+    let mut queries = GpuQueries::new(&gpu, q_heads, dim).unwrap();
+    queries.upload(&q).unwrap();
+    window.attend(&queries, scale).unwrap();
+    // Meanwhile the host attends its retrieved set (here: other random tokens).
+    let retrieved = 300;
+    let group = q_heads / kv_heads;
+    let other_keys: Vec<Vec<f16>> = (0..kv_heads).map(|_| rng.halves(retrieved * dim, |r| r.f32() * 2.0)).collect();
+    let other_values: Vec<Vec<f16>> = (0..kv_heads).map(|_| rng.halves(retrieved * dim, |r| r.f32() * 4.0)).collect();
+    let theirs: Vec<Want> = (0..q_heads)
+        .map(|h| Want::attend(&q[h * dim..(h + 1) * dim], &other_keys[h / group], &other_values[h / group], scale))
+        .collect();
+    let mut parts = GpuPartials::new(&gpu, q_heads, dim).unwrap();
+    parts.upload(&theirs.iter().map(|w| w.p.clone()).collect::<Vec<_>>()).unwrap();
+    let mut out = GpuPartials::new(&gpu, q_heads, dim).unwrap();
+    window.merge(Some(&parts), &mut out).unwrap();
+    let merged = out.download().unwrap();
+    let ours = host.reference(&q, scale);
+    let want: Vec<Want> = ours.iter().zip(&theirs).map(|(a, b)| Want::merge(&[a.clone(), b.clone()])).collect();
+    check_all(&merged, &want, "window ⊕ retrieved");
+    // The same splits merge again, alone: the window's partial.
+    window.merge(None, &mut out).unwrap();
+    check_all(&out.download().unwrap(), &ours, "window alone");
+    // The merge of everything is exact attention over the union.
+    for (h, m) in merged.iter().enumerate() {
+        let kv = h / group;
+        let all_keys = [&host.keys[kv][..], &other_keys[kv][..]].concat();
+        let all_values = [&host.values[kv][..], &other_values[kv][..]].concat();
+        check(m, &Want::attend(&q[h * dim..(h + 1) * dim], &all_keys, &all_values, scale), &format!("union, head {h}"));
+    }
+}
+
+#[test]
+fn a_captured_graph_replays_the_launches() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(6);
+    let (q_heads, kv_heads, dim, len) = (32, 8, 128, 640);
+    let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
+    let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
+    let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
+    window.load(&keys, &values).unwrap();
+    let mut host = Host::new(kv_heads, dim);
+    host.append(&keys, &values);
+    let scale = 1.0 / (dim as f32).sqrt();
+    let mut queries = GpuQueries::new(&gpu, q_heads, dim).unwrap();
+    let mut out = GpuPartials::new(&gpu, q_heads, dim).unwrap();
+    // Attend once outside the capture: it sizes the split buffers (no allocation is captured).
+    window.attend(&queries, scale).unwrap();
+    let graph = gpu
+        .capture(|| {
+            window.attend(&queries, scale)?;
+            window.merge(None, &mut out)
+        })
+        .unwrap();
+    for round in 0..3 {
+        let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+        queries.upload(&q).unwrap();
+        let elapsed = gpu.time(|| graph.launch()).unwrap();
+        assert!(elapsed.as_secs_f64() > 0.0);
+        check_all(&out.download().unwrap(), &host.reference(&q, scale), &format!("replay {round}"));
+    }
+    // A window that grows moves its buffers: the graph refuses to replay.
+    let more = rng.halves(kv_heads * len * dim, |r| r.f32());
+    window.append(&more, &more).unwrap();
+    assert!(graph.launch().is_err(), "replay after the window moved");
+    // Capturing a first attend (it would allocate its scratch) fails, and leaves the stream usable.
+    let mut fresh = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
+    fresh.load(&keys, &values).unwrap();
+    assert!(gpu.capture(|| fresh.attend(&queries, scale)).is_err(), "allocation while capturing");
+    let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
+    check_all(&fresh.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), "after a failed capture");
+}
+
+#[test]
+fn misuse_is_an_error_not_a_crash() {
+    let Some(gpu) = gpu() else { return };
+    assert!(GpuWindow::new(&gpu, 8, 2, 72, 16).is_err(), "head dim without a kernel");
+    assert!(GpuWindow::new(&gpu, 6, 4, 128, 16).is_err(), "q heads not a multiple of kv heads");
+    let mut window = GpuWindow::new(&gpu, 8, 2, 64, 16).unwrap();
+    let row = vec![f16::ZERO; 2 * 64];
+    assert!(window.load(&row[..100], &row[..100]).is_err(), "partial rows");
+    assert!(window.append(&row, &row[..64]).is_err(), "keys and values differ");
+    let mut out = GpuPartials::new(&gpu, 8, 64).unwrap();
+    assert!(window.merge(None, &mut out).is_err(), "merge before attend");
+    let queries = GpuQueries::new(&gpu, 8, 64).unwrap();
+    window.append(&row, &row).unwrap();
+    window.attend(&queries, 1.0).unwrap();
+    window.append(&row, &row).unwrap();
+    assert!(window.merge(None, &mut out).is_err(), "merge after the window changed");
+    assert!(window.attention(&[0.0; 10], 1.0, None).is_err(), "queries of the wrong size");
+    assert!(window.attention(&[0.0; 8 * 64], 1.0, Some(&[Partial::empty(64)])).is_err(), "too few host partials");
+    let mut wrong = GpuPartials::new(&gpu, 8, 128).unwrap();
+    window.attend(&queries, 1.0).unwrap();
+    assert!(window.merge(None, &mut wrong).is_err(), "output of another shape");
+    let other = Gpu::open().unwrap();
+    let mut foreign = GpuPartials::new(&other, 8, 64).unwrap();
+    assert!(window.merge(None, &mut foreign).is_err(), "another Gpu's buffer");
+    // After all that, the window still works.
+    let got = window.attention(&[0.5; 8 * 64], 1.0, None).unwrap();
+    assert!(got.iter().all(|p| p.l == 2.0 && p.o.iter().all(|&x| x == 0.0)), "two zero tokens: l = 2, o = 0");
+}
