@@ -61,11 +61,15 @@ pub struct Rules {
     /// Reused prefixes of at most this many tokens are attended in full: a search's fixed
     /// costs exceed a scan's there.
     pub short_context: u32,
+    /// Tokens the optimizer's DIPR plans retrieve at most beyond the window (the best by
+    /// score). A diffuse head's DIPR range can hold most of a long context; without a cap a
+    /// decode step reads most of its values. Forced plans use only the caller's budget.
+    pub dipr_budget: usize,
 }
 
 impl Default for Rules {
     fn default() -> Self {
-        Rules { short_context: 4096 }
+        Rules { short_context: 4096, dipr_budget: 4096 }
     }
 }
 
@@ -75,6 +79,8 @@ pub struct Choice {
     pub plan: Plan,
     /// Only part of a stored context is reused: searches filter to the prefix.
     pub filtered: bool,
+    /// The caller chose the plan (the optimizer's budgets do not apply).
+    pub forced: bool,
     pub reason: &'static str,
 }
 
@@ -102,7 +108,7 @@ pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: b
         None if filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
         None => (Plan::Diprs, "long context"),
     };
-    Choice { plan, filtered, reason }
+    Choice { plan, filtered, forced: forced.is_some(), reason }
 }
 
 #[cfg(test)]

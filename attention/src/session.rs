@@ -521,7 +521,7 @@ impl Session {
             let mut fresh_z = vec![0.0; fresh.rows];
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
-            let found = self.retrieve(&readers, q, own_max, choice.plan, opts, &mut stats)?;
+            let found = self.retrieve(&readers, q, own_max, choice, opts, &mut stats)?;
             // Values of the retrieved tokens, one batch per segment.
             let mut ret_z = Vec::with_capacity(found.len());
             let mut ret_v = Vec::with_capacity(found.len() * d);
@@ -638,10 +638,13 @@ impl Session {
         readers: &[SegmentReader<'_>],
         q: &[f32],
         own_max: f32,
-        plan: Plan,
+        choice: Choice,
         opts: &AttentionOptions,
         stats: &mut SearchStats,
     ) -> Result<Vec<(usize, u32, f32)>> {
+        let plan = choice.plan;
+        let auto_dipr = !choice.forced && matches!(plan, Plan::Flat | Plan::Diprs);
+        let budget = opts.budget.or(auto_dipr.then_some(self.db.config().rules.dipr_budget));
         let prefix = self.prefix_tokens();
         let win = self.window;
         let in_window = self.window_ids.len() as u32;
@@ -661,6 +664,7 @@ impl Session {
                         l0: opts.l0,
                         window_max: best,
                         prefix: seg.filter(),
+                        expand_limit: budget.map(|b| b * 2 + in_window as usize),
                         ..Default::default()
                     },
                 )?,
@@ -671,7 +675,7 @@ impl Session {
                 }
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
                     let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
-                    let budget = opts.budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
+                    let budget = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
                     self.coarse(r, plan, q, budget, stats)?
                 }
             };
@@ -692,9 +696,9 @@ impl Session {
             found.retain(|f| f.2 >= best - opts.beta);
         }
         let cap = match plan {
-            Plan::Topk => Some(opts.budget.map_or(opts.k, |b| b.min(opts.k))),
-            Plan::Quest | Plan::Infllm | Plan::Pq => Some(opts.budget.unwrap_or(COARSE_BUDGET)),
-            _ => opts.budget,
+            Plan::Topk => Some(budget.map_or(opts.k, |b| b.min(opts.k))),
+            Plan::Quest | Plan::Infllm | Plan::Pq => Some(budget.unwrap_or(COARSE_BUDGET)),
+            _ => budget,
         };
         if let Some(cap) = cap {
             if found.len() > cap {

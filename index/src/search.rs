@@ -25,11 +25,15 @@ pub struct DiprsParams {
     /// at β cuts those chains. Only keys within β are returned. 1.25 measured best on
     /// generated data (DIPR recall 0.85 → 0.95 at 8K tokens, keys scored 12.8% → 21%).
     pub reach: f32,
+    /// Stop expanding once this many keys have been admitted to the range (a diffuse head's
+    /// range can hold most of the context: past a caller's token budget, more exploring only
+    /// finds keys the budget drops). `None`: the whole range.
+    pub expand_limit: Option<usize>,
 }
 
 impl Default for DiprsParams {
     fn default() -> Self {
-        DiprsParams { beta: 4.0, l0: 64, window_max: f32::NEG_INFINITY, prefix: None, reach: 1.25 }
+        DiprsParams { beta: 4.0, l0: 64, window_max: f32::NEG_INFINITY, prefix: None, reach: 1.25, expand_limit: None }
     }
 }
 
@@ -83,6 +87,20 @@ impl Expander {
         let s = if self.qualifies(g.entry()) { g.entry() } else { 0 };
         self.visited.insert(s);
         Some(s)
+    }
+
+    /// Expands `node`, then scores the fresh neighbours: `scores[i]` is `q · key(fresh[i])`.
+    fn expand_scored<S: Keys + Graph>(
+        &mut self,
+        s: &S,
+        node: u32,
+        q: &[f32],
+        (fresh, scores): (&mut Vec<u32>, &mut Vec<f32>),
+        stats: &mut SearchStats,
+    ) -> Result<(), BufferError> {
+        self.expand(s, node, fresh, stats)?;
+        scores.resize(fresh.len(), 0.0);
+        s.score(fresh, q, scores, stats)
     }
 
     fn expand<G: Graph>(
@@ -145,9 +163,7 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
             break;
         }
         expanded.insert(node);
-        ex.expand(s, node, &mut fresh, &mut stats)?;
-        scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats)?;
+        ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         for (&k, &sc) in fresh.iter().zip(&scores) {
             seen.push((k, sc));
             best = best.max(sc);
@@ -163,15 +179,14 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let reach = p.beta * p.reach.max(1.0);
     let mut queue: Vec<(u32, f32)> = seen.iter().copied().filter(|&(_, sc)| sc >= best - reach).collect();
     let mut i = 0;
-    while i < queue.len() {
+    let limit = p.expand_limit.unwrap_or(usize::MAX);
+    while i < queue.len() && queue.len() < limit {
         let (node, sc) = queue[i];
         i += 1;
         if sc < best - reach || !expanded.insert(node) {
             continue;
         }
-        ex.expand(s, node, &mut fresh, &mut stats)?;
-        scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats)?;
+        ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         for (&k, &sc) in fresh.iter().zip(&scores) {
             seen.push((k, sc));
             best = best.max(sc);
@@ -224,9 +239,7 @@ pub fn topk<S: Keys + Graph>(
         if beam.len() >= ef && beam.peek().is_some_and(|w| sc < w.0 .0) {
             break;
         }
-        ex.expand(s, node, &mut fresh, &mut stats)?;
-        scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats)?;
+        ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         for (&id, &sc) in fresh.iter().zip(&scores) {
             if beam.len() < ef || beam.peek().is_some_and(|w| sc > w.0 .0) {
                 frontier.push(Scored(sc, id));

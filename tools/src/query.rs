@@ -13,16 +13,16 @@ use safetensors::SafeTensors;
 use serde_json::json;
 use std::path::PathBuf;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    Auto,
-    Full,
-    Flat,
-    Diprs,
-    Topk,
-    Quest,
-    Infllm,
-    Pq,
+/// `auto` (the optimizer's choice) or a plan forced by name.
+#[derive(Debug, Clone, Copy)]
+struct Mode(Option<Plan>);
+
+fn parse_mode(s: &str) -> Result<Mode, String> {
+    if s == "auto" {
+        Ok(Mode(None))
+    } else {
+        s.parse().map(|p| Mode(Some(p)))
+    }
 }
 
 #[derive(clap::Args)]
@@ -36,7 +36,8 @@ pub struct Args {
     /// Only this layer (default: every layer the query file has).
     #[arg(long)]
     layer: Option<usize>,
-    #[arg(long, value_enum, default_value = "auto")]
+    /// auto, full, flat, diprs, topk, quest, infllm or pq.
+    #[arg(long, default_value = "auto", value_parser = parse_mode)]
     mode: Mode,
     /// DIPR range below the best inner product, in inner-product units.
     #[arg(long, default_value_t = 50.0)]
@@ -93,16 +94,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     };
     ensure!(!layers.is_empty(), "{} has no layers.{{l}}.q tensor for this context", args.queries.display());
     let opts = AttentionOptions {
-        plan: match args.mode {
-            Mode::Auto => None,
-            Mode::Full => Some(Plan::Full),
-            Mode::Flat => Some(Plan::Flat),
-            Mode::Diprs => Some(Plan::Diprs),
-            Mode::Topk => Some(Plan::Topk),
-            Mode::Quest => Some(Plan::Quest),
-            Mode::Infllm => Some(Plan::Infllm),
-            Mode::Pq => Some(Plan::Pq),
-        },
+        plan: args.mode.0,
         beta: args.beta,
         k: args.k,
         budget: args.budget,

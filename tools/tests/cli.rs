@@ -494,6 +494,16 @@ fn import_then_query_matches_exact_attention() {
     assert!(auto0.iter().all(|r| plan(r) == "full"));
     let topk = run(&["--mode", "topk", "--k", "50"]);
     assert!(topk.iter().all(|r| r["selected"].as_array().unwrap().len() == 640 + 50));
+    // The coarse modes: at most the budget beyond the window, from the metadata stored at import.
+    for mode in ["quest", "infllm", "pq"] {
+        for r in run(&["--mode", mode, "--budget", "256"]) {
+            let n = r["selected"].as_array().unwrap().len();
+            assert!(n > 640 && n <= 640 + 256, "{mode}: {n} selected");
+            assert_eq!(plan(&r), mode);
+        }
+    }
+    let bad_mode = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--mode", "hnsw"]);
+    assert!(String::from_utf8_lossy(&bad_mode.stderr).contains("unknown plan"));
     let bad = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--layer", "7"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("layer 7"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
