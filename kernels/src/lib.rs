@@ -6,16 +6,21 @@
 //! * [`weighted_sum`]: weighted value accumulation;
 //! * [`Partial`]: attention over a set of keys as (o, m, l), and the exact log-sum-exp merge.
 //!
-//! Each kernel has an AVX-512F path, an AVX2+FMA+F16C path and a scalar reference, chosen at
-//! run time by CPU detection. `CTXFS_KERNELS=scalar|avx2|avx512` lowers the choice (it never
-//! picks a path the CPU lacks). On other architectures the scalar path runs.
+//! Each kernel has an AVX-512F path and an AVX2+FMA+F16C path (x86-64, chosen at run time by
+//! CPU detection), a NEON path (aarch64, where NEON is baseline) and a scalar reference.
+//! `CTXFS_KERNELS=scalar|neon|avx2|avx512` lowers the choice (it never picks a path the CPU
+//! lacks). On other architectures the scalar path runs.
 //!
 //! [`gpu`] runs a session's window attention and the merge on a CUDA device when one is there
 //! (libcuda and NVRTC are loaded at run time; without them [`gpu::Gpu::open`] says why and the
 //! CPU path serves).
 
 mod element;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod expf;
 pub mod gpu;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod partial;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -30,6 +35,8 @@ use std::sync::OnceLock;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
+    /// aarch64's baseline SIMD.
+    Neon,
     Avx2,
     Avx512,
 }
@@ -38,6 +45,7 @@ impl Isa {
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
+            Isa::Neon => "neon",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
         }
@@ -57,6 +65,9 @@ pub fn detected() -> Isa {
                 return Isa::Avx2;
             }
         }
+        if cfg!(target_arch = "aarch64") {
+            return Isa::Neon;
+        }
         Isa::Scalar
     })
 }
@@ -67,16 +78,18 @@ pub fn active() -> Isa {
     *ACTIVE.get_or_init(|| {
         let wanted = match std::env::var("CTXFS_KERNELS").as_deref() {
             Ok("scalar") => Isa::Scalar,
+            Ok("neon") => Isa::Neon,
             Ok("avx2") => Isa::Avx2,
             _ => Isa::Avx512,
         };
-        wanted.min(detected())
+        usable(wanted)
     })
 }
 
 /// Every instruction set this CPU can run, for tests and benchmarks that compare them.
 pub fn available() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= detected()).collect()
+    let native: &[Isa] = if cfg!(target_arch = "aarch64") { &[Isa::Neon] } else { &[Isa::Avx2, Isa::Avx512] };
+    std::iter::once(Isa::Scalar).chain(native.iter().copied()).filter(|&i| i <= detected()).collect()
 }
 
 /// Runs `$body` with `$xs` bound to `$x` as a slice of the concrete element type.
@@ -99,9 +112,14 @@ macro_rules! by_element {
     };
 }
 
-/// `isa` if this CPU has it, else the best it has.
+/// `isa` if this CPU has it, else the best it has (NEON and the x86 sets exclude each other).
 fn usable(isa: Isa) -> Isa {
-    isa.min(detected())
+    let best = detected();
+    match isa {
+        Isa::Neon if best != Isa::Neon => Isa::Scalar,
+        wanted if wanted <= best => wanted,
+        _ => best,
+    }
 }
 
 /// Σ x_i q_i.
@@ -117,6 +135,9 @@ pub fn dot_on<E: Element>(isa: Isa, x: &[E], q: &[f32]) -> f32 {
         Isa::Avx512 => by_element!(E, x, |xs| unsafe { x86::avx512::dot(xs, q) }),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => by_element!(E, x, |xs| unsafe { x86::avx2::dot(xs, q) }),
+        // SAFETY: NEON is aarch64's baseline; the lengths are checked above.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => by_element!(E, x, |xs| unsafe { neon::dot(xs, q) }),
         _ => scalar::dot(x, q),
     }
 }
@@ -145,6 +166,9 @@ pub fn scores_on<E: Element>(isa: Isa, keys: &[E], q: &[f32], scale: f32, out: &
         Isa::Avx512 => by_element!(E, keys, |ks| unsafe { x86::avx512::scores(ks, q, scale, out) }),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => by_element!(E, keys, |ks| unsafe { x86::avx2::scores(ks, q, scale, out) }),
+        // SAFETY: NEON is aarch64's baseline; the lengths are checked above.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => by_element!(E, keys, |ks| unsafe { neon::scores(ks, q, scale, out) }),
         _ => scalar::scores(keys, q, scale, out),
     }
 }
@@ -161,6 +185,9 @@ pub fn max_on(isa: Isa, z: &[f32]) -> f32 {
         Isa::Avx512 => unsafe { x86::avx512::max(z) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::avx2::max(z) },
+        // SAFETY: NEON is aarch64's baseline.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::max(z) },
         _ => scalar::max(z),
     }
 }
@@ -178,6 +205,9 @@ pub fn exp_sub_on(isa: Isa, z: &mut [f32], m: f32) -> f32 {
         Isa::Avx512 => unsafe { x86::avx512::exp_sub(z, m) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::avx2::exp_sub(z, m) },
+        // SAFETY: NEON is aarch64's baseline.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::exp_sub(z, m) },
         _ => scalar::exp_sub(z, m),
     }
 }
@@ -205,6 +235,9 @@ pub fn weighted_sum_on<E: Element>(isa: Isa, acc: &mut [f32], weights: &[f32], v
         Isa::Avx512 => by_element!(E, values, |vs| unsafe { x86::avx512::weighted_sum(acc, weights, vs) }),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => by_element!(E, values, |vs| unsafe { x86::avx2::weighted_sum(acc, weights, vs) }),
+        // SAFETY: NEON is aarch64's baseline; the lengths are checked above.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => by_element!(E, values, |vs| unsafe { neon::weighted_sum(acc, weights, vs) }),
         _ => scalar::weighted_sum(acc, weights, values),
     }
 }

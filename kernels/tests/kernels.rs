@@ -199,4 +199,10 @@ fn this_machine_uses_its_best_instruction_set() {
     println!("detected {:?}, active {:?}, available {:?}", detected(), active(), available());
     assert!(available().contains(&Isa::Scalar));
     assert!(active() <= detected());
+    if cfg!(target_arch = "aarch64") {
+        assert_eq!(detected(), Isa::Neon, "NEON is aarch64's baseline");
+        assert_eq!(available(), [Isa::Scalar, Isa::Neon]);
+    } else {
+        assert!(!available().contains(&Isa::Neon), "NEON is not an x86 instruction set");
+    }
 }

@@ -98,6 +98,8 @@ fn compile(capability: (u32, u32)) -> Result<Vec<u8>, String> {
     if let Err(e) = unsafe { result::compile_program(program.0, &options(capability)) } {
         // SAFETY: as above.
         let log = unsafe { result::get_program_log(program.0) }.unwrap_or_default();
+        // c_char is i8 on x86-64 and u8 on aarch64: the cast is a no-op on one of them.
+        #[allow(clippy::unnecessary_cast)]
         let log: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
         return Err(format!("NVRTC failed to compile the kernels for {arch} ({e}): {}", String::from_utf8_lossy(&log)));
     }
