@@ -1,7 +1,7 @@
 //! import → reopen → session → attention, against exact attention computed independently.
 
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, SafetensorsKv};
-use ctxfs_integration::{book, exact, mkfs, rel_err, Book};
+use ctxfs_integration::{book, exact, mkfs, rel_err, widen, Book};
 use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
 use half::f16;
 use std::path::Path;
@@ -37,14 +37,14 @@ fn exact_layer(b: &Book, layer: usize, q: &[f32], ids: &[u32], extra: Option<&[(
     let mut out = Vec::new();
     for qh in 0..b.shape.q_heads as usize {
         let h = b.head(layer, qh / group);
-        let (mut keys, mut values) = (h.keys[..].to_vec(), h.values[..].to_vec());
+        let (mut keys, mut values) = (widen(&h.keys), widen(&h.values));
         let mut all = ids.to_vec();
         if let Some(extra) = extra {
             let (k, v) = &extra[qh / group];
             let base = keys.len() / d;
             // The extra rows follow the book's rows; their ids there are base.. .
-            keys.extend_from_slice(k);
-            values.extend_from_slice(v);
+            keys.extend(widen(k));
+            values.extend(widen(v));
             all.extend((0..(k.len() / d) as u32).map(|i| base as u32 + i));
         }
         out.extend(exact(&keys, &values, d, &all, &q[qh * d..(qh + 1) * d], scale).0);
@@ -247,4 +247,74 @@ fn eight_concurrent_sessions_match_serial_runs() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(serial, parallel);
+}
+
+#[test]
+fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 4096 + 1024;
+    let b = book(dir.path(), n, 1, 4, 2, 21);
+    let d = b.shape.head_dim as usize;
+    // The same context in f32 with two channels far beyond f16's range (65,504).
+    let big = |x: &[f16], channel: usize| -> Vec<f32> {
+        x.iter().enumerate().map(|(i, v)| v.to_f32() * if i % d == channel { 30_000.0 } else { 1.0 }).collect()
+    };
+    let keys: Vec<Vec<f32>> = (0..2).map(|h| big(&b.head(0, h).keys, 0)).collect();
+    let values: Vec<Vec<f32>> = (0..2).map(|h| big(&b.head(0, h).values, 1)).collect();
+    let bytes = |x: &[Vec<f32>]| -> Vec<u8> { x.iter().flatten().flat_map(|v| v.to_le_bytes()).collect() };
+    // Prefill queries of the 4 q heads, their big channel scaled down as the keys' went up.
+    let queries: Vec<Vec<f32>> = (0..2)
+        .flat_map(|h| b.head(0, h).prefill.clone())
+        .map(|q| q.iter().enumerate().map(|(i, x)| if i % d == 0 { x / 30_000.0 } else { *x }).collect())
+        .collect();
+    let m = queries[0].len() / d;
+    let (kb, vb, qb) = (bytes(&keys), bytes(&values), bytes(&queries));
+    let f32s =
+        |shape: Vec<usize>, data| safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, data).unwrap();
+    let views = vec![
+        ("layers.0.k".to_string(), f32s(vec![2, n, d], &kb)),
+        ("layers.0.v".to_string(), f32s(vec![2, n, d], &vb)),
+        ("layers.0.q".to_string(), f32s(vec![4, m, d], &qb)),
+    ];
+    let path = dir.path().join("wide.safetensors");
+    safetensors::serialize_to_file(views, &None, &path).unwrap();
+    let err = SafetensorsKv::open(&path, DType::F16).unwrap().check_values(|_| {}).unwrap_err().to_string();
+    assert!(err.contains("out of the f16 range"), "{err}");
+
+    let store = mkfs(dir.path(), 128);
+    let db = open(&store);
+    let src = SafetensorsKv::open(&path, DType::Bf16).unwrap();
+    src.check_values(|_| {}).unwrap();
+    db.import("wide", &src, |_| {}).unwrap();
+    drop(db);
+    let db = open(&store);
+    let session = db.open_session("wide", None).unwrap();
+    assert_eq!(session.shape().dtype, DType::Bf16);
+    let round = |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect() };
+    let all: Vec<u32> = (0..n as u32).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    for step in 0..3 {
+        // Queries scaled down with the keys' big channel, so scores stay in a sane range.
+        let q: Vec<f32> = b
+            .decode_step(0, step)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i % d == 0 { x / 30_000.0 } else { *x })
+            .collect();
+        let want: Vec<f32> = (0..4)
+            .flat_map(|qh| {
+                let h = qh / 2;
+                exact(&round(&keys[h]), &round(&values[h]), d, &all, &q[qh * d..(qh + 1) * d], scale).0
+            })
+            .collect();
+        for (plan, beta) in [(Plan::Full, 0.0), (Plan::Diprs, 1e9), (Plan::Flat, 1e9)] {
+            let a = session.attention_with(0, &q, &opts(plan, beta)).unwrap();
+            assert!(rel_err(&a.output, &want) <= 1e-3, "{plan:?}: {}", rel_err(&a.output, &want));
+        }
+        let a = session.attention_with(0, &q, &opts(Plan::Diprs, 40.0)).unwrap();
+        assert!(a.heads.iter().all(|h| h.stats.keys_scored < n as u64), "DIPRS searches, not scans");
+    }
+    // A coarse plan needs metadata a bf16 context does not store: refused, not wrong.
+    let err = session.attention_with(0, &b.decode_step(0, 0), &opts(Plan::Quest, 0.0)).unwrap_err().to_string();
+    assert!(err.contains("no quest index"), "{err}");
 }

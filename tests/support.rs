@@ -87,12 +87,12 @@ pub fn mkfs(dir: &Path, mib: u64) -> PathBuf {
 }
 
 /// Exact attention of `q` over the rows `ids` of `keys` and `values`, in f64: (o, lse).
-pub fn exact(keys: &[f16], values: &[f16], d: usize, ids: &[u32], q: &[f32], scale: f32) -> (Vec<f32>, f32) {
+pub fn exact(keys: &[f32], values: &[f32], d: usize, ids: &[u32], q: &[f32], scale: f32) -> (Vec<f32>, f32) {
     let z: Vec<f64> = ids
         .iter()
         .map(|&t| {
             let k = &keys[t as usize * d..(t as usize + 1) * d];
-            k.iter().zip(q).map(|(a, b)| a.to_f64() * *b as f64).sum::<f64>() * scale as f64
+            k.iter().zip(q).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
         })
         .collect();
     let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -101,10 +101,15 @@ pub fn exact(keys: &[f16], values: &[f16], d: usize, ids: &[u32], q: &[f32], sca
     let mut o = vec![0.0f64; d];
     for (&t, &wi) in ids.iter().zip(&w) {
         for (acc, v) in o.iter_mut().zip(&values[t as usize * d..(t as usize + 1) * d]) {
-            *acc += wi * v.to_f64();
+            *acc += wi * *v as f64;
         }
     }
     (o.iter().map(|x| (x / l) as f32).collect(), (m + l.ln()) as f32)
+}
+
+/// Halves widened to f32.
+pub fn widen(x: &[f16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
 }
 
 /// ‖a − b‖ / ‖b‖.

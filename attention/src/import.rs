@@ -11,10 +11,10 @@ use crate::session::Session;
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
-use ctxfs_index::paged::{index_payloads, row_payloads, Layout};
+use ctxfs_index::paged::{index_payloads_of, row_payloads, Layout, Rows};
 use ctxfs_index::{build, BuildParams, MemKeys};
 use ctxfs_vfs::{max_payload, DType, FileStream, ModelShape, Txn};
-use half::f16;
+use half::{bf16, f16};
 use std::time::{Duration, Instant};
 
 /// What writing a context did.
@@ -38,7 +38,7 @@ impl WriteReport {
 
 /// Blocks one head of `n` tokens takes: its index stream and its data stream.
 fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
-    let l = Layout::new(n as u32, d as u32, degree as u32, 0, payload);
+    let l = Layout::new(n as u32, d as u32, degree as u32, 0, DType::F16, payload);
     (l.index_blocks() + l.key_blocks()) as u64
 }
 
@@ -70,36 +70,67 @@ struct Head<'a> {
     dim: usize,
     /// Block payload bytes.
     payload: usize,
-    keys: Vec<f16>,
-    values: &'a [f16],
+    keys: &'a [f32],
+    values: &'a [f32],
     train: Vec<f32>,
     /// The product quantisation to store, if any.
     pq: Option<PqParams>,
 }
 
-/// Builds one head's graph and appends its index and data streams.
-fn write_head(txn: &mut Txn<'_>, name: &str, h: Head<'_>, params: &BuildParams, r: &mut WriteReport) -> Result<()> {
+/// Builds one head's graph and appends its index and data streams, in the context's element
+/// type. A bf16 context's graph is built on an f16 copy of its keys scaled by a power of two
+/// into f16's range (inner-product order is unchanged by a positive scale; the stored keys
+/// are the bf16 ones); it stores no coarse indexes, whose metadata is f16.
+fn write_head(
+    txn: &mut Txn<'_>,
+    name: &str,
+    dtype: DType,
+    h: Head<'_>,
+    params: &BuildParams,
+    r: &mut WriteReport,
+) -> Result<()> {
     let payload = h.payload;
-    let keys = MemKeys::new(h.dim, h.keys);
+    let scale = match dtype {
+        DType::F16 => 1.0,
+        DType::Bf16 => f16_scale(h.keys),
+    };
+    let keys = MemKeys::new(h.dim, h.keys.iter().map(|&x| f16::from_f32(x * scale)).collect());
     let train = if h.train.is_empty() { keys.data().iter().map(|x| x.to_f32()).collect() } else { h.train.clone() };
     let (graph, built) = build(&keys, &train, params);
     r.knn += built.knn;
     r.projection += built.projection;
     r.enhancement += built.enhancement;
     let (l, hd) = (h.layer as u16, h.head as u16);
-    let (_, mut index) = index_payloads(&keys, &graph, payload);
-    // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
-    let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));
-    index.extend(Quest::build(&keys, &QuestParams::default()).and_then(|q| q.payloads(payload)).map_err(coarse)?);
-    let infllm = Infllm::build(&keys, if h.train.is_empty() { &[] } else { &train }, &InfllmParams::default());
-    index.extend(infllm.and_then(|i| i.payloads(payload)).map_err(coarse)?);
-    if let Some(pq) = &h.pq {
-        index.extend(Pq::build(&keys, pq).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+    let (bf_keys, bf_values): (Vec<bf16>, Vec<bf16>);
+    let (key_rows, value_rows, values16);
+    match dtype {
+        DType::F16 => {
+            values16 = h.values.iter().map(|&x| f16::from_f32(x)).collect::<Vec<f16>>();
+            key_rows = Rows::F16(keys.data());
+            value_rows = Rows::F16(&values16);
+        }
+        DType::Bf16 => {
+            bf_keys = h.keys.iter().map(|&x| bf16::from_f32(x)).collect();
+            bf_values = h.values.iter().map(|&x| bf16::from_f32(x)).collect();
+            key_rows = Rows::Bf16(&bf_keys);
+            value_rows = Rows::Bf16(&bf_values);
+        }
+    }
+    let (_, mut index) = index_payloads_of(key_rows, h.dim, &graph, payload);
+    if dtype == DType::F16 {
+        // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
+        let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));
+        index.extend(Quest::build(&keys, &QuestParams::default()).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+        let infllm = Infllm::build(&keys, if h.train.is_empty() { &[] } else { &train }, &InfllmParams::default());
+        index.extend(infllm.and_then(|i| i.payloads(payload)).map_err(coarse)?);
+        if let Some(pq) = &h.pq {
+            index.extend(Pq::build(&keys, pq).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+        }
     }
     for b in &index {
         txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
-    let data = row_payloads(h.values, h.dim, payload);
+    let data = row_payloads(value_rows, h.dim, payload);
     for b in &data {
         txn.append_block(name, l, hd, FileStream::Data, b)?;
     }
@@ -108,8 +139,15 @@ fn write_head(txn: &mut Txn<'_>, name: &str, h: Head<'_>, params: &BuildParams, 
     Ok(())
 }
 
-fn to_f16(x: Vec<f32>) -> Vec<f16> {
-    x.into_iter().map(f16::from_f32).collect()
+/// A power of two that brings the largest key magnitude within f16's range (1 when it is).
+fn f16_scale(keys: &[f32]) -> f32 {
+    let top = keys.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let limit = f16::MAX.to_f32() / 2.0;
+    if top <= limit {
+        1.0
+    } else {
+        (limit / top).log2().floor().exp2()
+    }
 }
 
 impl Db {
@@ -121,9 +159,6 @@ impl Db {
         let started = Instant::now();
         let shape = source.shape();
         shape.validate().map_err(Error::Input)?;
-        if shape.dtype != DType::F16 {
-            return input(format!("{} storage is not supported yet; import with --dtype f16", shape.dtype.name()));
-        }
         if self.store().snapshot().context(name).is_ok() {
             return Err(ctxfs_vfs::Error::ContextExists(name.to_string()).into());
         }
@@ -141,13 +176,14 @@ impl Db {
         txn.create_context(name, shape, &ids)?;
         for layer in 0..shape.layers as usize {
             for head in 0..shape.kv_heads as usize {
-                let keys = to_f16(source.keys(layer, head)?);
-                let values = to_f16(source.values(layer, head)?);
+                let keys = source.keys(layer, head)?;
+                let values = source.values(layer, head)?;
                 let train = source.train_queries(layer, head)?;
                 write_head(
                     &mut txn,
                     name,
-                    Head { layer, head, dim: d, payload, keys, values: &values, train, pq: self.config().pq },
+                    shape.dtype,
+                    Head { layer, head, dim: d, payload, keys: &keys, values: &values, train, pq: self.config().pq },
                     &params,
                     &mut report,
                 )?;
@@ -206,12 +242,12 @@ impl Db {
                     head,
                     dim: d,
                     payload,
-                    keys: fresh.keys[head].clone(),
+                    keys: &fresh.keys[head],
                     values: &fresh.values[head],
                     train: fresh.queries[head].clone(),
                     pq: self.config().pq,
                 };
-                write_head(&mut txn, name, h, &params, &mut report)?;
+                write_head(&mut txn, name, shape.dtype, h, &params, &mut report)?;
             }
         }
         txn.commit()?;

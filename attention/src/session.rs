@@ -21,8 +21,29 @@ use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
+use ctxfs_vfs::DType;
 use ctxfs_vfs::{ModelShape, Snapshot};
-use half::f16;
+use half::{bf16, f16};
+
+/// The largest finite value of a stored element type.
+fn max_of(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => f16::MAX.to_f32(),
+        DType::Bf16 => bf16::MAX.to_f32(),
+    }
+}
+
+/// `x` rounded to a stored element type, back in f32.
+fn round_to(dtype: DType, x: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(x).to_f32(),
+        DType::Bf16 => bf16::from_f32(x).to_f32(),
+    }
+}
+
+fn to_f16(x: &[f32]) -> Vec<f16> {
+    x.iter().map(|&x| f16::from_f32(x)).collect()
+}
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -148,8 +169,8 @@ type GroupOutput = Vec<(Parts, HeadReport)>;
 
 /// The window's keys and values of one (layer, kv head), in window order.
 struct HeadWindow {
-    keys: Vec<f16>,
-    values: Vec<f16>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
 }
 
 /// The session's own tokens of one layer, per kv head (and the prefill queries that will
@@ -157,8 +178,9 @@ struct HeadWindow {
 #[derive(Default)]
 pub(crate) struct Fresh {
     pub rows: usize,
-    pub keys: Vec<Vec<f16>>,
-    pub values: Vec<Vec<f16>>,
+    /// Rounded to the context's element type, as `Db::store_session` will store them.
+    pub keys: Vec<Vec<f32>>,
+    pub values: Vec<Vec<f32>>,
     pub queries: Vec<Vec<f32>>,
 }
 
@@ -201,7 +223,8 @@ impl Session {
         let config = db.config();
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
-        let gpu = db.inner.gpu.clone().map(|device| SessionGpu {
+        // The GPU window holds f16; a bf16 context's window stays on the CPU.
+        let gpu = db.inner.gpu.clone().filter(|_| shape.dtype == DType::F16).map(|device| SessionGpu {
             device,
             windows: Mutex::new((0..shape.layers).map(|_| None).collect()),
             failed: false.into(),
@@ -286,15 +309,19 @@ impl Session {
             return input(format!("update of layer {layer}: q has {} elements, expected {qh} × {t} × {d}", q.len()));
         }
         for (name, x) in [("q", q), ("k", k), ("v", v)] {
-            if let Some(i) = x.iter().position(|x| !x.is_finite() || x.abs() > f16::MAX.to_f32()) {
-                return input(format!("update of layer {layer}: {name}[{i}] = {} is not a finite f16 value", x[i]));
+            if let Some(i) = x.iter().position(|x| !x.is_finite() || x.abs() > max_of(s.dtype)) {
+                return input(format!(
+                    "update of layer {layer}: {name}[{i}] = {} is not a finite {} value",
+                    x[i],
+                    s.dtype.name()
+                ));
             }
         }
         let f = &mut self.fresh[layer];
         let group = qh / kv;
         for h in 0..kv {
-            f.keys[h].extend(k[h * t * d..(h + 1) * t * d].iter().map(|&x| f16::from_f32(x)));
-            f.values[h].extend(v[h * t * d..(h + 1) * t * d].iter().map(|&x| f16::from_f32(x)));
+            f.keys[h].extend(k[h * t * d..(h + 1) * t * d].iter().map(|&x| round_to(s.dtype, x)));
+            f.values[h].extend(v[h * t * d..(h + 1) * t * d].iter().map(|&x| round_to(s.dtype, x)));
             if !q.is_empty() {
                 f.queries[h].extend_from_slice(&q[h * group * t * d..(h + 1) * group * t * d]);
             }
@@ -303,8 +330,7 @@ impl Session {
         if let Some(g) = &self.gpu {
             let mut windows = g.windows.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(w) = windows[layer].as_mut() {
-                let half = |x: &[f32]| x.iter().map(|&x| f16::from_f32(x)).collect::<Vec<f16>>();
-                if w.append(&half(k), &half(v)).is_err() {
+                if w.append(&to_f16(k), &to_f16(v)).is_err() {
                     // Rebuilt from the host copy on the next attention call.
                     windows[layer] = None;
                 }
@@ -410,7 +436,7 @@ impl Session {
             }
             let tokens = self.window_ids.len() + fresh.rows;
             let mut w = GpuWindow::new(&gpu.device, s.q_heads as usize, kv, d, (tokens * 2).max(64))?;
-            w.load(&keys, &values)?;
+            w.load(&to_f16(&keys), &to_f16(&values))?;
             windows[layer] = Some(w);
         }
         let host: Vec<Partial> = parts.iter().map(|p| p.retrieved.clone()).collect();
@@ -429,6 +455,9 @@ impl Session {
         match &self.gpu {
             Some(g) if !g.failed.load(std::sync::atomic::Ordering::Relaxed) => format!("gpu ({})", g.device.name()),
             Some(g) => format!("cpu (the GPU failed: {})", g.reason.lock().unwrap_or_else(|p| p.into_inner())),
+            None if self.shape.dtype == DType::Bf16 && self.db.inner.gpu.is_some() => {
+                "cpu (a bf16 context: the GPU window holds f16)".to_string()
+            }
             None => format!("cpu ({})", self.db.gpu_status()),
         }
     }
@@ -457,7 +486,7 @@ impl Session {
             }
             let index = self.open_index(&file.index, seg, layer, h)?;
             let (k, kio) = index.gather_keys(&local)?;
-            let (v, vio) = gather_rows(&self.db.inner.pool, &file.data, index.layout().rows_per_block, d, &local)?;
+            let (v, vio) = gather_rows(&self.db.inner.pool, &file.data, index.layout(), &local)?;
             kio.add_to(&mut io);
             vio.add_to(&mut io);
             keys.extend_from_slice(&k);
@@ -531,7 +560,8 @@ impl Session {
                     continue;
                 }
                 let local: Vec<u32> = mine.iter().map(|f| f.1 - seg.base).collect();
-                let rows = readers[si].index.layout().rows_per_block;
+                let layout = readers[si].index.layout();
+                let rows = layout.rows_per_block;
                 // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of a
                 // long prefix (full attention) streams it through a small data area.
                 let mut from = 0;
@@ -545,7 +575,7 @@ impl Session {
                         blocks += usize::from(next_block);
                         to += 1;
                     }
-                    let (v, io) = gather_rows(&self.db.inner.pool, &file.data, rows, d, &local[from..to])?;
+                    let (v, io) = gather_rows(&self.db.inner.pool, &file.data, layout, &local[from..to])?;
                     io.add_to(&mut stats);
                     ret_v.extend_from_slice(&v);
                     from = to;

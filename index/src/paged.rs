@@ -12,9 +12,11 @@ use crate::mem::{MemGraph, MemKeys};
 use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard};
-use half::f16;
+use ctxfs_vfs::DType;
+use half::{bf16, f16};
 
-pub const LAYOUT_VERSION: u32 = 1;
+/// Version 2 added the element type of the key rows (version 1: always f16).
+pub const LAYOUT_VERSION: u32 = 2;
 const META_MAGIC: &[u8; 4] = b"CXIX";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,15 +27,18 @@ pub struct Layout {
     pub entry: u32,
     pub records_per_block: u32,
     pub rows_per_block: u32,
+    /// The element type of the key rows (and of the data stream's value rows).
+    pub dtype: DType,
 }
 
 impl Layout {
-    pub fn new(tokens: u32, dim: u32, degree: u32, entry: u32, payload: usize) -> Layout {
+    pub fn new(tokens: u32, dim: u32, degree: u32, entry: u32, dtype: DType, payload: usize) -> Layout {
         Layout {
             tokens,
             dim,
             degree,
             entry,
+            dtype,
             records_per_block: (payload / (degree as usize * 4)).max(1) as u32,
             rows_per_block: (payload / (dim as usize * 2)).max(1) as u32,
         }
@@ -58,6 +63,7 @@ impl Layout {
             self.entry,
             self.records_per_block,
             self.rows_per_block,
+            self.dtype as u32,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -68,9 +74,15 @@ impl Layout {
             return Err("index meta block: bad magic or length".into());
         }
         let f = |i: usize| u32::from_le_bytes(b[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes"));
-        if f(0) != LAYOUT_VERSION {
-            return Err(format!("index layout version {} (this build reads {LAYOUT_VERSION})", f(0)));
-        }
+        let dtype = match f(0) {
+            1 => DType::F16,
+            2 if b.len() >= 36 => match f(7) {
+                1 => DType::F16,
+                2 => DType::Bf16,
+                code => return Err(format!("index meta block: unknown element type {code}")),
+            },
+            v => return Err(format!("index layout version {v} (this build reads 1 and {LAYOUT_VERSION})")),
+        };
         let l = Layout {
             tokens: f(1),
             dim: f(2),
@@ -78,6 +90,7 @@ impl Layout {
             entry: f(4),
             records_per_block: f(5),
             rows_per_block: f(6),
+            dtype,
         };
         if l.dim == 0
             || l.degree == 0
@@ -91,22 +104,80 @@ impl Layout {
     }
 }
 
-/// The payloads of an index stream, in logical order.
+/// Rows of 2-byte elements, as stored: keys in the index stream, values in the data stream.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl Rows<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Rows::F16(_) => DType::F16,
+            Rows::Bf16(_) => DType::Bf16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::F16(r) => r.len(),
+            Rows::Bf16(r) => r.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `q · row`, through the SIMD kernels.
+    pub fn dot(&self, q: &[f32]) -> f32 {
+        match self {
+            Rows::F16(r) => ctxfs_kernels::dot(r, q),
+            Rows::Bf16(r) => ctxfs_kernels::dot(r, q),
+        }
+    }
+    fn extend_f32(&self, out: &mut Vec<f32>) {
+        match self {
+            Rows::F16(r) => out.extend(r.iter().map(|x| x.to_f32())),
+            Rows::Bf16(r) => out.extend(r.iter().map(|x| x.to_f32())),
+        }
+    }
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Rows::F16(r) => bytemuck::cast_slice(r),
+            Rows::Bf16(r) => bytemuck::cast_slice(r),
+        }
+    }
+    /// Rows `slot · dim .. (slot + 1) · dim` of a pinned block of this element type.
+    fn of<'g>(dtype: DType, g: &'g PageGuard<'_>, slot: usize, dim: usize) -> Rows<'g> {
+        match dtype {
+            DType::F16 => Rows::F16(&g.as_f16()[slot * dim..(slot + 1) * dim]),
+            DType::Bf16 => Rows::Bf16(&g.as_bf16()[slot * dim..(slot + 1) * dim]),
+        }
+    }
+}
+
+/// The payloads of an index stream for f16 keys, in logical order.
 pub fn index_payloads(keys: &MemKeys, graph: &MemGraph, payload: usize) -> (Layout, Vec<Vec<u8>>) {
-    let layout = Layout::new(keys.len(), keys.dim() as u32, graph.degree as u32, graph.entry, payload);
+    index_payloads_of(Rows::F16(keys.data()), keys.dim(), graph, payload)
+}
+
+/// The payloads of an index stream whose key rows are `keys` (the graph may have been built
+/// on a rescaled copy: inner-product order does not change with a positive scale).
+pub fn index_payloads_of(keys: Rows<'_>, dim: usize, graph: &MemGraph, payload: usize) -> (Layout, Vec<Vec<u8>>) {
+    let tokens = (keys.len() / dim.max(1)) as u32;
+    let layout = Layout::new(tokens, dim as u32, graph.degree as u32, graph.entry, keys.dtype(), payload);
     let mut blocks = vec![layout.encode()];
     let rec = graph.degree;
     for chunk in graph.adjacency.chunks(rec * layout.records_per_block as usize) {
         blocks.push(chunk.iter().flat_map(|x| x.to_le_bytes()).collect());
     }
-    blocks.extend(row_payloads(keys.data(), keys.dim(), payload));
+    blocks.extend(row_payloads(keys, dim, payload));
     (layout, blocks)
 }
 
 /// Rows packed whole into block payloads (the data stream's values, or keys).
-pub fn row_payloads(rows: &[f16], dim: usize, payload: usize) -> Vec<Vec<u8>> {
+pub fn row_payloads(rows: Rows<'_>, dim: usize, payload: usize) -> Vec<Vec<u8>> {
     let per = (payload / (dim * 2)).max(1);
-    rows.chunks(per * dim).map(|c| bytemuck::cast_slice::<f16, u8>(c).to_vec()).collect()
+    rows.bytes().chunks(per * dim * 2).map(<[u8]>::to_vec).collect()
 }
 
 /// An index searched through the buffer pool: adjacency and key blocks are read on demand
@@ -143,17 +214,16 @@ impl<'p> PagedIndex<'p> {
         &self.layout
     }
 
-    /// The key rows of `ids`, in their order (the window cache's keys).
-    pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f16>, BatchIo), BufferError> {
+    /// The key rows of `ids`, in their order, as f32 (the window cache's keys).
+    pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f32>, BatchIo), BufferError> {
         let first = 1 + self.layout.adjacency_blocks() as usize;
-        gather_rows(self.pool, &self.blocks[first..], self.layout.rows_per_block, self.layout.dim as usize, ids)
+        gather_rows(self.pool, &self.blocks[first..], &self.layout, ids)
     }
 
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
-    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, &[f16])) -> SourceResult {
+    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
         let first = 1 + self.layout.adjacency_blocks() as usize;
-        let io =
-            for_rows(self.pool, &self.blocks[first..], self.layout.rows_per_block, self.layout.dim as usize, ids, f)?;
+        let io = for_rows(self.pool, &self.blocks[first..], &self.layout, ids, f)?;
         io.add_to(stats);
         Ok(())
     }
@@ -167,7 +237,7 @@ impl Keys for PagedIndex<'_> {
         self.layout.tokens
     }
     fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.with_rows(ids, stats, |i, row| out[i] = ctxfs_kernels::dot(row, q))?;
+        self.with_rows(ids, stats, |i, row| out[i] = row.dot(q))?;
         stats.keys_scored += ids.len() as u64;
         Ok(())
     }
@@ -203,17 +273,17 @@ impl BatchIo {
     }
 }
 
-/// Pins, in one batch, the blocks of packed rows (`rows_per_block` rows of `dim` elements,
-/// row `t` in block `t / rows_per_block` of `blocks`) that hold `ids`, and calls `f` with each
-/// id's position and row.
+/// Pins, in one batch, the blocks of packed rows (`layout.rows_per_block` rows of
+/// `layout.dim` elements of `layout.dtype`, row `t` in block `t / rows_per_block` of
+/// `blocks`) that hold `ids`, and calls `f` with each id's position and row.
 fn for_rows(
     pool: &BufferPool,
     blocks: &[BlockRequest],
-    rows_per_block: u32,
-    dim: usize,
+    layout: &Layout,
     ids: &[u32],
-    mut f: impl FnMut(usize, &[f16]),
+    mut f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
+    let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
     let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
     wanted.sort_unstable();
     wanted.dedup();
@@ -222,21 +292,21 @@ fn for_rows(
     for (i, &t) in ids.iter().enumerate() {
         let g = &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")];
         let slot = (t % rows_per_block) as usize;
-        f(i, &g.as_f16()[slot * dim..(slot + 1) * dim]);
+        f(i, Rows::of(layout.dtype, g, slot, dim));
     }
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
-/// The rows of `ids` from a stream of packed rows (the data stream's values), read through
-/// the pool in one batch. Returns them in the order of `ids`, and the batch's I/O.
+/// The rows of `ids` from a stream of packed rows laid out as `layout` says (the data
+/// stream's values), read through the pool in one batch. Returns them as f32 in the order of
+/// `ids`, and the batch's I/O.
 pub fn gather_rows(
     pool: &BufferPool,
     blocks: &[BlockRequest],
-    rows_per_block: u32,
-    dim: usize,
+    layout: &Layout,
     ids: &[u32],
-) -> Result<(Vec<f16>, BatchIo), BufferError> {
-    let mut out = Vec::with_capacity(ids.len() * dim);
-    let io = for_rows(pool, blocks, rows_per_block, dim, ids, |_, row| out.extend_from_slice(row))?;
+) -> Result<(Vec<f32>, BatchIo), BufferError> {
+    let mut out = Vec::with_capacity(ids.len() * layout.dim as usize);
+    let io = for_rows(pool, blocks, layout, ids, |_, row| row.extend_f32(&mut out))?;
     Ok((out, io))
 }

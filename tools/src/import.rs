@@ -16,7 +16,7 @@ pub struct Args {
     input: PathBuf,
     #[arg(long)]
     name: String,
-    /// Element type stored.
+    /// Element type stored: f16, or bf16 for magnitudes beyond f16's range.
     #[arg(long, default_value = "f16")]
     dtype: DType,
     #[arg(long)]
