@@ -1,6 +1,6 @@
 use crate::units::{human_bytes, parse_size};
 use anyhow::{bail, Context, Result};
-use ctxfs_vfs::{device, DeviceChoice, Store};
+use ctxfs_vfs::{device, BlockDevice, DeviceChoice, Store};
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -59,6 +59,9 @@ pub fn format_store(
 ) -> Result<Store> {
     // Checked before the file is created or resized, so a bad value changes nothing.
     device::check_block_size(block_size).map_err(|e| anyhow::anyhow!("--block-size: {e}"))?;
+    if device::SpdkPath::parse(path).is_some() {
+        return format_spdk(path, size, block_size, force, choice);
+    }
     let existed = path.exists();
     if existed {
         let meta = std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
@@ -110,4 +113,34 @@ pub fn format_store(
         let _ = std::fs::remove_file(path);
     }
     result
+}
+
+/// Formats an SPDK bdev (`spdk:CONFIG.json#BDEV`): there is no file to create or size; like a
+/// block device, the store takes the whole bdev.
+fn format_spdk(
+    path: &std::path::Path,
+    size: Option<u64>,
+    block_size: usize,
+    force: bool,
+    choice: DeviceChoice,
+) -> Result<Store> {
+    if !force {
+        if let Ok(existing) = Store::open_path(path, choice) {
+            let snap = existing.snapshot();
+            bail!(
+                "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",
+                path.display(),
+                snap.generation(),
+                snap.contexts().count()
+            );
+        }
+    }
+    let dev: Arc<dyn BlockDevice> = Arc::from(
+        device::open_path(path, choice, block_size).with_context(|| format!("cannot open {}", path.display()))?,
+    );
+    let bytes = dev.num_blocks() * block_size as u64;
+    if let Some(size) = size.filter(|&s| s / block_size as u64 * block_size as u64 != bytes) {
+        bail!("--size {size} does not match {} ({bytes} bytes): the store takes the whole bdev", path.display());
+    }
+    Ok(ctxfs_vfs::format(dev)?)
 }

@@ -1,14 +1,23 @@
 //! Block devices: one trait, three implementations (io_uring, pread/pwrite, in-memory with
-//! fault injection). Everything above this module sees only [`BlockDevice`].
+//! fault injection), and a fourth with the `spdk` feature (an SPDK bdev, for store paths
+//! `spdk:CONFIG.json#BDEV`). Everything above this module sees only [`BlockDevice`].
 
 mod aligned;
 mod file;
 mod mem;
+#[cfg(feature = "spdk")]
+mod spdk;
+mod spdk_config;
+#[cfg(feature = "spdk")]
+mod spdk_ffi;
 mod uring;
 
 pub use aligned::{AlignedBuf, PAGE};
 pub use file::FileDevice;
 pub use mem::{CrashMode, FaultPlan, MemDevice};
+#[cfg(feature = "spdk")]
+pub use spdk::SpdkDevice;
+pub use spdk_config::SpdkPath;
 pub use uring::UringDevice;
 
 use std::fs::{File, OpenOptions};
@@ -128,7 +137,8 @@ pub(crate) fn check_op(op: &IoOp<'_>, geo: Geometry) -> io::Result<()> {
     Ok(())
 }
 
-/// Which device to open a store path with.
+/// Which device to open a store path with. A store path `spdk:CONFIG.json#BDEV` always opens
+/// an SPDK bdev (with the `spdk` feature), whatever the choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceChoice {
     /// io_uring, falling back to pread/pwrite when ring setup is refused.
@@ -191,10 +201,48 @@ pub(crate) fn byte_len(file: &File) -> io::Result<u64> {
     }
 }
 
-/// Opens a store path with the chosen real device.
+/// Opens a store path with the chosen real device; `spdk:CONFIG.json#BDEV` opens that SPDK bdev.
 pub fn open_path(path: &Path, choice: DeviceChoice, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
+    if let Some(spec) = SpdkPath::parse(path) {
+        return open_spdk(path, spec, block_size);
+    }
     let file = open_direct(path, false)?;
     open_file(path, file, choice, block_size)
+}
+
+#[cfg(feature = "spdk")]
+fn open_spdk(_: &Path, spec: Result<SpdkPath, String>, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
+    let spec = spec.map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    Ok(Box::new(SpdkDevice::open(&spec, Some(block_size))?))
+}
+
+#[cfg(not(feature = "spdk"))]
+fn open_spdk(path: &Path, spec: Result<SpdkPath, String>, _: usize) -> io::Result<Box<dyn BlockDevice>> {
+    spec.map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    Err(no_spdk(path))
+}
+
+#[cfg(feature = "spdk")]
+fn read_spdk_prefix(_: &Path, spec: Result<SpdkPath, String>, len: usize) -> io::Result<AlignedBuf> {
+    let spec = spec.map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    spdk::read_prefix(&spec, len)
+}
+
+#[cfg(not(feature = "spdk"))]
+fn read_spdk_prefix(path: &Path, spec: Result<SpdkPath, String>, _: usize) -> io::Result<AlignedBuf> {
+    spec.map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    Err(no_spdk(path))
+}
+
+#[cfg(not(feature = "spdk"))]
+fn no_spdk(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!(
+            "{}: this build has no SPDK support; build with the cargo feature `spdk` (docs/spdk.md)",
+            path.display()
+        ),
+    )
 }
 
 pub(crate) fn open_file(
@@ -231,6 +279,9 @@ pub fn refusal_note(e: &io::Error) -> Option<String> {
 /// the block size is known.
 pub fn read_prefix(path: &Path, len: usize) -> io::Result<AlignedBuf> {
     use std::os::unix::fs::FileExt;
+    if let Some(spec) = SpdkPath::parse(path) {
+        return read_spdk_prefix(path, spec, len);
+    }
     let file = open_direct(path, false)?;
     let mut buf = AlignedBuf::zeroed(len);
     let mut done = 0;
@@ -254,5 +305,15 @@ mod tests {
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOSYS)).is_some());
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::ENOMEM)).is_none());
         assert!(refusal_note(&io::Error::from_raw_os_error(libc::EINVAL)).is_none());
+    }
+
+    #[cfg(not(feature = "spdk"))]
+    #[test]
+    fn spdk_paths_say_what_is_missing() {
+        let err = open_path(Path::new("spdk:bdev.json#aio0"), DeviceChoice::Auto, 4096).err().unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::Unsupported);
+        assert!(err.to_string().contains("feature `spdk`"), "{err}");
+        let err = read_prefix(Path::new("spdk:bdev.json"), 8192).err().unwrap();
+        assert!(err.to_string().contains("spdk:CONFIG.json#BDEV"), "{err}");
     }
 }
