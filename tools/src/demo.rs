@@ -28,9 +28,13 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Where the demo store lives.
+    /// Where the demo's files live (the generated book, and the store unless `--store`).
     #[arg(long, default_value = "./ctxfs-demo")]
     dir: PathBuf,
+    /// The store to format and use instead of DIR/store.ctxfs: a file, a block device, or an
+    /// SPDK bdev (`spdk:CONFIG.json#BDEV`, with the `spdk` feature). Its contents are replaced.
+    #[arg(long)]
+    store: Option<PathBuf>,
     /// Tokens of the generated book.
     #[arg(long, default_value_t = 65536)]
     tokens: usize,
@@ -63,14 +67,17 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     ensure!(n >= 4096 && layers > 0 && steps > 0, "--tokens must be at least 4096; --layers and --steps positive");
     ensure!(n * 3 / 4 + PROMPT_TAIL + steps <= n, "--steps too large for the book");
     std::fs::create_dir_all(&args.dir)?;
-    let path = args.dir.join("store.ctxfs");
+    let path = args.store.clone().unwrap_or_else(|| args.dir.join("store.ctxfs"));
+    // A bdev or block device is used whole; a file is sized for the book.
+    let whole = ctxfs_vfs::device::SpdkPath::parse(&path).is_some()
+        || std::fs::metadata(&path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()));
     let book = args.dir.join("book.safetensors");
     // Keys twice (index and data streams are separate), values, graph: ~3× the f16 KV.
     let kv_bytes = (n * layers * KV_HEADS * HEAD_DIM * 2 * 2) as u64;
     let size = (kv_bytes * 3 + (64 << 20)).max(256 << 20);
     let t = Instant::now();
     // The demo owns this store; a previous run's copy is replaced.
-    format_store(&path, Some(size), 4096, true, choice)?;
+    format_store(&path, (!whole).then_some(size), 4096, true, choice)?;
     let mkfs_s = t.elapsed().as_secs_f64();
 
     let t = Instant::now();

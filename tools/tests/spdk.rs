@@ -234,3 +234,17 @@ fn spdk_failures_are_clear_errors() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("block size mismatch"), "{}", stderr(&out));
 }
+
+#[test]
+fn the_demo_runs_on_an_spdk_bdev() {
+    let dir = tmp();
+    let d = dir.path();
+    let store = bdev(d, "bdev_aio_create", "Demo0", 256 << 20);
+    let out = ok_in(d, &["demo", "--dir", "files", "--store", &store, "--tokens", "4096", "--steps", "2", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["store"], store.as_str());
+    assert!(v["dipr_recall"].as_f64().unwrap() > 0.5);
+    assert!(!d.join("files/store.ctxfs").exists(), "the bdev was used, not a file");
+    let fsck: serde_json::Value = serde_json::from_str(&ok_in(d, &["fsck", &store, "--json"])).unwrap();
+    assert_eq!(fsck["clean"], true);
+}
