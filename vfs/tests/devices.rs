@@ -45,56 +45,7 @@ fn readers_keep_reading_while_a_writer_commits() {
     let dir = tmpdir();
     let path = dir.path().join("concurrent.img");
     let store = Arc::new(file_store(&path, 32 << 20, DeviceChoice::Uring));
-    let mut rng = ctxfs_vfs::SplitMix64::new(1);
-    let mut model = Model::new();
-    let mut txn = store.begin().unwrap();
-    create(&mut txn, &mut model, &mut rng, "stable", shape(1, 2), 5000).unwrap();
-    append(&mut txn, &mut model, &mut rng, "stable", 0, 20).unwrap();
-    txn.commit().unwrap();
-    let expected = model["stable"].clone();
-    let snap = store.snapshot();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let readers: Vec<_> = (0..4)
-        .map(|t| {
-            let (snap, stop, expected) = (snap.clone(), stop.clone(), expected.clone());
-            std::thread::spawn(move || {
-                let mut reads = 0u64;
-                // An old snapshot reads its own state even while that state is deleted.
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) || reads < 200 {
-                    let ctx = snap.context("stable").unwrap();
-                    let head = (t % 2) as u16;
-                    let stream = ctx.stream(0, head, FileStream::Data).unwrap();
-                    let l = reads % stream.blocks();
-                    assert_eq!(stream.read(l).unwrap().payload(), &expected.streams[&(0, head, 1)][l as usize][..]);
-                    reads += 1;
-                }
-                reads
-            })
-        })
-        .collect();
-    // The writer deletes what the readers read and fills the store with new data, again
-    // and again, so freed blocks would be reused if quarantine ignored live readers.
-    for round in 0..12 {
-        let mut txn = store.begin().unwrap();
-        if round == 0 {
-            txn.delete_context("stable").unwrap();
-        }
-        let name = format!("churn{round}");
-        create(&mut txn, &mut model, &mut rng, &name, shape(1, 2), 2000).unwrap();
-        append(&mut txn, &mut model, &mut rng, &name, 0, 20).unwrap();
-        txn.commit().unwrap();
-        if round >= 2 {
-            let mut txn = store.begin().unwrap();
-            txn.delete_context(&format!("churn{}", round - 2)).unwrap();
-            txn.commit().unwrap();
-        }
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let reads: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
-    assert!(reads >= 800);
-    drop(snap);
-    let report = fsck::check(store.device().as_ref()).unwrap();
-    assert!(report.is_clean(), "{:?}", report.problems);
+    readers_survive_churn(store);
 }
 
 #[test]

@@ -11,6 +11,7 @@ use ctxfs_vfs::{
 };
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 pub const BS: usize = 4096;
@@ -333,4 +334,60 @@ fn write_chain_block(dev: &dyn BlockDevice, block: u64, blob: &[u8]) -> u32 {
     let crc = seal(&mut buf, &h, &payload);
     dev.submit(&mut [IoOp::Write { block, buf: &buf }]).pop().unwrap().unwrap();
     crc
+}
+
+/// Readers keep reading a snapshot of context "stable" while a writer deletes it and churns
+/// the store, so freed blocks would be reused if quarantine ignored live readers; every read
+/// is checked, and fsck is clean after.
+pub fn readers_survive_churn(store: Arc<Store>) {
+    let mut rng = ctxfs_vfs::SplitMix64::new(1);
+    let mut model = Model::new();
+    let mut txn = store.begin().unwrap();
+    create(&mut txn, &mut model, &mut rng, "stable", shape(1, 2), 5000).unwrap();
+    append(&mut txn, &mut model, &mut rng, "stable", 0, 20).unwrap();
+    txn.commit().unwrap();
+    let expected = model["stable"].clone();
+    let snap = store.snapshot();
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..4)
+        .map(|t| {
+            let (snap, stop, expected) = (snap.clone(), stop.clone(), expected.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                // An old snapshot reads its own state even while that state is deleted.
+                while !stop.load(Ordering::Relaxed) || reads < 200 {
+                    let ctx = snap.context("stable").unwrap();
+                    let head = (t % 2) as u16;
+                    let stream = ctx.stream(0, head, FileStream::Data).unwrap();
+                    let l = reads % stream.blocks();
+                    assert_eq!(stream.read(l).unwrap().payload(), &expected.streams[&(0, head, 1)][l as usize][..]);
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+    // The writer deletes what the readers read and fills the store with new data, again
+    // and again, so freed blocks would be reused if quarantine ignored live readers.
+    for round in 0..12 {
+        let mut txn = store.begin().unwrap();
+        if round == 0 {
+            txn.delete_context("stable").unwrap();
+        }
+        let name = format!("churn{round}");
+        create(&mut txn, &mut model, &mut rng, &name, shape(1, 2), 2000).unwrap();
+        append(&mut txn, &mut model, &mut rng, &name, 0, 20).unwrap();
+        txn.commit().unwrap();
+        if round >= 2 {
+            let mut txn = store.begin().unwrap();
+            txn.delete_context(&format!("churn{}", round - 2)).unwrap();
+            txn.commit().unwrap();
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+    assert!(reads >= 800);
+    drop(snap);
+    let report = fsck::check(store.device().as_ref()).unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
 }
