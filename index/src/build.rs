@@ -149,11 +149,21 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let knn: Vec<Vec<u32>> = parallel(batches, p.threads, |b| {
         let batch = &picked[b * KNN_QUERY_BATCH..((b + 1) * KNN_QUERY_BATCH).min(picked.len())];
         let mut scores = vec![vec![0.0f32; n]; batch.len()];
+        let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
+        // Each key block is converted once per batch into f32, dimension-major, so the kernel
+        // scores four queries per key load with no horizontal sum per score.
+        let mut kt = vec![0.0f32; KNN_KEY_BLOCK * d];
+        let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
         for start in (0..n).step_by(KNN_KEY_BLOCK) {
-            let end = (start + KNN_KEY_BLOCK).min(n);
-            let block = &keys.data()[start * d..end * d];
-            for (qi, &qidx) in batch.iter().enumerate() {
-                ctxfs_kernels::scores(block, &queries[qidx * d..(qidx + 1) * d], 1.0, &mut scores[qi][start..end]);
+            let nk = (start + KNN_KEY_BLOCK).min(n) - start;
+            for (k, row) in keys.data()[start * d..(start + nk) * d].chunks_exact(d).enumerate() {
+                for (j, x) in row.iter().enumerate() {
+                    kt[j * nk + k] = x.to_f32();
+                }
+            }
+            ctxfs_kernels::scores_dim_major(&kt[..nk * d], nk, &qbuf, &mut out[..batch.len() * nk]);
+            for (qi, s) in scores.iter_mut().enumerate() {
+                s[start..start + nk].copy_from_slice(&out[qi * nk..(qi + 1) * nk]);
             }
         }
         scores.iter().map(|s| top(s, nq)).collect::<Vec<_>>()

@@ -173,6 +173,32 @@ pub fn scores_on<E: Element>(isa: Isa, keys: &[E], q: &[f32], scale: f32, out: &
     }
 }
 
+/// `out[i · nk + k] = queries_i · key_k` for `m` queries (rows of `d`) against `nk` keys
+/// stored dimension-major: `kt[j · nk + k]` is channel `j` of key `k`. A batch of queries
+/// against one transposed block of keys needs no horizontal sum per score and reads each key
+/// once per four queries: the kNN of the index build.
+pub fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], out: &mut [f32]) {
+    scores_dim_major_on(active(), kt, nk, queries, out)
+}
+
+pub fn scores_dim_major_on(isa: Isa, kt: &[f32], nk: usize, queries: &[f32], out: &mut [f32]) {
+    assert!(nk > 0 && kt.len().is_multiple_of(nk), "{} key elements for {nk} keys", kt.len());
+    let d = kt.len() / nk;
+    assert!(d > 0 && queries.len().is_multiple_of(d), "{} query elements of dimension {d}", queries.len());
+    assert_eq!(out.len(), queries.len() / d * nk, "{} scores for {} queries × {nk} keys", out.len(), queries.len() / d);
+    match usable(isa) {
+        // SAFETY (all arms): `usable` never returns an instruction set the CPU lacks (NEON is
+        // aarch64's baseline), and the lengths are checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::scores_dim_major(kt, nk, queries, d, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::scores_dim_major(kt, nk, queries, d, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::scores_dim_major(kt, nk, queries, d, out) },
+        _ => scalar::scores_dim_major(kt, nk, queries, d, out),
+    }
+}
+
 /// The largest value, or −∞ for none.
 pub fn max(z: &[f32]) -> f32 {
     max_on(active(), z)

@@ -151,3 +151,40 @@ pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &
         }
     }
 }
+
+/// `Q` queries against 4 keys at column `c` of the dimension-major block `kt`.
+///
+/// # Safety
+/// `c + 4 ≤ nk`, and the lengths as `crate::scores_dim_major` checks.
+unsafe fn tile<const Q: usize>(kt: &[f32], nk: usize, c: usize, queries: &[f32], q0: usize, d: usize, out: &mut [f32]) {
+    let mut acc = [vdupq_n_f32(0.0); Q];
+    let (kp, qp) = (kt.as_ptr(), queries.as_ptr().add(q0 * d));
+    for j in 0..d {
+        let kv = vld1q_f32(kp.add(j * nk + c));
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = vfmaq_n_f32(*a, kv, *qp.add(t * d + j));
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        vst1q_f32(out.as_mut_ptr().add((q0 + t) * nk + c), *a);
+    }
+}
+
+/// # Safety
+/// The lengths are as `crate::scores_dim_major` checks.
+pub unsafe fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32]) {
+    let m = queries.len() / d;
+    let full = nk / 4 * 4;
+    let mut q0 = 0;
+    while q0 < m {
+        let take = (m - q0).min(4);
+        for c in (0..full).step_by(4) {
+            match take {
+                4 => tile::<4>(kt, nk, c, queries, q0, d, out),
+                _ => (q0..q0 + take).for_each(|q| tile::<1>(kt, nk, c, queries, q, d, out)),
+            }
+        }
+        q0 += take;
+    }
+    crate::scalar::scores_dim_major_cols(kt, nk, queries, d, out, full);
+}

@@ -33,3 +33,16 @@ pub fn weighted_sum<E: Element>(acc: &mut [f32], weights: &[f32], values: &[E]) 
         }
     }
 }
+
+pub fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32]) {
+    scores_dim_major_cols(kt, nk, queries, d, out, 0);
+}
+
+/// The scores of keys (columns) `from..nk` only: the tail the SIMD paths leave.
+pub fn scores_dim_major_cols(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32], from: usize) {
+    for (q, o) in queries.chunks_exact(d).zip(out.chunks_exact_mut(nk)) {
+        for (k, slot) in o.iter_mut().enumerate().skip(from) {
+            *slot = q.iter().enumerate().map(|(j, x)| x * kt[j * nk + k]).sum();
+        }
+    }
+}

@@ -67,6 +67,55 @@ use crate::expf::{EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, P};
 pub(crate) mod avx2 {
     use super::*;
 
+    /// `Q` queries (rows of `d` at `queries`) against 8 keys at column `c` of the
+    /// dimension-major block `kt` (`nk` keys a row), into `out` rows of `nk`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `c + 8 ≤ nk`, `queries` holds `Q · d` elements from
+    /// `q0 · d`, `kt` holds `d · nk` and `out` `(q0 + Q) · nk`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const Q: usize>(
+        kt: &[f32],
+        nk: usize,
+        c: usize,
+        queries: &[f32],
+        q0: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); Q];
+        let (kp, qp) = (kt.as_ptr(), queries.as_ptr().add(q0 * d));
+        for j in 0..d {
+            let kv = _mm256_loadu_ps(kp.add(j * nk + c));
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(*qp.add(t * d + j)), kv, *a);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add((q0 + t) * nk + c), *a);
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be available; the lengths are as `crate::scores_dim_major` checks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32]) {
+        let m = queries.len() / d;
+        let full = nk / 8 * 8;
+        let mut q0 = 0;
+        while q0 < m {
+            let take = (m - q0).min(4);
+            for c in (0..full).step_by(8) {
+                match take {
+                    4 => tile::<4>(kt, nk, c, queries, q0, d, out),
+                    _ => (q0..q0 + take).for_each(|q| tile::<1>(kt, nk, c, queries, q, d, out)),
+                }
+            }
+            q0 += take;
+        }
+        crate::scalar::scores_dim_major_cols(kt, nk, queries, d, out, full);
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -185,6 +234,53 @@ pub(crate) mod avx2 {
 
 pub(crate) mod avx512 {
     use super::*;
+
+    /// As the AVX2 `tile`, 16 keys wide.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `c + 16 ≤ nk` and the lengths as in the AVX2 `tile`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile<const Q: usize>(
+        kt: &[f32],
+        nk: usize,
+        c: usize,
+        queries: &[f32],
+        q0: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm512_setzero_ps(); Q];
+        let (kp, qp) = (kt.as_ptr(), queries.as_ptr().add(q0 * d));
+        for j in 0..d {
+            let kv = _mm512_loadu_ps(kp.add(j * nk + c));
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(t * d + j)), kv, *a);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add((q0 + t) * nk + c), *a);
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F must be available; the lengths are as `crate::scores_dim_major` checks.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32]) {
+        let m = queries.len() / d;
+        let full = nk / 16 * 16;
+        let mut q0 = 0;
+        while q0 < m {
+            let take = (m - q0).min(4);
+            for c in (0..full).step_by(16) {
+                match take {
+                    4 => tile::<4>(kt, nk, c, queries, q0, d, out),
+                    _ => (q0..q0 + take).for_each(|q| tile::<1>(kt, nk, c, queries, q, d, out)),
+                }
+            }
+            q0 += take;
+        }
+        crate::scalar::scores_dim_major_cols(kt, nk, queries, d, out, full);
+    }
 
     /// # Safety
     /// AVX-512F must be available. `x.len() == q.len()`.

@@ -73,6 +73,33 @@ fn scores_over_a_block_of_keys_match() {
 }
 
 #[test]
+fn dimension_major_scores_of_many_queries_match() {
+    let mut rng = Rng(12);
+    for isa in available() {
+        for (d, nk, m) in [(1, 1, 1), (8, 16, 4), (13, 37, 5), (64, 33, 9), (128, 512, 4), (128, 17, 3)] {
+            let keys: Vec<f32> = (0..nk * d).map(|_| rng.wild(1000.0, 1e-6)).collect();
+            let mut kt = vec![0.0; nk * d];
+            for k in 0..nk {
+                for j in 0..d {
+                    kt[j * nk + k] = keys[k * d + j];
+                }
+            }
+            let queries: Vec<f32> = (0..m * d).map(|_| rng.f32()).collect();
+            let mut got = vec![f32::NAN; m * nk];
+            scores_dim_major_on(isa, &kt, nk, &queries, &mut got);
+            for q in 0..m {
+                for k in 0..nk {
+                    let row = |i: usize| keys[k * d + i] as f64 * queries[q * d + i] as f64;
+                    let want: f64 = (0..d).map(row).sum();
+                    let mag: f64 = (0..d).map(|i| row(i).abs()).sum();
+                    check_close(got[q * nk + k], want, mag, &format!("{} d={d} nk={nk} q{q} k{k}", isa.name()));
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn max_and_exp_sums_handle_masks_and_extremes() {
     let mut rng = Rng(5);
     for isa in available() {
