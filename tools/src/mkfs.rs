@@ -72,15 +72,7 @@ pub fn format_store(
             bail!("--size does not apply to a block device: the store takes the whole device");
         }
         if !force {
-            if let Ok(existing) = Store::open_path(path, choice) {
-                let snap = existing.snapshot();
-                bail!(
-                    "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",
-                    path.display(),
-                    snap.generation(),
-                    snap.contexts().count()
-                );
-            }
+            refuse_existing_store(path, choice)?;
         }
     }
     let result = (|| -> Result<Store> {
@@ -125,15 +117,7 @@ fn format_spdk(
     choice: DeviceChoice,
 ) -> Result<Store> {
     if !force {
-        if let Ok(existing) = Store::open_path(path, choice) {
-            let snap = existing.snapshot();
-            bail!(
-                "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",
-                path.display(),
-                snap.generation(),
-                snap.contexts().count()
-            );
-        }
+        refuse_existing_store(path, choice)?;
     }
     let dev: Arc<dyn BlockDevice> = Arc::from(
         device::open_path(path, choice, block_size).with_context(|| format!("cannot open {}", path.display()))?,
@@ -143,4 +127,18 @@ fn format_spdk(
         bail!("--size {size} does not match {} ({bytes} bytes): the store takes the whole bdev", path.display());
     }
     Ok(ctxfs_vfs::format(dev)?)
+}
+
+/// Fails when `path` already holds a store: formatting over one takes `--force`.
+fn refuse_existing_store(path: &std::path::Path, choice: DeviceChoice) -> Result<()> {
+    if let Ok(existing) = Store::open_path(path, choice) {
+        let snap = existing.snapshot();
+        bail!(
+            "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",
+            path.display(),
+            snap.generation(),
+            snap.contexts().count()
+        );
+    }
+    Ok(())
 }
