@@ -43,3 +43,41 @@ pub fn ensure_free(store: &Store, blocks: u64) -> Result<()> {
     anyhow::ensure!(free >= blocks, "the store has {free} free blocks; the benchmark needs {blocks} (make it smaller)");
     Ok(())
 }
+
+/// A buffer pool for serving a store: every index block resident, plus a data-block cache of
+/// a share of the data blocks (what `demo` and `bench decode` serve with).
+pub struct Serving {
+    pub config: ctxfs_attention::DbConfig,
+    pub index_bytes: u64,
+    pub cache_bytes: u64,
+}
+
+impl Serving {
+    pub fn size(path: &std::path::Path, choice: ctxfs_vfs::DeviceChoice, data_share: f64) -> Result<Serving> {
+        let (index_bytes, data_bytes) = stream_bytes(path, choice)?;
+        let cache_bytes = (data_bytes as f64 * data_share) as u64;
+        // Slack beyond the index for the pool's own rounding, and a floor for the data area.
+        let pool_bytes = index_bytes + cache_bytes + (8 << 20);
+        let data_fraction = (cache_bytes + (4 << 20)) as f64 / pool_bytes as f64;
+        let config = ctxfs_attention::DbConfig { pool_bytes, data_fraction, ..Default::default() };
+        Ok(Serving { config, index_bytes, cache_bytes })
+    }
+}
+
+/// Bytes of the index streams and of the data streams of every stored context.
+fn stream_bytes(path: &std::path::Path, choice: ctxfs_vfs::DeviceChoice) -> Result<(u64, u64)> {
+    let store = ctxfs_vfs::Store::open_path(path, choice)?;
+    let bs = store.device().block_size() as u64;
+    let snap = store.snapshot();
+    let (mut index, mut data) = (0, 0);
+    for rec in snap.contexts() {
+        let ctx = snap.context(&rec.name)?;
+        for l in 0..rec.shape.layers {
+            for h in 0..rec.shape.kv_heads {
+                index += ctx.stream(l, h, ctxfs_vfs::FileStream::Index)?.blocks() * bs;
+                data += ctx.stream(l, h, ctxfs_vfs::FileStream::Data)?.blocks() * bs;
+            }
+        }
+    }
+    Ok((index, data))
+}

@@ -8,16 +8,15 @@
 //! once, the others by their mean; `extrapolated_from_layers` says how many were measured.
 
 use crate::bench::median;
-use crate::demo::stream_bytes;
+use crate::bench::Serving;
+use crate::decode_queries::DecodeQueries;
 use crate::mkfs::format_store;
 use crate::{gen, progress};
 use anyhow::{ensure, Result};
-use ctxfs_attention::kv::f32s;
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, SafetensorsKv, Session};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::{DType, DeviceChoice, FileStream, Store};
 use half::f16;
-use safetensors::SafeTensors;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -88,23 +87,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         // The generated file is only needed for its decode queries from here on.
     }
 
-    let (index_bytes, data_bytes) = stream_bytes(&path, choice)?;
-    let cache = (data_bytes as f64 * args.data_cache) as u64;
-    let pool_bytes = index_bytes + cache + (8 << 20);
-    let config =
-        DbConfig { pool_bytes, data_fraction: (cache + (4 << 20)) as f64 / pool_bytes as f64, ..Default::default() };
+    let serving = Serving::size(&path, choice, args.data_cache)?;
+    let (pool_bytes, index_bytes, cache) = (serving.config.pool_bytes, serving.index_bytes, serving.cache_bytes);
+    let config = serving.config;
     drop_page_cache(&path);
     let db = Db::open(&path, choice, config)?;
-    let qfile = std::fs::read(book.with_extension("queries.safetensors"))?;
-    let qst = SafeTensors::deserialize(&qfile)?;
-    let nq = qst.tensor("layers.0.q")?.shape()[1];
-    ensure!(nq >= steps, "the query file has {nq} decode queries per head; --steps {steps}");
-    let queries: Vec<Vec<f32>> = (0..layers)
-        .map(|l| f32s(&qst, &format!("layers.{l}.q"), 0..Q_HEADS * nq * HEAD_DIM))
-        .collect::<Result<_, _>>()?;
-    let step_q = |l: usize, s: usize| -> Vec<f32> {
-        (0..Q_HEADS).flat_map(|h| queries[l][(h * nq + s) * HEAD_DIM..(h * nq + s + 1) * HEAD_DIM].to_vec()).collect()
-    };
+    let queries = DecodeQueries::read(&book.with_extension("queries.safetensors"), layers, Q_HEADS, HEAD_DIM)?;
+    ensure!(queries.steps >= steps, "the query file has {} decode queries per head; --steps {steps}", queries.steps);
+    let step_q = |l: usize, s: usize| queries.step(l, s);
 
     // A serving DB keeps the index resident (read once when the context is first served);
     // sessions then search memory and read value blocks.

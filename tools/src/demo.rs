@@ -14,13 +14,13 @@
 //!    hit ratio;
 //! 7. fsck.
 
+use crate::bench::Serving;
+use crate::decode_queries::DecodeQueries;
 use crate::mkfs::format_store;
 use crate::{gen, progress};
 use anyhow::{ensure, Result};
-use ctxfs_attention::kv::f32s;
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, SafetensorsKv};
 use ctxfs_vfs::{fsck, DType, DeviceChoice};
-use safetensors::SafeTensors;
 use serde_json::json;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -106,10 +106,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
 
     // Serve as a separate process would: the pool holds every index block, and a tenth of
     // the data blocks as a cache.
-    let (index_bytes, data_bytes) = stream_bytes(&path, choice)?;
-    let pool_bytes = index_bytes + data_bytes / 10 + (8 << 20);
-    let data_fraction = (data_bytes / 10 + (4 << 20)) as f64 / pool_bytes as f64;
-    let db = Db::open(&path, choice, DbConfig { pool_bytes, data_fraction, ..Default::default() })?;
+    let serving = Serving::size(&path, choice, 0.1)?;
+    let (pool_bytes, index_bytes) = (serving.config.pool_bytes, serving.index_bytes);
+    let db = Db::open(&path, choice, serving.config)?;
 
     // The prompt: three quarters of the book, then new tokens whose KV the "engine" computed
     // (here: the book's next rows, under new token ids).
@@ -136,16 +135,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         }
         Ok(session)
     };
-    let qfile = std::fs::read(book.with_extension("queries.safetensors"))?;
-    let qst = SafeTensors::deserialize(&qfile)?;
-    let queries: Vec<Vec<f32>> = (0..layers)
-        .map(|l| f32s(&qst, &format!("layers.{l}.q"), 0..Q_HEADS * steps * HEAD_DIM))
-        .collect::<Result<_, _>>()?;
-    let step_q = |l: usize, step: usize| -> Vec<f32> {
-        (0..Q_HEADS)
-            .flat_map(|h| queries[l][(h * steps + step) * HEAD_DIM..(h * steps + step + 1) * HEAD_DIM].iter().copied())
-            .collect()
-    };
+    let queries = DecodeQueries::read(&book.with_extension("queries.safetensors"), layers, Q_HEADS, HEAD_DIM)?;
+    let step_q = |l: usize, step: usize| queries.step(l, step);
 
     // The timed pass.
     let auto = AttentionOptions { detail: true, ..Default::default() };
@@ -307,24 +298,6 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     println!();
     drop(db);
     crate::inspect::run(crate::inspect::Args::summary_of(path), choice)
-}
-
-/// Bytes of the index streams and of the data streams of every stored context.
-pub(crate) fn stream_bytes(path: &std::path::Path, choice: DeviceChoice) -> Result<(u64, u64)> {
-    let store = ctxfs_vfs::Store::open_path(path, choice)?;
-    let bs = store.device().block_size() as u64;
-    let snap = store.snapshot();
-    let (mut index, mut data) = (0, 0);
-    for rec in snap.contexts() {
-        let ctx = snap.context(&rec.name)?;
-        for l in 0..rec.shape.layers {
-            for h in 0..rec.shape.kv_heads {
-                index += ctx.stream(l, h, ctxfs_vfs::FileStream::Index)?.blocks() * bs;
-                data += ctx.stream(l, h, ctxfs_vfs::FileStream::Data)?.blocks() * bs;
-            }
-        }
-    }
-    Ok((index, data))
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {

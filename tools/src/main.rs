@@ -6,6 +6,7 @@ mod bench_decode;
 mod bench_gpu;
 mod bench_io;
 mod bench_search;
+mod decode_queries;
 mod demo;
 mod fsck_cmd;
 mod gen;

@@ -5,6 +5,7 @@
 //! prefix) exactly, plus the tokens it retrieves; the DIPR plans take the window's best score
 //! as their starting maximum. `--mode auto` is the optimizer's choice.
 
+use crate::decode_queries::step_of;
 use anyhow::{bail, ensure, Context, Result};
 use ctxfs_attention::kv::f32s;
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, Window};
@@ -119,12 +120,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         );
         let nq = qs[1];
         let queries = f32s(&st, &name, 0..qs.iter().product())?;
-        let mut step = vec![0.0f32; shape.q_heads as usize * d];
         for qi in 0..nq {
-            for (h, row) in step.chunks_exact_mut(d).enumerate() {
-                row.copy_from_slice(&queries[(h * nq + qi) * d..(h * nq + qi + 1) * d]);
-            }
-            let a = session.attention_with(l, &step, &opts)?;
+            let a = session.attention_with(l, &step_of(&queries, nq, d, qi), &opts)?;
             let plan = a.plan();
             for (h, r) in a.heads.iter().enumerate() {
                 let v = json!({
