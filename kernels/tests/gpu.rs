@@ -138,6 +138,22 @@ fn check(got: &Partial, want: &Want, what: &str) {
     }
 }
 
+/// A GPU window of `len` tokens loaded with `keys` and `values`, and the host reference
+/// holding the same.
+fn loaded(
+    gpu: &Gpu,
+    q_heads: usize,
+    (kv_heads, dim, len): (usize, usize, usize),
+    keys: &[f16],
+    values: &[f16],
+) -> (GpuWindow, Host) {
+    let mut window = GpuWindow::new(gpu, q_heads, kv_heads, dim, len).unwrap();
+    window.load(keys, values).unwrap();
+    let mut host = Host::new(kv_heads, dim);
+    host.append(keys, values);
+    (window, host)
+}
+
 fn check_all(got: &[Partial], want: &[Want], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: heads");
     for (h, (g, w)) in got.iter().zip(want).enumerate() {
@@ -199,10 +215,7 @@ fn window_attention_matches_the_cpu() {
                 let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
                 let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
                 let scale = if len == 100 { 0.5 } else { 1.0 / (dim as f32).sqrt() };
-                let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
-                window.load(&keys, &values).unwrap();
-                let mut host = Host::new(kv_heads, dim);
-                host.append(&keys, &values);
+                let (mut window, host) = loaded(&gpu, q_heads, (kv_heads, dim, len), &keys, &values);
                 check_all(&window.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), &what);
             }
         }
@@ -301,10 +314,7 @@ fn extreme_values_match_the_cpu() {
                     keys[i] = f16::from_f32(q[i].signum() * 8.0);
                 }
                 let scale = 1.0 / (dim as f32).sqrt();
-                let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
-                window.load(&keys, &values).unwrap();
-                let mut host = Host::new(kv_heads, dim);
-                host.append(&keys, &values);
+                let (mut window, host) = loaded(&gpu, q_heads, (kv_heads, dim, len), &keys, &values);
                 check_all(&window.attention(&q, scale, None).unwrap(), &host.reference(&q, scale), &what);
             }
         }
@@ -318,10 +328,7 @@ fn attend_runs_while_the_host_computes_its_part() {
     let (q_heads, kv_heads, dim, len) = (32, 8, 128, 640);
     let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
     let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
-    let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
-    window.load(&keys, &values).unwrap();
-    let mut host = Host::new(kv_heads, dim);
-    host.append(&keys, &values);
+    let (mut window, host) = loaded(&gpu, q_heads, (kv_heads, dim, len), &keys, &values);
     let q: Vec<f32> = (0..q_heads * dim).map(|_| rng.f32()).collect();
     let scale = 1.0 / (dim as f32).sqrt();
 
@@ -363,10 +370,7 @@ fn a_captured_graph_replays_the_launches() {
     let (q_heads, kv_heads, dim, len) = (32, 8, 128, 640);
     let keys = rng.halves(kv_heads * len * dim, |r| r.f32() * 2.0);
     let values = rng.halves(kv_heads * len * dim, |r| r.f32() * 4.0);
-    let mut window = GpuWindow::new(&gpu, q_heads, kv_heads, dim, len).unwrap();
-    window.load(&keys, &values).unwrap();
-    let mut host = Host::new(kv_heads, dim);
-    host.append(&keys, &values);
+    let (mut window, host) = loaded(&gpu, q_heads, (kv_heads, dim, len), &keys, &values);
     let scale = 1.0 / (dim as f32).sqrt();
     let mut queries = GpuQueries::new(&gpu, q_heads, dim).unwrap();
     let mut out = GpuPartials::new(&gpu, q_heads, dim).unwrap();
