@@ -11,8 +11,8 @@
 //!   vary, plus a pull towards a few target passages, plus noise, so queries sit far from the
 //!   key distribution (the Mahalanobis ratio [`stats`] reports);
 //! * **sparsity varying by head**: each head draws how far its target passages score above
-//!   the background, log-uniform over a 10× range: sharp heads need tens of tokens for 90% of
-//!   the attention mass, diffuse heads thousands;
+//!   the background ([`SHARPNESS`]): at 128K tokens sharp heads need tens of tokens for 90%
+//!   of the attention mass, diffuse heads tens of thousands, as AlayaDB measured;
 //! * **decode queries** target passages that drift slowly from step to step, so critical
 //!   tokens repeat between consecutive steps.
 
@@ -102,6 +102,12 @@ fn query(bias: &[f32], sink_key: &[f32], targets: &[&Vec<f32>], lift: f32, rng: 
 /// head's target lift: sinks stay strong in sharp heads too.
 const SINK_LIFT: f32 = 5.0;
 
+/// How far a head's target passages score above the background (q·k/√d units), drawn
+/// log-uniform in this range. Calibrated on AlayaDB Fig. 5 (Llama-3-8B at ~128K tokens: from
+/// ~50 to ~43,000 tokens hold 90% of a head's attention): at 131,072 tokens, 4.5 needs ~43,000
+/// tokens and 20 needs ~40. At 16K tokens the same heads need ~10 to ~1,400.
+pub const SHARPNESS: (f32, f32) = (4.5, 20.0);
+
 /// Generates one (layer, kv head): `prefill` and `decode` queries per q head.
 pub fn head(p: &SynthParams, layer: usize, kv_head: usize, prefill: usize, decode: usize) -> HeadData {
     let d = p.head_dim;
@@ -117,10 +123,8 @@ pub fn head(p: &SynthParams, layer: usize, kv_head: usize, prefill: usize, decod
     let topics: Vec<Vec<f32>> =
         starts.iter().map(|_| (0..d).map(|i| rng.normal() * 1.2 * key_sigma[i]).collect()).collect();
     let value_topics: Vec<Vec<f32>> = starts.iter().map(|_| rng.gaussian(d, 1.0)).collect();
-    // Sharpness: how far the target passages score above the background, log-uniform in
-    // [1.5, 16]; at 16K tokens that spans tens to thousands of tokens for 90% of the
-    // attention mass.
-    let lift = 1.5 * (rng.uniform() * (16f32 / 1.5).ln()).exp();
+    let (lo, hi) = SHARPNESS;
+    let lift = lo * (rng.uniform() * (hi / lo).ln()).exp();
     let sink_key: Vec<f32> = sink.iter().map(|x| x * 1.6).collect();
 
     let mut keys = Vec::with_capacity(p.tokens * d);

@@ -206,10 +206,11 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
             dipr as f64 / (m * n) as f64 * 100.0
         );
         assert!(recall >= *floor, "kv {kv}: recall {recall}");
-        assert!(excess <= 4.0, "kv {kv}: scored {excess:.2}x the DIPR set");
+        assert!(excess <= 7.0, "kv {kv}: scored {excess:.2}x the DIPR set");
     }
 }
 
-/// Measured when the test was written (0.881 and 0.563), less 0.05: a regression floor, far
-/// below the goal (0.95), which `ctxfs bench search` is to measure at 128K.
-const RECALL_FLOOR: [f64; 2] = [0.83, 0.51];
+/// Measured after the search started from seeds, climbed from them and expanded its band
+/// along the sequence (0.964 and 0.874, at 5.1× and 6.2× the DIPR set scored), less 0.05: a
+/// regression floor; `ctxfs bench search` measures the goal (0.95) at 128K.
+const RECALL_FLOOR: [f64; 2] = [0.91, 0.82];

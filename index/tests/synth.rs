@@ -4,21 +4,26 @@ use ctxfs_index::synth::{head, stats, SynthParams};
 
 #[test]
 fn generated_heads_look_like_real_attention() {
-    let p = SynthParams { tokens: 16384, head_dim: 128, group: 2, seed: 7 };
-    let mut needed = Vec::new();
+    // At the length the sharpness range is calibrated for (AlayaDB Fig. 5, ~128K tokens).
+    let p = SynthParams { tokens: 131072, head_dim: 128, group: 2, seed: 7 };
+    let (mut needed, mut sinks) = (Vec::new(), 0);
     for kv in 0..8 {
         let h = head(&p, 1, kv, 8, 16);
-        assert_eq!(h.keys.len(), 16384 * 128);
+        assert_eq!(h.keys.len(), 131072 * 128);
         assert_eq!(h.prefill.len(), 2);
         assert_eq!(h.decode[1].len(), 16 * 128);
         let s = stats(&h, 128);
         println!("kv head {kv}: sharpness {:.2}, {s:?}", h.sharpness);
         assert!(s.mahalanobis_ratio > 10.0, "queries must lie out of the key distribution: {s:?}");
-        assert!(s.sink_lift > 5.0, "a sink token must draw far more than an average token: {s:?}");
+        sinks += usize::from(s.sink_lift > 5.0);
         needed.push(s.tokens_for_90);
     }
+    // The sharpest heads put nearly all their mass on their targets, sinks included.
+    assert!(sinks >= 6, "in most heads a sink token must draw far more than an average token");
     let (lo, hi) = (*needed.iter().min().unwrap(), *needed.iter().max().unwrap());
-    assert!(hi >= 20 * lo.max(1), "sparsity must vary by orders of magnitude across heads: {needed:?}");
+    assert!(hi >= 100 * lo.max(1), "sparsity must vary by orders of magnitude across heads: {needed:?}");
+    // Fig. 5's span: no head much sharper than ~50 tokens or much more diffuse than ~43,000.
+    assert!(lo >= 20 && hi <= 70_000, "outside the measured span: {needed:?}");
 }
 
 #[test]
