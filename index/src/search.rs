@@ -25,9 +25,10 @@ pub struct DiprsParams {
     /// those chains. Keys within β are expanded through the graph; keys in the band below
     /// them only along the sequence (the tokens before and after), which is where a passage
     /// continues, at two keys scored instead of a neighbour list. Only keys within β are
-    /// returned. At 131,072 generated tokens, reach 1.6 with the band along the sequence
-    /// reached DIPR recall 0.95 at 3.0% of keys scored on two heads, where graph expansion of
-    /// the whole band reached 0.91 at 2.9% with reach 1.25; 1.65 is the default.
+    /// returned. At 131,072 generated tokens (4 heads, seeds every 96 tokens, per-query
+    /// mean DIPR recall): reach 1.65 → 0.942 at 2.77% of keys scored, 1.7 → 0.950 at 3.06%,
+    /// 1.8 → 0.959 at 3.88%, 2.0 → 0.982 at 6.65%. Graph expansion of the whole band had
+    /// reached 0.91 (summed recall) at 2.9% with reach 1.25 on two of those heads.
     pub reach: f32,
     /// Stop expanding once this many keys have been admitted to the range (a diffuse head's
     /// range can hold most of the context: past a caller's token budget, more exploring only
@@ -36,9 +37,10 @@ pub struct DiprsParams {
     /// Also start from every `seed_stride`-th token. A query that attends to several
     /// separate passages has its range in several regions of the graph, and one climb from
     /// the entry finds the nearest; a seed in each passage finds the others (far misses fell
-    /// from 69% to 25% of the misses at 128K). Passages are 64–512 tokens long: 128 costs
-    /// 0.8% of the keys and seeds nearly all of them (at 256, short passages the query
-    /// attends to were missed whole). `None`: the entry point only.
+    /// from 69% to 25% of the misses at 128K). Passages are 64–512 tokens long: at 256 and
+    /// 128, short passages the query attends to were missed whole; 96 costs 1% of the keys
+    /// (recall 0.905 → 0.942 against 128, at reach 1.65; 64 added 0.001). `None`: the entry
+    /// point only.
     pub seed_stride: Option<u32>,
     /// Greedy climbs from the best seeds the beam did not expand, those within
     /// [`SEED_CLIMB_WINDOW`]` · β` of the best: a passage whose seed scores below the reach
@@ -56,9 +58,9 @@ impl Default for DiprsParams {
             l0: 64,
             window_max: f32::NEG_INFINITY,
             prefix: None,
-            reach: 1.65,
+            reach: 1.7,
             expand_limit: None,
-            seed_stride: Some(128),
+            seed_stride: Some(96),
             seed_climbs: 8,
         }
     }

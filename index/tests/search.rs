@@ -211,6 +211,6 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
 }
 
 /// Measured after the search started from seeds, climbed from them and expanded its band
-/// along the sequence (0.964 and 0.874, at 5.1× and 6.2× the DIPR set scored), less 0.05: a
+/// along the sequence (0.968 and 0.899, at 5.3× and 6.4× the DIPR set scored), less 0.05: a
 /// regression floor; `ctxfs bench search` measures the goal (0.95) at 128K.
-const RECALL_FLOOR: [f64; 2] = [0.91, 0.82];
+const RECALL_FLOOR: [f64; 2] = [0.91, 0.84];
