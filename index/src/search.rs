@@ -3,7 +3,7 @@
 //! below P qualify; the search walks two hops through tokens that do not, so the graph stays
 //! connected).
 
-use crate::source::{Graph, Keys};
+use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::{SearchResult, SearchStats};
 use ctxfs_buffer::BufferError;
 use std::cmp::{Ordering, Reverse};
@@ -128,8 +128,7 @@ impl Expander {
         stats: &mut SearchStats,
     ) -> Result<(), BufferError> {
         self.expand(s, node, fresh, stats)?;
-        scores.resize(fresh.len(), 0.0);
-        s.score(fresh, q, scores, stats)
+        score_all(s, q, (fresh, scores), stats)
     }
 
     /// The unvisited qualifying tokens just before and after `node`.
@@ -195,42 +194,26 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let mut seen: Vec<(u32, f32)> = vec![(start, score[0])];
     let mut expanded = Visited::new(s.len());
     let (mut fresh, mut scores) = (Vec::new(), Vec::new());
-    let l0 = p.l0.max(1);
-    let mut frontier = BinaryHeap::from([Scored(score[0], start)]);
-    let mut beam = BinaryHeap::from([Reverse(Scored(score[0], start))]);
+    let mut beam = Beam::new(p.l0, Scored(score[0], start));
     let mut seeds = Vec::new();
     if let Some(stride) = p.seed_stride {
         fresh.clear();
         fresh.extend((0..ex.limit).step_by(stride.max(1) as usize).filter(|&t| ex.visited.insert(t)));
-        scores.resize(fresh.len(), 0.0);
-        s.score(&fresh, q, &mut scores, &mut stats)?;
+        score_all(s, q, (&fresh, &mut scores), &mut stats)?;
         for (&k, &sc) in fresh.iter().zip(&scores) {
             seen.push((k, sc));
             seeds.push(Scored(sc, k));
             best = best.max(sc);
-            frontier.push(Scored(sc, k));
-            beam.push(Reverse(Scored(sc, k)));
-            if beam.len() > l0 {
-                beam.pop();
-            }
+            beam.add(Scored(sc, k));
         }
     }
-    while let Some(Scored(sc, node)) = frontier.pop() {
-        if beam.len() >= l0 && beam.peek().is_some_and(|w| sc < w.0 .0) {
-            break;
-        }
+    while let Some(Scored(_, node)) = beam.next() {
         expanded.insert(node);
         ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         for (&k, &sc) in fresh.iter().zip(&scores) {
             seen.push((k, sc));
             best = best.max(sc);
-            if beam.len() < l0 || beam.peek().is_some_and(|w| sc > w.0 .0) {
-                frontier.push(Scored(sc, k));
-                beam.push(Reverse(Scored(sc, k)));
-                if beam.len() > l0 {
-                    beam.pop();
-                }
-            }
+            beam.offer(Scored(sc, k));
         }
     }
     // The beam fills with the best passage's keys; a seed in another passage the query
@@ -274,8 +257,7 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
         }
         if sc < best - p.beta {
             ex.expand_along_sequence(node, &mut fresh, &mut stats);
-            scores.resize(fresh.len(), 0.0);
-            s.score(&fresh, q, &mut scores, &mut stats)?;
+            score_all(s, q, (&fresh, &mut scores), &mut stats)?;
         } else {
             ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         }
@@ -289,6 +271,60 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     }
     let pairs = seen.into_iter().filter(|&(_, sc)| sc >= best - p.beta).collect();
     Ok(SearchResult::from_pairs(pairs, stats))
+}
+
+/// Scores every key of `ids`: `scores[i]` is `q · key(ids[i])`.
+fn score_all<S: Keys>(
+    s: &S,
+    q: &[f32],
+    (ids, scores): (&[u32], &mut Vec<f32>),
+    stats: &mut SearchStats,
+) -> SourceResult {
+    scores.resize(ids.len(), 0.0);
+    s.score(ids, q, scores, stats)
+}
+
+/// The best-first climb both searches share: a frontier of keys to expand, best first, and
+/// the `width` best keys found. It ends when the best unexpanded key is worse than all of
+/// those.
+struct Beam {
+    frontier: BinaryHeap<Scored>,
+    kept: BinaryHeap<Reverse<Scored>>,
+    width: usize,
+}
+
+impl Beam {
+    fn new(width: usize, first: Scored) -> Beam {
+        Beam { frontier: BinaryHeap::from([first]), kept: BinaryHeap::from([Reverse(first)]), width: width.max(1) }
+    }
+
+    /// Queues `key` for expansion and keeps it among the best, whatever it scores.
+    fn add(&mut self, key: Scored) {
+        self.frontier.push(key);
+        self.kept.push(Reverse(key));
+        if self.kept.len() > self.width {
+            self.kept.pop();
+        }
+    }
+
+    /// Adds `key` when the beam has room or it beats the worst key kept.
+    fn offer(&mut self, key: Scored) {
+        if self.kept.len() < self.width || self.kept.peek().is_some_and(|w| key.0 > w.0 .0) {
+            self.add(key);
+        }
+    }
+
+    /// The next key to expand, or `None` once the climb is over.
+    fn next(&mut self) -> Option<Scored> {
+        let key = self.frontier.pop()?;
+        let worse_than_all_kept = self.kept.len() >= self.width && self.kept.peek().is_some_and(|w| key.0 < w.0 .0);
+        (!worse_than_all_kept).then_some(key)
+    }
+
+    /// The best keys kept, in no order.
+    fn into_kept(self) -> impl Iterator<Item = Scored> {
+        self.kept.into_iter().map(|Reverse(k)| k)
+    }
 }
 
 /// A (score, id) pair ordered best first: higher score, then lower id.
@@ -324,25 +360,15 @@ pub fn topk<S: Keys + Graph>(
     };
     let mut score = [0.0f32];
     s.score(&[start], q, &mut score, &mut stats)?;
-    let mut frontier = BinaryHeap::from([Scored(score[0], start)]);
-    let mut beam = BinaryHeap::from([Reverse(Scored(score[0], start))]);
+    let mut beam = Beam::new(ef, Scored(score[0], start));
     let (mut fresh, mut scores) = (Vec::new(), Vec::new());
-    while let Some(Scored(sc, node)) = frontier.pop() {
-        if beam.len() >= ef && beam.peek().is_some_and(|w| sc < w.0 .0) {
-            break;
-        }
+    while let Some(Scored(_, node)) = beam.next() {
         ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
         for (&id, &sc) in fresh.iter().zip(&scores) {
-            if beam.len() < ef || beam.peek().is_some_and(|w| sc > w.0 .0) {
-                frontier.push(Scored(sc, id));
-                beam.push(Reverse(Scored(sc, id)));
-                if beam.len() > ef {
-                    beam.pop();
-                }
-            }
+            beam.offer(Scored(sc, id));
         }
     }
-    let mut pairs: Vec<(u32, f32)> = beam.into_iter().map(|Reverse(Scored(s, id))| (id, s)).collect();
+    let mut pairs: Vec<(u32, f32)> = beam.into_kept().map(|Scored(s, id)| (id, s)).collect();
     pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     pairs.truncate(k);
     Ok(SearchResult::from_pairs(pairs, stats))
