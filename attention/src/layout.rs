@@ -3,7 +3,7 @@
 //! sequence resolves to a chain of *segments*, one per stored context, oldest first.
 
 use crate::error::{Error, Result};
-use ctxfs_buffer::BlockRequest;
+use ctxfs_buffer::{BlockRequest, FrameHint};
 use ctxfs_vfs::{FileStream, Snapshot};
 
 /// Longest parent chain followed; a longer one is treated as corrupt (a cycle).
@@ -57,6 +57,8 @@ pub fn segments(snap: &Snapshot, id: u32, prefix: u32) -> Result<Vec<Segment>> {
 pub struct FileBlocks {
     pub index: Vec<BlockRequest>,
     pub data: Vec<BlockRequest>,
+    /// Where each index block was last found in the pool: searches skip the page table.
+    pub index_hints: Box<[FrameHint]>,
 }
 
 impl FileBlocks {
@@ -72,6 +74,8 @@ impl FileBlocks {
                 })
                 .collect()
         };
-        Ok(FileBlocks { index: all(FileStream::Index)?, data: all(FileStream::Data)? })
+        let index = all(FileStream::Index)?;
+        let index_hints = index.iter().map(|_| FrameHint::default()).collect();
+        Ok(FileBlocks { index, data: all(FileStream::Data)?, index_hints })
     }
 }

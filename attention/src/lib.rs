@@ -22,4 +22,4 @@ pub use error::{Error, Result};
 pub use import::WriteReport;
 pub use kv::{KvSource, SafetensorsKv};
 pub use plan::{Choice, Plan, Rules};
-pub use session::{Attention, AttentionOptions, Device, HeadReport, Session};
+pub use session::{Attention, AttentionOptions, Device, HeadReport, HeadTiming, Session};

@@ -16,7 +16,7 @@ use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
-use ctxfs_index::paged::{gather_rows, PagedIndex};
+use ctxfs_index::paged::{for_rows, gather_rows, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
@@ -45,7 +45,7 @@ fn to_f16(x: &[f32]) -> Vec<f16> {
     x.iter().map(|&x| f16::from_f32(x)).collect()
 }
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Tokens a coarse plan attends beyond the window when the caller gives no budget.
 pub const COARSE_BUDGET: usize = 2048;
@@ -110,6 +110,19 @@ pub struct HeadReport {
     /// Tokens retrieved beyond the window and the session's own tokens.
     pub retrieved: usize,
     pub stats: SearchStats,
+    pub timing: HeadTiming,
+}
+
+/// Where one q head's share of an attention call went, on the thread that ran it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HeadTiming {
+    /// Finding the retrieved tokens (DIPRS, top-k, a scan or a coarse index).
+    pub search: Duration,
+    /// Reading the retrieved tokens' value blocks and summing their values.
+    pub values: Duration,
+    /// The head's whole share: the above, the window's attention and the merge (and, for
+    /// the first q head of a group, opening the kv head's files and window).
+    pub total: Duration,
 }
 
 /// One layer's attention output, `q_heads × head_dim`, and how it was found.
@@ -484,7 +497,7 @@ impl Session {
             if local.is_empty() {
                 continue;
             }
-            let index = self.open_index(&file.index, seg, layer, h)?;
+            let index = self.open_index(file, seg, layer, h)?;
             let (k, kio) = index.gather_keys(&local)?;
             let (v, vio) = gather_rows(&self.db.inner.pool, &file.data, index.layout(), &local)?;
             kio.add_to(&mut io);
@@ -497,14 +510,8 @@ impl Session {
         Ok((w, io))
     }
 
-    fn open_index<'a>(
-        &'a self,
-        blocks: &'a [ctxfs_buffer::BlockRequest],
-        seg: &Segment,
-        layer: usize,
-        h: usize,
-    ) -> Result<PagedIndex<'a>> {
-        let index = PagedIndex::open(&self.db.inner.pool, blocks)
+    fn open_index<'a>(&'a self, file: &'a FileBlocks, seg: &Segment, layer: usize, h: usize) -> Result<PagedIndex<'a>> {
+        let index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints)
             .map_err(|e| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context)))?;
         let l = index.layout();
         if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize {
@@ -526,6 +533,7 @@ impl Session {
         opts: &AttentionOptions,
         own_on_cpu: bool,
     ) -> Result<GroupOutput> {
+        let mut started = Instant::now();
         let d = self.shape.head_dim as usize;
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let isa = ctxfs_kernels::active();
@@ -538,7 +546,7 @@ impl Session {
         let readers = segments
             .iter()
             .zip(&files)
-            .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(&f.index, s, layer, h)?, file: f }))
+            .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
@@ -550,38 +558,46 @@ impl Session {
             let mut fresh_z = vec![0.0; fresh.rows];
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
+            let searching = Instant::now();
             let found = self.retrieve(&readers, q, own_max, choice, opts, &mut stats)?;
-            // Values of the retrieved tokens, one batch per segment.
-            let mut ret_z = Vec::with_capacity(found.len());
-            let mut ret_v = Vec::with_capacity(found.len() * d);
-            for (si, (seg, file)) in segments.iter().zip(&files).enumerate() {
-                let mine: Vec<&(usize, u32, f32)> = found.iter().filter(|f| f.0 == si).collect();
-                if mine.is_empty() {
-                    continue;
-                }
-                let local: Vec<u32> = mine.iter().map(|f| f.1 - seg.base).collect();
-                let layout = readers[si].index.layout();
-                let rows = layout.rows_per_block;
-                // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of a
-                // long prefix (full attention) streams it through a small data area.
-                let mut from = 0;
-                while from < local.len() {
-                    let (mut to, mut blocks) = (from + 1, 1);
-                    while to < local.len() {
-                        let next_block = local[to] / rows != local[to - 1] / rows;
-                        if next_block && blocks == PIN_BATCH {
-                            break;
+            let reading = Instant::now();
+            // The retrieved tokens' weights first; their values are then summed straight from
+            // the pinned data blocks, one batch per segment, never copied.
+            let mut ret_z: Vec<f32> = found.iter().map(|f| f.2 * scale).collect();
+            let retrieved = Partial::from_scores_summed(isa, &mut ret_z, d, |weights, o| {
+                for (si, file) in files.iter().enumerate() {
+                    let (local, w): (Vec<u32>, Vec<f32>) = found
+                        .iter()
+                        .zip(weights)
+                        .filter(|(f, _)| f.0 == si)
+                        .map(|(f, &w)| (f.1 - segments[si].base, w))
+                        .unzip();
+                    let layout = readers[si].index.layout();
+                    let rows = layout.rows_per_block;
+                    // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of
+                    // a long prefix (full attention) streams it through a small data area.
+                    let mut from = 0;
+                    while from < local.len() {
+                        let (mut to, mut blocks) = (from + 1, 1);
+                        while to < local.len() {
+                            let next_block = local[to] / rows != local[to - 1] / rows;
+                            if next_block && blocks == PIN_BATCH {
+                                break;
+                            }
+                            blocks += usize::from(next_block);
+                            to += 1;
                         }
-                        blocks += usize::from(next_block);
-                        to += 1;
+                        let batch = &w[from..to];
+                        let io = for_rows(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, row| {
+                            row.accumulate(o, batch[i])
+                        })?;
+                        io.add_to(&mut stats);
+                        from = to;
                     }
-                    let (v, io) = gather_rows(&self.db.inner.pool, &file.data, layout, &local[from..to])?;
-                    io.add_to(&mut stats);
-                    ret_v.extend_from_slice(&v);
-                    from = to;
                 }
-                ret_z.extend(mine.iter().map(|f| f.2 * scale));
-            }
+                Ok::<(), Error>(())
+            })?;
+            let (search, values) = (reading - searching, reading.elapsed());
             // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
             let own = if own_on_cpu {
                 win_z.iter_mut().for_each(|z| *z *= scale);
@@ -593,7 +609,6 @@ impl Session {
             } else {
                 Partial::empty(d)
             };
-            let retrieved = Partial::from_scores_on(isa, &mut ret_z, &ret_v, d);
             let selected = if opts.detail {
                 let mut ids: Vec<u32> = self.window_ids.clone();
                 ids.extend(found.iter().map(|f| f.1));
@@ -603,7 +618,9 @@ impl Session {
             } else {
                 Vec::new()
             };
-            let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats };
+            let timing = HeadTiming { search, values, total: started.elapsed() };
+            started = Instant::now();
+            let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats, timing };
             out.push((Parts { own, retrieved }, report));
         }
         Ok(out)

@@ -11,11 +11,22 @@ pub struct PageGuard<'a> {
     data: RwLockReadGuard<'a, FrameData>,
     header: BlockHeader,
     read_here: bool,
+    frame: usize,
 }
 
 impl<'a> PageGuard<'a> {
-    pub(crate) fn new(data: RwLockReadGuard<'a, FrameData>, header: BlockHeader, read_here: bool) -> Self {
-        PageGuard { data, header, read_here }
+    pub(crate) fn new(
+        data: RwLockReadGuard<'a, FrameData>,
+        header: BlockHeader,
+        read_here: bool,
+        frame: usize,
+    ) -> Self {
+        PageGuard { data, header, read_here, frame }
+    }
+
+    /// The frame holding the block.
+    pub(crate) fn frame(&self) -> usize {
+        self.frame
     }
 
     /// Whether the call that returned this guard read the block from the device (a miss it

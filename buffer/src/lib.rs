@@ -3,7 +3,8 @@
 //! * Frames of the block size under a byte budget, split into an **index area** (graph and
 //!   key blocks: stay resident, evicted only under real pressure, coldest context first) and
 //!   a small **data area** (value blocks: scan-resistant 2Q, never pushes index blocks out).
-//! * A sharded page table: a hit takes one shard read lock and one frame read lock.
+//! * A sharded page table: a hit takes one shard read lock and one frame read lock. A reader
+//!   can keep a [`FrameHint`] per block it reads often and skip the table.
 //! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.
 //! * Batched reads: the misses of a request go to the device as one submission, adjacent
 //!   blocks coalesced; concurrent requests for one block share one read; an I/O error or a
@@ -14,6 +15,7 @@
 
 mod frame;
 mod guard;
+mod hint;
 mod policy;
 mod pool;
 mod request;
@@ -23,6 +25,7 @@ mod sync;
 mod table;
 
 pub use guard::PageGuard;
+pub use hint::FrameHint;
 pub use pool::{BufferPool, PoolConfig};
 pub use request::{BlockClass, BlockRequest, BufferError};
 pub use source::{BlockSource, DeviceSource, STAGING_BLOCKS, STAGING_BUFFERS};

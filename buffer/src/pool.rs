@@ -3,6 +3,7 @@
 
 use crate::frame::{Frame, FrameData, FrameState, NO_CONTEXT};
 use crate::guard::PageGuard;
+use crate::hint::FrameHint;
 use crate::policy::{coldest_context, TwoQueue};
 use crate::request::{BlockClass, BlockRequest, BufferError};
 use crate::source::BlockSource;
@@ -108,6 +109,11 @@ impl BufferPool {
         &self.config
     }
 
+    /// Frames of an area: how many of its blocks can be pinned at once.
+    pub fn frames(&self, class: BlockClass) -> usize {
+        self.areas[class as usize].frames.len()
+    }
+
     /// One block, pinned until the guard is dropped.
     pub fn get(&self, req: &BlockRequest) -> Result<PageGuard<'_>, BufferError> {
         // A hit needs neither the batch bookkeeping nor an allocation: searches take one per hop.
@@ -115,6 +121,15 @@ impl BufferPool {
             return Ok(g);
         }
         self.get_many(std::slice::from_ref(req)).pop().expect("one result")
+    }
+
+    /// A hit at the frame `hint` remembers, without the page table; `None` when the hint is
+    /// empty or stale (then [`get`](Self::get) or [`get_many`](Self::get_many) it, and
+    /// [`FrameHint::remember`] where it was found). The frame is re-checked under its latch,
+    /// exactly as after a page-table lookup, so a stale hint is only a wasted latch.
+    pub fn get_at_hint(&self, req: &BlockRequest, hint: &FrameHint) -> Option<PageGuard<'_>> {
+        let idx = hint.frame().filter(|&i| i < self.frames.len())?;
+        self.lookup_at(idx, req, false)?.ok()
     }
 
     /// A set of blocks, pinned until their guards are dropped. Misses are read in one
@@ -262,7 +277,11 @@ impl BufferPool {
     /// `own_load`: this call read the block itself, so pinning it is not a hit, and the pin
     /// replaces the one the load reserved.
     fn lookup(&self, req: &BlockRequest, own_load: bool) -> Option<Result<PageGuard<'_>, BufferError>> {
-        let idx = self.table.get(req.block)?;
+        self.lookup_at(self.table.get(req.block)?, req, own_load)
+    }
+
+    /// [`lookup`](Self::lookup) at frame `idx`, which may hold another block by now.
+    fn lookup_at(&self, idx: usize, req: &BlockRequest, own_load: bool) -> Option<Result<PageGuard<'_>, BufferError>> {
         let frame = &self.frames[idx];
         let data = frame.data.read().unwrap_or_else(|p| p.into_inner());
         if data.block != req.block {
@@ -277,7 +296,7 @@ impl BufferPool {
                     frame.touch(self.clock.load(Ordering::Relaxed));
                     self.table.shard(req.block).hits[req.class() as usize].fetch_add(1, Ordering::Relaxed);
                 }
-                Some(Ok(PageGuard::new(data, header, own_load)))
+                Some(Ok(PageGuard::new(data, header, own_load, idx)))
             }
             FrameState::Failed(e) => Some(Err(e.clone())),
             FrameState::Empty | FrameState::Loading => None,

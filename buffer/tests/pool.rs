@@ -1,7 +1,7 @@
 //! The buffer pool over real stores on the io_uring device (and the mem device where faults
 //! are injected).
 
-use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, PoolConfig};
+use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, FrameHint, PoolConfig};
 use ctxfs_vfs::device::{self, FaultPlan, IoOp, MemDevice};
 use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store};
 use half::f16;
@@ -350,4 +350,30 @@ fn opening_a_context_loads_its_whole_index_and_nothing_else() {
     }
     assert_eq!(p.stats().index.misses, 200);
     assert!(matches!(p.open_context(&store.snapshot(), "nope"), Err(BufferError::Block(_))));
+}
+
+#[test]
+fn a_frame_hint_finds_its_block_and_a_stale_one_finds_nothing() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 16, 1, 15 * 40);
+    let data = requests(&store, 1, 0, FileStream::Data);
+    // Two data frames: a third block evicts one of the first two.
+    let p = pool(dev.clone(), (8 * BS) as u64, 0.25);
+    let hints: Vec<FrameHint> = data.iter().map(|_| FrameHint::default()).collect();
+    assert!(p.get_at_hint(&data[0].0, &hints[0]).is_none(), "an empty hint is no hit");
+    for (i, (req, _)) in data[..2].iter().enumerate() {
+        hints[i].remember(&p.get(req).unwrap());
+    }
+    let misses = p.stats().data.misses;
+    for (i, (req, key)) in data[..2].iter().enumerate() {
+        let g = p.get_at_hint(req, &hints[i]).expect("resident where the hint says");
+        assert_eq!(g.as_f16(), &expected(*key, 15 * 40)[..]);
+    }
+    assert_eq!(p.stats().data.misses, misses, "hinted hits read nothing");
+    drop(p.get(&data[2].0).unwrap());
+    let evicted = (0..2).filter(|&i| p.get_at_hint(&data[i].0, &hints[i]).is_none()).count();
+    assert_eq!(evicted, 1, "the block evicted for the third is not found at its old frame");
+    // The evicted block's old frame now holds the third block: its hint is stale, not wrong.
+    let stale = (0..2).find(|&i| p.get_at_hint(&data[i].0, &hints[i]).is_none()).unwrap();
+    assert!(p.get_at_hint(&data[2].0, &hints[stale]).is_some(), "the frame was reused for block 3");
 }

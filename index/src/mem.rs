@@ -4,6 +4,10 @@ use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use half::f16;
 
+/// How many rows ahead of the one it scores a scattered scoring prefetches: enough misses in
+/// flight to hide memory latency (a 128-element f16 row is 4 cache lines).
+pub const PREFETCH_AHEAD: usize = 8;
+
 /// Keys stored row after row.
 #[derive(Debug, Clone)]
 pub struct MemKeys {
@@ -33,7 +37,13 @@ impl Keys for MemKeys {
         (self.data.len() / self.dim) as u32
     }
     fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        for (o, &id) in out.iter_mut().zip(ids) {
+        for &id in &ids[..ids.len().min(PREFETCH_AHEAD)] {
+            ctxfs_kernels::prefetch(self.row(id));
+        }
+        for (i, (o, &id)) in out.iter_mut().zip(ids).enumerate() {
+            if let Some(&ahead) = ids.get(i + PREFETCH_AHEAD) {
+                ctxfs_kernels::prefetch(self.row(ahead));
+            }
             *o = ctxfs_kernels::dot(self.row(id), q);
         }
         stats.keys_scored += ids.len() as u64;

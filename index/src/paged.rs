@@ -8,12 +8,13 @@
 //!
 //! Data stream: value rows, `rows_per_block` per block, token `t` in block `t / rows`.
 
-use crate::mem::{MemGraph, MemKeys};
+use crate::mem::{MemGraph, MemKeys, PREFETCH_AHEAD};
 use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard};
+use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard};
 use ctxfs_vfs::DType;
 use half::{bf16, f16};
+use std::cell::RefCell;
 
 /// Version 2 added the element type of the key rows (version 1: always f16).
 pub const LAYOUT_VERSION: u32 = 2;
@@ -134,6 +135,20 @@ impl Rows<'_> {
             Rows::Bf16(r) => ctxfs_kernels::dot(r, q),
         }
     }
+    /// Starts loading the row into the CPU caches (see [`ctxfs_kernels::prefetch`]).
+    fn prefetch(&self) {
+        match self {
+            Rows::F16(r) => ctxfs_kernels::prefetch(r),
+            Rows::Bf16(r) => ctxfs_kernels::prefetch(r),
+        }
+    }
+    /// `acc += weight · row`, through the SIMD kernels.
+    pub fn accumulate(&self, acc: &mut [f32], weight: f32) {
+        match self {
+            Rows::F16(r) => ctxfs_kernels::weighted_sum(acc, &[weight], r),
+            Rows::Bf16(r) => ctxfs_kernels::weighted_sum(acc, &[weight], r),
+        }
+    }
     fn extend_f32(&self, out: &mut Vec<f32>) {
         match self {
             Rows::F16(r) => out.extend(r.iter().map(|x| x.to_f32())),
@@ -187,6 +202,81 @@ pub struct PagedIndex<'p> {
     layout: Layout,
     /// Where each logical block of the index stream is.
     blocks: &'p [BlockRequest],
+    /// Per logical block, the frame it was last found in (shared by every search of it).
+    hints: &'p [FrameHint],
+    pins: RefCell<Pins<'p>>,
+}
+
+/// Share of the pool's index area one [`PagedIndex`] may keep pinned: with 2 threads per
+/// session, 8 concurrent sessions hold at most half of it.
+const PIN_SHARE: usize = 32;
+
+/// Index blocks a [`PagedIndex`] keeps pinned while it lives. Its searches touch the same
+/// blocks again and again (a block holds 20 adjacency records or 15 key rows, and a range is
+/// runs of neighbouring tokens; one index serves a GQA group's 4 searches), and the index
+/// area keeps them resident anyway: a block already pinned here costs a vector index, not a
+/// page-table lookup and two latches. At most `cap` are kept; past that, blocks are pinned
+/// for one batch, as without the cache.
+struct Pins<'p> {
+    /// Per logical block of the index stream: 1 + its position in `guards`, or 0.
+    slot: Vec<u32>,
+    guards: Vec<PageGuard<'p>>,
+    cap: usize,
+}
+
+impl<'p> Pins<'p> {
+    fn get(&self, block: u32) -> Option<&PageGuard<'p>> {
+        match self.slot[block as usize] {
+            0 => None,
+            at => Some(&self.guards[at as usize - 1]),
+        }
+    }
+
+    /// Pins the blocks of `wanted` (logical, sorted, distinct) not pinned yet, as one batch;
+    /// those beyond the cap come back in the returned vector (sorted, with their blocks)
+    /// instead of staying pinned.
+    fn pin(
+        &mut self,
+        pool: &'p BufferPool,
+        (blocks, hints): (&[BlockRequest], &[FrameHint]),
+        wanted: &[u32],
+        stats: &mut SearchStats,
+    ) -> Result<Vec<(u32, PageGuard<'p>)>, BufferError> {
+        stats.blocks_touched += wanted.len() as u64;
+        let mut spill = Vec::new();
+        let mut missing = Vec::new();
+        for &b in wanted {
+            if self.slot[b as usize] != 0 {
+                continue;
+            }
+            match pool.get_at_hint(&blocks[b as usize], &hints[b as usize]) {
+                Some(g) => self.keep(b, g, &mut spill),
+                None => missing.push(b),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(spill);
+        }
+        let reqs: Vec<BlockRequest> = missing.iter().map(|&b| blocks[b as usize]).collect();
+        for (b, g) in missing.into_iter().zip(pool.get_many(&reqs)) {
+            let g = g?;
+            stats.blocks_read += u64::from(g.read_here());
+            hints[b as usize].remember(&g);
+            self.keep(b, g, &mut spill);
+        }
+        spill.sort_unstable_by_key(|s| s.0);
+        Ok(spill)
+    }
+
+    /// Keeps `g` pinned, or, past the cap, hands it to `spill` for one batch.
+    fn keep(&mut self, b: u32, g: PageGuard<'p>, spill: &mut Vec<(u32, PageGuard<'p>)>) {
+        if self.guards.len() < self.cap {
+            self.guards.push(g);
+            self.slot[b as usize] = self.guards.len() as u32;
+        } else {
+            spill.push((b, g));
+        }
+    }
 }
 
 fn wrap(e: BufferError) -> String {
@@ -194,8 +284,16 @@ fn wrap(e: BufferError) -> String {
 }
 
 impl<'p> PagedIndex<'p> {
-    /// Opens an index stream given the location of each of its logical blocks.
-    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedIndex<'p>, String> {
+    /// Opens an index stream given the location of each of its logical blocks and a frame
+    /// hint for each (kept by the caller across opens: see [`FrameHint`]).
+    pub fn open(
+        pool: &'p BufferPool,
+        blocks: &'p [BlockRequest],
+        hints: &'p [FrameHint],
+    ) -> Result<PagedIndex<'p>, String> {
+        if hints.len() < blocks.len() {
+            return Err(format!("{} frame hints for {} index blocks", hints.len(), blocks.len()));
+        }
         let meta = pool.get(blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
         let layout = Layout::decode(meta.payload())?;
         drop(meta);
@@ -207,7 +305,27 @@ impl<'p> PagedIndex<'p> {
                 layout.index_blocks()
             ));
         }
-        Ok(PagedIndex { pool, layout, blocks: &blocks[..layout.index_blocks() as usize] })
+        let blocks = &blocks[..layout.index_blocks() as usize];
+        let cap = pool.frames(BlockClass::Index) / PIN_SHARE;
+        let pins = Pins { slot: vec![0; blocks.len()], guards: Vec::new(), cap };
+        Ok(PagedIndex { pool, layout, blocks, hints: &hints[..blocks.len()], pins: RefCell::new(pins) })
+    }
+
+    /// Pins the blocks `wanted` (logical, sorted, distinct) and calls `f` with a lookup
+    /// from each of them to its guard.
+    fn with_blocks<R>(
+        &self,
+        wanted: &[u32],
+        stats: &mut SearchStats,
+        f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a PageGuard<'p>) -> R,
+    ) -> Result<R, BufferError> {
+        let mut pins = self.pins.borrow_mut();
+        let spill = pins.pin(self.pool, (self.blocks, self.hints), wanted, stats)?;
+        let pins = &*pins;
+        let spill = &spill;
+        Ok(f(&|b| {
+            pins.get(b).unwrap_or_else(|| &spill[spill.binary_search_by_key(&b, |s| s.0).expect("pinned above")].1)
+        }))
     }
 
     pub fn layout(&self) -> &Layout {
@@ -222,10 +340,12 @@ impl<'p> PagedIndex<'p> {
 
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
-        let first = 1 + self.layout.adjacency_blocks() as usize;
-        let io = for_rows(self.pool, &self.blocks[first..], &self.layout, ids, f)?;
-        io.add_to(stats);
-        Ok(())
+        let first = 1 + self.layout.adjacency_blocks();
+        let rows = self.layout.rows_per_block;
+        let mut wanted: Vec<u32> = ids.iter().map(|&t| first + t / rows).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        self.with_blocks(&wanted, stats, |block| visit_rows(&self.layout, ids, |t| block(first + t / rows), f))
     }
 }
 
@@ -241,18 +361,41 @@ impl Keys for PagedIndex<'_> {
         stats.keys_scored += ids.len() as u64;
         Ok(())
     }
+    /// Scores each key block's rows in one streaming kernel call (a flat scan's path).
+    fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
+        let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
+        let end = first + out.len() as u32;
+        let key_blocks = &self.blocks[1 + self.layout.adjacency_blocks() as usize..];
+        let reqs = &key_blocks[(first / rows) as usize..end.div_ceil(rows) as usize];
+        let guards: Vec<PageGuard<'_>> = self.pool.get_many(reqs).into_iter().collect::<Result<_, _>>()?;
+        let mut t = first;
+        for g in &guards {
+            let block_first = t / rows * rows;
+            let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
+            let at = (t - first) as usize;
+            let scores = &mut out[at..at + to - from];
+            match self.layout.dtype {
+                DType::F16 => ctxfs_kernels::scores(&g.as_f16()[from * dim..to * dim], q, 1.0, scores),
+                DType::Bf16 => ctxfs_kernels::scores(&g.as_bf16()[from * dim..to * dim], q, 1.0, scores),
+            }
+            t = block_first + to as u32;
+        }
+        debug_assert_eq!(t, end);
+        BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() }.add_to(stats);
+        stats.keys_scored += out.len() as u64;
+        Ok(())
+    }
 }
 
 impl Graph for PagedIndex<'_> {
     fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
         let per = self.layout.records_per_block;
-        let g = self.pool.get(&self.blocks[(1 + node / per) as usize])?;
-        stats.blocks_touched += 1;
-        stats.blocks_read += g.read_here() as u64;
         let deg = self.layout.degree as usize;
         let at = (node % per) as usize * deg;
-        out.extend(g.as_u32()[at..at + deg].iter().copied().take_while(|&n| n != u32::MAX));
-        Ok(())
+        self.with_blocks(&[1 + node / per], stats, |block| {
+            let record = &block(1 + node / per).as_u32()[at..at + deg];
+            out.extend(record.iter().copied().take_while(|&n| n != u32::MAX));
+        })
     }
     fn entry(&self) -> u32 {
         self.layout.entry
@@ -276,25 +419,42 @@ impl BatchIo {
 /// Pins, in one batch, the blocks of packed rows (`layout.rows_per_block` rows of
 /// `layout.dim` elements of `layout.dtype`, row `t` in block `t / rows_per_block` of
 /// `blocks`) that hold `ids`, and calls `f` with each id's position and row.
-fn for_rows(
+pub fn for_rows(
     pool: &BufferPool,
     blocks: &[BlockRequest],
     layout: &Layout,
     ids: &[u32],
-    mut f: impl FnMut(usize, Rows<'_>),
+    f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
-    let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
+    let rows_per_block = layout.rows_per_block;
     let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
     wanted.sort_unstable();
     wanted.dedup();
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
-    for (i, &t) in ids.iter().enumerate() {
-        let g = &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")];
-        let slot = (t % rows_per_block) as usize;
-        f(i, Rows::of(layout.dtype, g, slot, dim));
-    }
+    visit_rows(layout, ids, |t| &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")], f);
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
+}
+
+/// Calls `f` with each id's position and row, the block of token `t` being `block(t)`;
+/// rows a few ids ahead are prefetched, so their cache misses overlap.
+fn visit_rows<'g>(
+    layout: &Layout,
+    ids: &[u32],
+    block: impl Fn(u32) -> &'g PageGuard<'g>,
+    mut f: impl FnMut(usize, Rows<'_>),
+) {
+    let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
+    let row = |t: u32| Rows::of(layout.dtype, block(t), (t % rows_per_block) as usize, dim);
+    for &t in &ids[..ids.len().min(PREFETCH_AHEAD)] {
+        row(t).prefetch();
+    }
+    for (i, &t) in ids.iter().enumerate() {
+        if let Some(&ahead) = ids.get(i + PREFETCH_AHEAD) {
+            row(ahead).prefetch();
+        }
+        f(i, row(t));
+    }
 }
 
 /// The rows of `ids` from a stream of packed rows laid out as `layout` says (the data

@@ -1,7 +1,7 @@
 //! An index stored in a vfs vector file and searched directly on buffered pages gives exactly
 //! the answers of the same index in memory; storage errors come back as errors.
 
-use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
+use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, FrameHint, PoolConfig};
 use ctxfs_index::paged::{index_payloads, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
@@ -28,6 +28,16 @@ fn store_index(dev: Arc<dyn BlockDevice>, keys: &MemKeys, graph: &MemGraph) -> (
     (store, reqs)
 }
 
+/// The index stored on the io_uring device in a temporary file (kept while the dir lives).
+fn uring_index(keys: &MemKeys, graph: &MemGraph) -> (tempfile::TempDir, Store, Vec<BlockRequest>) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("idx.img");
+    std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
+    let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
+    let (store, reqs) = store_index(dev, keys, graph);
+    (dir, store, reqs)
+}
+
 fn data() -> (MemKeys, MemGraph, Vec<f32>) {
     let p = SynthParams { tokens: 3000, head_dim: 64, group: 2, seed: 9 };
     let h = head(&p, 1, 0, 1500, 8);
@@ -40,13 +50,10 @@ fn data() -> (MemKeys, MemGraph, Vec<f32>) {
 #[test]
 fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     let (keys, graph, queries) = data();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let path = dir.path().join("idx.img");
-    std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
-    let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
-    let (store, reqs) = store_index(dev, &keys, &graph);
+    let (_dir, store, reqs) = uring_index(&keys, &graph);
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
-    let paged = PagedIndex::open(&pool, &reqs).unwrap();
+    let hints = hints_for(&reqs);
+    let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
     assert_eq!(paged.layout().tokens, 3000);
     let mem = Pair { keys: &keys, graph: &graph };
     let beta = 5.0 * 8.0;
@@ -61,6 +68,13 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
             flat::dipr(&mem, q, beta, f32::NEG_INFINITY, None).unwrap().ids,
             flat::dipr(&paged, q, beta, f32::NEG_INFINITY, None).unwrap().ids
         );
+        // A scan streams whole key blocks; one that ends inside a block scores the same keys.
+        let mut stats = Default::default();
+        let scanned = flat::scan(&paged, q, 2999, &mut stats).unwrap();
+        assert_eq!(scanned, flat::scan(&mem, q, 2999, &mut stats).unwrap());
+        let mut one = [0.0];
+        mem.score(&[1234], q, &mut one, &mut stats).unwrap();
+        assert_eq!(scanned[1234], one[0]);
     }
     // The index stayed resident: the second pass reads nothing.
     let misses = pool.stats().index.misses;
@@ -70,6 +84,31 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     assert_eq!(pool.stats().index.misses, misses);
 }
 
+fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {
+    reqs.iter().map(|_| FrameHint::default()).collect()
+}
+
+#[test]
+fn a_pool_smaller_than_the_index_gives_the_same_answers() {
+    let (keys, graph, queries) = data();
+    let (_dir, store, reqs) = uring_index(&keys, &graph);
+    // 48 index frames for an index of more blocks: searches evict as they go, so the
+    // per-index pins stop at their cap and frame hints go stale.
+    let config = PoolConfig { budget_bytes: 64 * 4096, data_fraction: 0.25, ..Default::default() };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    assert!(reqs.len() > 2 * 48, "{} index blocks", reqs.len());
+    let hints = hints_for(&reqs);
+    let mem = Pair { keys: &keys, graph: &graph };
+    for q in queries.chunks(64) {
+        // A new index per query, as sessions open one per call; the hints outlive it.
+        let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+        let params = DiprsParams { beta: 40.0, l0: 64, ..Default::default() };
+        let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&paged, q, &params).unwrap());
+        assert_eq!((a.ids, a.scores), (b.ids, b.scores));
+    }
+    assert!(pool.stats().index.evictions > 0, "the index did not fit, so it was evicted");
+}
+
 #[test]
 fn an_unreadable_index_block_is_an_error_not_a_panic() {
     let (keys, graph, queries) = data();
@@ -77,7 +116,8 @@ fn an_unreadable_index_block_is_an_error_not_a_panic() {
     let (store, reqs) = store_index(mem.clone(), &keys, &graph);
     let bad = reqs[reqs.len() / 2].block; // a key block
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
-    let paged = PagedIndex::open(&pool, &reqs).unwrap();
+    let hints = hints_for(&reqs);
+    let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
     mem.set_faults(FaultPlan { bad_read_blocks: [bad].into(), ..Default::default() });
     let q = &queries[..64];
     let err = flat::dipr(&paged, q, 40.0, f32::NEG_INFINITY, None).unwrap_err();

@@ -53,16 +53,32 @@ impl Partial {
     /// Attention given the scores already computed (−∞ masks a key). `z` is overwritten
     /// with the unnormalised weights.
     pub fn from_scores_on<E: Element>(isa: Isa, z: &mut [f32], values: &[E], dim: usize) -> Partial {
+        Self::from_scores_summed(isa, z, dim, |weights, o| {
+            weighted_sum_on(isa, o, weights, values);
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap_or_else(|never| match never {})
+    }
+
+    /// Attention given the scores, with the values summed by the caller: `sum(weights, o)`
+    /// adds `Σ weights_i · value_i` into `o`. Values read straight from pinned pages are then
+    /// never copied. `z` is overwritten with the unnormalised weights.
+    pub fn from_scores_summed<Err>(
+        isa: Isa,
+        z: &mut [f32],
+        dim: usize,
+        sum: impl FnOnce(&[f32], &mut [f32]) -> Result<(), Err>,
+    ) -> Result<Partial, Err> {
         let m = max_on(isa, z);
         if m == f32::NEG_INFINITY {
-            return Partial::empty(dim);
+            return Ok(Partial::empty(dim));
         }
         let l = exp_sub_on(isa, z, m);
         let mut o = vec![0.0; dim];
-        weighted_sum_on(isa, &mut o, z, values);
+        sum(z, &mut o)?;
         let inv = 1.0 / l;
         o.iter_mut().for_each(|x| *x *= inv);
-        Partial { o, m, l }
+        Ok(Partial { o, m, l })
     }
 
     /// The exact combination of attention over disjoint parts of the keys.

@@ -20,10 +20,12 @@ pub(crate) trait Lanes: Copy {
 }
 
 impl Lanes for f16 {
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const Self) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
+    #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const Self) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
@@ -35,10 +37,12 @@ impl Lanes for f16 {
 
 impl Lanes for bf16 {
     // A bf16 is the upper half of an f32: widen and shift.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const Self) -> __m256 {
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
     }
+    #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const Self) -> __m512 {
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
@@ -49,10 +53,12 @@ impl Lanes for bf16 {
 }
 
 impl Lanes for f32 {
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const Self) -> __m256 {
         _mm256_loadu_ps(p)
     }
+    #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const Self) -> __m512 {
         _mm512_loadu_ps(p)

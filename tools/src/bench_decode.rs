@@ -13,13 +13,13 @@ use crate::decode_queries::DecodeQueries;
 use crate::mkfs::format_store;
 use crate::{gen, progress};
 use anyhow::{ensure, Result};
-use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, SafetensorsKv, Session};
+use ctxfs_attention::{Attention, AttentionOptions, Db, DbConfig, HeadTiming, Plan, SafetensorsKv};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::{DType, DeviceChoice, FileStream, Store};
 use half::f16;
 use serde_json::json;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -106,6 +106,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let session = db.open_session(NAME, None)?;
     let open_s = t.elapsed().as_secs_f64();
     let mut layer_secs = vec![Vec::new(); layers];
+    // Per layer, per steady step: the step's time split (see `split_of`).
+    let mut layer_split = vec![Vec::new(); layers];
     let (mut ios, mut plans) = (Vec::new(), Vec::new());
     let before = db.pool_stats();
     for s in 0..steps {
@@ -113,7 +115,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         for (l, secs) in layer_secs.iter_mut().enumerate() {
             let t = Instant::now();
             let a = session.attention(l, &step_q(l, s))?;
-            secs.push(t.elapsed().as_secs_f64());
+            let wall = t.elapsed().as_secs_f64();
+            secs.push(wall);
+            if s > 0 {
+                layer_split[l].push(split_of(&a, wall));
+            }
             io += a.heads.iter().map(|h| h.stats.blocks_read).sum::<u64>();
             if s == 0 {
                 plans.push(a.plan());
@@ -128,7 +134,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
     let hits = (after.index.hits + after.data.hits) - (before.index.hits + before.data.hits);
     let misses = (after.index.misses + after.data.misses) - (before.index.misses + before.data.misses);
-    let split = time_split(&session, layers, &step_q)?;
+    let split_part = |i: usize| {
+        extrapolate(&layer_split.iter().map(|v| median(v.iter().map(|p| p[i]).collect())).collect::<Vec<_>>())
+    };
+    let split = (split_part(0), split_part(1), split_part(2));
 
     // Exact attention over the same store (one step, measured layers).
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
@@ -155,10 +164,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "tokens": n, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "layers_built": layers, "extrapolated_from_layers": layers, "model_layers": MODEL_LAYERS, "steps": steps,
         "decode_step_seconds": steady, "cold_step_seconds": cold,
+        "layer_steady_seconds": layer_secs.iter().map(|v| median(v[1..].to_vec())).collect::<Vec<_>>(),
         "ios_per_step": steady_ios, "bytes_per_step": steady_ios * 4096.0, "cold_step_ios": ios[0],
         "hit_ratio": hits as f64 / (hits + misses).max(1) as f64,
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
-        "step_split_seconds": {"search": split.0, "value_io_and_gather": split.1, "attention": split.2},
+        "step_split_seconds": {"search": split.0, "value_read_and_sum": split.1, "window_and_merge": split.2},
         "index_warm_seconds": warm_s, "index_warm_blocks": warmed, "index_warm_extrapolated_seconds": per_layer(warm_s),
         "session_open_seconds": open_s, "time_to_first_output_seconds": ttft,
         "exact_step_seconds": exact_step, "full_load_seconds": per_layer(load_s), "full_load_attend_seconds": per_layer(attend_s),
@@ -198,7 +208,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         plans.join(", ")
     );
     println!(
-        "steady step split (32 layers): search {:.4} s, value I/O and gather {:.4} s, attention {:.4} s",
+        "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s, window and merge {:.4} s",
         split.0, split.1, split.2
     );
     println!(
@@ -249,36 +259,17 @@ fn extrapolate(per_layer: &[f64]) -> f64 {
     }
 }
 
-/// Where a steady step's time goes, from its stats: search (keys scored, on resident index
-/// blocks), value reads and gathers, and the attention arithmetic, each extrapolated to 32
-/// layers. Measured by running the step's plans with and without value retrieval.
-fn time_split(session: &Session, layers: usize, step_q: &dyn Fn(usize, usize) -> Vec<f32>) -> Result<(f64, f64, f64)> {
-    let (mut total, mut search, mut attend) = (Vec::new(), Vec::new(), Vec::new());
-    for l in 0..layers {
-        let q = step_q(l, 0);
-        let t = Instant::now();
-        let a = session.attention(l, &q)?;
-        total.push(t.elapsed().as_secs_f64());
-        // The same retrieval with a zero budget: search only.
-        let t = Instant::now();
-        session.attention_with(
-            l,
-            &q,
-            &AttentionOptions { plan: Some(a.choice.plan), budget: Some(0), ..Default::default() },
-        )?;
-        search.push(t.elapsed().as_secs_f64());
-        let retrieved: usize = a.heads.iter().map(|h| h.retrieved).sum();
-        // The arithmetic of attending the retrieved tokens plus the window, alone.
-        let rows = (retrieved / Q_HEADS + 640).max(1);
-        let keys = vec![f16::from_f32(0.01); rows * HEAD_DIM];
-        let t = Instant::now();
-        for h in 0..Q_HEADS {
-            std::hint::black_box(Partial::attend(&q[h * HEAD_DIM..(h + 1) * HEAD_DIM], &keys, &keys, SCALE));
-        }
-        attend.push(t.elapsed().as_secs_f64());
+/// A layer's wall time split in the shares its heads' threads spent searching, reading and
+/// summing values, and on the rest (the window's attention, the merge): (search, values,
+/// rest) in seconds.
+fn split_of(a: &Attention, wall: f64) -> [f64; 3] {
+    let sum = |f: fn(&HeadTiming) -> Duration| a.heads.iter().map(|h| f(&h.timing).as_secs_f64()).sum::<f64>();
+    let (search, values, total) = (sum(|t| t.search), sum(|t| t.values), sum(|t| t.total));
+    if total <= 0.0 {
+        return [0.0, 0.0, wall];
     }
-    let (t, s, a) = (extrapolate(&total), extrapolate(&search), extrapolate(&attend));
-    Ok((s, (t - s - a).max(0.0), a))
+    let (s, v) = (wall * search / total, wall * values / total);
+    [s, v, (wall - s - v).max(0.0)]
 }
 
 /// Reads every key and value of the measured layers from the store (sequential reads of the
