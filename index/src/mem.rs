@@ -1,6 +1,7 @@
 //! In-memory keys and graphs: what the build produces and tests search.
 
-use crate::source::{Graph, Keys, SourceResult};
+use crate::search::SEED_STRIDE;
+use crate::source::{score_strided_rows, Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use half::f16;
 
@@ -8,18 +9,21 @@ use half::f16;
 /// flight to hide memory latency (a 128-element f16 row is 4 cache lines).
 pub const PREFETCH_AHEAD: usize = 8;
 
-/// Keys stored row after row.
+/// Keys stored row after row, and, as an index stores them, a seed table: a copy of every
+/// [`SEED_STRIDE`]-th row.
 #[derive(Debug, Clone)]
 pub struct MemKeys {
     dim: usize,
     data: Vec<f16>,
+    seeds: Vec<f16>,
 }
 
 impl MemKeys {
     pub fn new(dim: usize, data: Vec<f16>) -> MemKeys {
         assert!(dim > 0 && data.len().is_multiple_of(dim), "{} elements are not rows of {dim}", data.len());
         assert!(data.len() / dim <= u32::MAX as usize);
-        MemKeys { dim, data }
+        let seeds = data.chunks(dim).step_by(SEED_STRIDE as usize).flatten().copied().collect();
+        MemKeys { dim, data, seeds }
     }
     pub fn row(&self, id: u32) -> &[f16] {
         &self.data[id as usize * self.dim..(id as usize + 1) * self.dim]
@@ -52,6 +56,22 @@ impl Keys for MemKeys {
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         let at = first as usize * self.dim;
         ctxfs_kernels::scores(&self.data[at..at + out.len() * self.dim], q, 1.0, out);
+        stats.keys_scored += out.len() as u64;
+        Ok(())
+    }
+    fn score_strided(
+        &self,
+        stride: u32,
+        limit: u32,
+        q: &[f32],
+        out: &mut Vec<f32>,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        if stride != SEED_STRIDE {
+            return score_strided_rows(self, stride, limit, q, out, stats);
+        }
+        out.resize(limit.min(self.len()).div_ceil(stride) as usize, 0.0);
+        ctxfs_kernels::scores(&self.seeds[..out.len() * self.dim], q, 1.0, out);
         stats.keys_scored += out.len() as u64;
         Ok(())
     }
@@ -94,5 +114,9 @@ impl Graph for MemGraph {
     }
     fn entry(&self) -> u32 {
         self.entry
+    }
+    fn prefetch(&self, node: u32) {
+        let at = node as usize * self.degree;
+        ctxfs_kernels::prefetch(&self.adjacency[at..at + self.degree]);
     }
 }

@@ -1,23 +1,27 @@
 //! How an index lives in a vector file, and searching it directly on buffered pages.
 //!
-//! Index stream (layout version 1, see docs/format.md "Index and data streams"):
+//! Index stream (layout version 3, see docs/format.md §19):
 //! * logical block 0: the meta block;
 //! * then the adjacency blocks: fixed-size records of `degree` u32 node ids (unused slots
 //!   hold `u32::MAX`), `records_per_block` per block, node `i` in block `1 + i / records`;
-//! * then the key blocks: `rows_per_block` key rows of `dim` 2-byte elements per block.
+//! * then the key blocks: `rows_per_block` key rows of `dim` 2-byte elements per block;
+//! * then the seed table: a copy of the key rows of tokens `0, s, 2s, …` (`s` the seed
+//!   stride), packed the same way, so DIPRS scores its seeds in one sequential scan.
 //!
 //! Data stream: value rows, `rows_per_block` per block, token `t` in block `t / rows`.
 
 use crate::mem::{MemGraph, MemKeys, PREFETCH_AHEAD};
-use crate::source::{Graph, Keys, SourceResult};
+use crate::search::SEED_STRIDE;
+use crate::source::{score_strided_rows, Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard};
 use ctxfs_vfs::DType;
 use half::{bf16, f16};
 use std::cell::RefCell;
 
-/// Version 2 added the element type of the key rows (version 1: always f16).
-pub const LAYOUT_VERSION: u32 = 2;
+/// Version 2 added the element type of the key rows (version 1: always f16); version 3 the
+/// seed table (versions 1 and 2 are read as having none).
+pub const LAYOUT_VERSION: u32 = 3;
 const META_MAGIC: &[u8; 4] = b"CXIX";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +34,8 @@ pub struct Layout {
     pub rows_per_block: u32,
     /// The element type of the key rows (and of the data stream's value rows).
     pub dtype: DType,
+    /// Every how many tokens the seed table holds a key row; 0: no seed table.
+    pub seed_stride: u32,
 }
 
 impl Layout {
@@ -42,6 +48,7 @@ impl Layout {
             dtype,
             records_per_block: (payload / (degree as usize * 4)).max(1) as u32,
             rows_per_block: (payload / (dim as usize * 2)).max(1) as u32,
+            seed_stride: SEED_STRIDE,
         }
     }
     pub fn adjacency_blocks(&self) -> u32 {
@@ -50,9 +57,20 @@ impl Layout {
     pub fn key_blocks(&self) -> u32 {
         self.tokens.div_ceil(self.rows_per_block)
     }
-    /// Blocks of the index stream: meta, adjacency, keys.
+    /// Rows of the seed table: tokens `0, s, 2s, … < tokens`.
+    pub fn seed_rows(&self) -> u32 {
+        if self.seed_stride == 0 {
+            0
+        } else {
+            self.tokens.div_ceil(self.seed_stride)
+        }
+    }
+    pub fn seed_blocks(&self) -> u32 {
+        self.seed_rows().div_ceil(self.rows_per_block)
+    }
+    /// Blocks of the index stream: meta, adjacency, keys, seeds.
     pub fn index_blocks(&self) -> u32 {
-        1 + self.adjacency_blocks() + self.key_blocks()
+        1 + self.adjacency_blocks() + self.key_blocks() + self.seed_blocks()
     }
     pub fn encode(&self) -> Vec<u8> {
         let mut out = META_MAGIC.to_vec();
@@ -65,6 +83,7 @@ impl Layout {
             self.records_per_block,
             self.rows_per_block,
             self.dtype as u32,
+            self.seed_stride,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -75,14 +94,16 @@ impl Layout {
             return Err("index meta block: bad magic or length".into());
         }
         let f = |i: usize| u32::from_le_bytes(b[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes"));
-        let dtype = match f(0) {
-            1 => DType::F16,
-            2 if b.len() >= 36 => match f(7) {
-                1 => DType::F16,
-                2 => DType::Bf16,
-                code => return Err(format!("index meta block: unknown element type {code}")),
-            },
-            v => return Err(format!("index layout version {v} (this build reads 1 and {LAYOUT_VERSION})")),
+        let element = || match f(7) {
+            1 => Ok(DType::F16),
+            2 => Ok(DType::Bf16),
+            code => Err(format!("index meta block: unknown element type {code}")),
+        };
+        let (dtype, seed_stride) = match f(0) {
+            1 => (DType::F16, 0),
+            2 if b.len() >= 36 => (element()?, 0),
+            3 if b.len() >= 40 => (element()?, f(8)),
+            v => return Err(format!("index layout version {v} (this build reads 1 to {LAYOUT_VERSION})")),
         };
         let l = Layout {
             tokens: f(1),
@@ -92,6 +113,7 @@ impl Layout {
             records_per_block: f(5),
             rows_per_block: f(6),
             dtype,
+            seed_stride,
         };
         if l.dim == 0
             || l.degree == 0
@@ -155,7 +177,7 @@ impl Rows<'_> {
             Rows::Bf16(r) => out.extend(r.iter().map(|x| x.to_f32())),
         }
     }
-    fn bytes(&self) -> &[u8] {
+    pub fn bytes(&self) -> &[u8] {
         match self {
             Rows::F16(r) => bytemuck::cast_slice(r),
             Rows::Bf16(r) => bytemuck::cast_slice(r),
@@ -186,13 +208,23 @@ pub fn index_payloads_of(keys: Rows<'_>, dim: usize, graph: &MemGraph, payload: 
         blocks.push(chunk.iter().flat_map(|x| x.to_le_bytes()).collect());
     }
     blocks.extend(row_payloads(keys, dim, payload));
+    let row_bytes = 2 * dim;
+    let seeds: Vec<u8> =
+        keys.bytes().chunks(row_bytes).step_by(layout.seed_stride as usize).flatten().copied().collect();
+    blocks.extend(packed(&seeds, row_bytes, payload));
+    debug_assert_eq!(blocks.len(), layout.index_blocks() as usize);
     (layout, blocks)
 }
 
 /// Rows packed whole into block payloads (the data stream's values, or keys).
 pub fn row_payloads(rows: Rows<'_>, dim: usize, payload: usize) -> Vec<Vec<u8>> {
-    let per = (payload / (dim * 2)).max(1);
-    rows.bytes().chunks(per * dim * 2).map(<[u8]>::to_vec).collect()
+    packed(rows.bytes(), 2 * dim, payload)
+}
+
+/// Rows of `row_bytes` each, as many whole rows per payload as fit.
+fn packed(bytes: &[u8], row_bytes: usize, payload: usize) -> Vec<Vec<u8>> {
+    let per = (payload / row_bytes).max(1);
+    bytes.chunks(per * row_bytes).map(<[u8]>::to_vec).collect()
 }
 
 /// An index searched through the buffer pool: adjacency and key blocks are read on demand
@@ -363,25 +395,56 @@ impl Keys for PagedIndex<'_> {
     }
     /// Scores each key block's rows in one streaming kernel call (a flat scan's path).
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
+        self.scan_rows(1 + self.layout.adjacency_blocks(), first, q, out, stats)
+    }
+    /// With a seed table of this stride, one sequential scan of it.
+    fn score_strided(
+        &self,
+        stride: u32,
+        limit: u32,
+        q: &[f32],
+        out: &mut Vec<f32>,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        let l = &self.layout;
+        if stride == 0 || stride != l.seed_stride {
+            return score_strided_rows(self, stride, limit, q, out, stats);
+        }
+        out.resize(limit.min(l.tokens).div_ceil(stride) as usize, 0.0);
+        self.scan_rows(1 + l.adjacency_blocks() + l.key_blocks(), 0, q, out, stats)
+    }
+}
+
+impl PagedIndex<'_> {
+    /// `out[i] = q · row(first + i)` of the packed rows starting at logical block
+    /// `first_block` (the keys, or the seed table), each block's rows in one kernel call.
+    fn scan_rows(
+        &self,
+        first_block: u32,
+        first: u32,
+        q: &[f32],
+        out: &mut [f32],
+        stats: &mut SearchStats,
+    ) -> SourceResult {
         let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
         let end = first + out.len() as u32;
-        let key_blocks = &self.blocks[1 + self.layout.adjacency_blocks() as usize..];
-        let reqs = &key_blocks[(first / rows) as usize..end.div_ceil(rows) as usize];
-        let guards: Vec<PageGuard<'_>> = self.pool.get_many(reqs).into_iter().collect::<Result<_, _>>()?;
-        let mut t = first;
-        for g in &guards {
-            let block_first = t / rows * rows;
-            let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
-            let at = (t - first) as usize;
-            let scores = &mut out[at..at + to - from];
-            match self.layout.dtype {
-                DType::F16 => ctxfs_kernels::scores(&g.as_f16()[from * dim..to * dim], q, 1.0, scores),
-                DType::Bf16 => ctxfs_kernels::scores(&g.as_bf16()[from * dim..to * dim], q, 1.0, scores),
+        let wanted: Vec<u32> = (first_block + first / rows..first_block + end.div_ceil(rows)).collect();
+        self.with_blocks(&wanted, stats, |block| {
+            let mut t = first;
+            for &b in &wanted {
+                let g = block(b);
+                let block_first = t / rows * rows;
+                let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
+                let at = (t - first) as usize;
+                let scores = &mut out[at..at + to - from];
+                match self.layout.dtype {
+                    DType::F16 => ctxfs_kernels::scores(&g.as_f16()[from * dim..to * dim], q, 1.0, scores),
+                    DType::Bf16 => ctxfs_kernels::scores(&g.as_bf16()[from * dim..to * dim], q, 1.0, scores),
+                }
+                t = block_first + to as u32;
             }
-            t = block_first + to as u32;
-        }
-        debug_assert_eq!(t, end);
-        BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() }.add_to(stats);
+            debug_assert_eq!(t, end);
+        })?;
         stats.keys_scored += out.len() as u64;
         Ok(())
     }
@@ -399,6 +462,14 @@ impl Graph for PagedIndex<'_> {
     }
     fn entry(&self) -> u32 {
         self.layout.entry
+    }
+    /// Only a record in a block this index already holds pinned (pinning is not a hint).
+    fn prefetch(&self, node: u32) {
+        let (per, deg) = (self.layout.records_per_block, self.layout.degree as usize);
+        if let Some(g) = self.pins.borrow().get(1 + node / per) {
+            let at = (node % per) as usize * deg;
+            ctxfs_kernels::prefetch(&g.as_u32()[at..at + deg]);
+        }
     }
 }
 

@@ -40,7 +40,8 @@ pub struct DiprsParams {
     /// from 69% to 25% of the misses at 128K). Passages are 64–512 tokens long: at 256 and
     /// 128, short passages the query attends to were missed whole; 96 costs 1% of the keys
     /// (recall 0.905 → 0.942 against 128, at reach 1.65; 64 added 0.001). `None`: the entry
-    /// point only.
+    /// point only. Indexes store a seed table of [`SEED_STRIDE`] (docs/format.md §19), which
+    /// the seeds of that stride are scored from in one sequential scan.
     pub seed_stride: Option<u32>,
     /// Greedy climbs from the best seeds the beam did not expand, those within
     /// [`SEED_CLIMB_WINDOW`]` · β` of the best: a passage whose seed scores below the reach
@@ -51,6 +52,12 @@ pub struct DiprsParams {
 /// How far below the best a seed may score and still be climbed from, in units of β.
 pub const SEED_CLIMB_WINDOW: f32 = 3.0;
 
+/// How far ahead in its queue the range phase prefetches adjacency records.
+const PREFETCH_NODES_AHEAD: usize = 4;
+
+/// The default seed stride, and the stride of the seed table indexes store.
+pub const SEED_STRIDE: u32 = 96;
+
 impl Default for DiprsParams {
     fn default() -> Self {
         DiprsParams {
@@ -60,7 +67,7 @@ impl Default for DiprsParams {
             prefix: None,
             reach: 1.7,
             expand_limit: None,
-            seed_stride: Some(96),
+            seed_stride: Some(SEED_STRIDE),
             seed_climbs: 8,
         }
     }
@@ -196,16 +203,27 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let (mut fresh, mut scores) = (Vec::new(), Vec::new());
     let mut beam = Beam::new(p.l0, Scored(score[0], start));
     let mut seeds = Vec::new();
-    if let Some(stride) = p.seed_stride {
-        fresh.clear();
-        fresh.extend((0..ex.limit).step_by(stride.max(1) as usize).filter(|&t| ex.visited.insert(t)));
-        score_all(s, q, (&fresh, &mut scores), &mut stats)?;
-        for (&k, &sc) in fresh.iter().zip(&scores) {
+    if let Some(stride) = p.seed_stride.map(|s| s.max(1)) {
+        s.score_strided(stride, ex.limit, q, &mut scores, &mut stats)?;
+        for (j, &sc) in scores.iter().enumerate() {
+            let k = j as u32 * stride;
+            if !ex.visited.insert(k) {
+                continue; // the start node
+            }
             seen.push((k, sc));
             seeds.push(Scored(sc, k));
             best = best.max(sc);
-            beam.add(Scored(sc, k));
         }
+    }
+    // Only the beam's width of best seeds can ever be expanded by it (a key enters the
+    // frontier only to be popped after every better one, and the climb ends at the first
+    // popped key worse than all it keeps), so only those enter it: a selection, not a sort.
+    let width = p.l0.max(1);
+    if seeds.len() > width {
+        seeds.select_nth_unstable_by(width - 1, |a, b| b.cmp(a));
+    }
+    for &seed in seeds.iter().take(width) {
+        beam.add(seed);
     }
     while let Some(Scored(_, node)) = beam.next() {
         expanded.insert(node);
@@ -218,9 +236,11 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     }
     // The beam fills with the best passage's keys; a seed in another passage the query
     // attends to may score below the reach until a climb finds that passage's best keys.
-    seeds.sort_unstable();
+    let floor = best - SEED_CLIMB_WINDOW * p.beta;
+    let mut candidates: Vec<Scored> = seeds.into_iter().filter(|s| s.0 >= floor).collect();
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
     let mut climbs = 0;
-    for &Scored(sc, seed) in seeds.iter().rev() {
+    for &Scored(sc, seed) in &candidates {
         if climbs == p.seed_climbs || sc < best - SEED_CLIMB_WINDOW * p.beta {
             break;
         }
@@ -251,6 +271,9 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let limit = p.expand_limit.unwrap_or(usize::MAX);
     while i < queue.len() && queue.len() < limit {
         let (node, sc) = queue[i];
+        if let Some(&(ahead, _)) = queue.get(i + PREFETCH_NODES_AHEAD) {
+            s.prefetch(ahead);
+        }
         i += 1;
         if sc < best - reach || !expanded.insert(node) {
             continue;

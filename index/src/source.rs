@@ -23,6 +23,33 @@ pub trait Keys {
         let ids: Vec<u32> = (first..first + out.len() as u32).collect();
         self.score(&ids, q, out, stats)
     }
+    /// `out[j] = q · key(j · stride)` for every `j · stride < limit` (resizing `out`): the
+    /// seeds of DIPRS. A source holding those rows contiguously (a seed table of this
+    /// stride) scans them; otherwise the scattered rows are scored.
+    fn score_strided(
+        &self,
+        stride: u32,
+        limit: u32,
+        q: &[f32],
+        out: &mut Vec<f32>,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        score_strided_rows(self, stride, limit, q, out, stats)
+    }
+}
+
+/// [`Keys::score_strided`] without a seed table: the scattered rows.
+pub fn score_strided_rows<K: Keys + ?Sized>(
+    keys: &K,
+    stride: u32,
+    limit: u32,
+    q: &[f32],
+    out: &mut Vec<f32>,
+    stats: &mut SearchStats,
+) -> SourceResult {
+    let ids: Vec<u32> = (0..limit.min(keys.len())).step_by(stride.max(1) as usize).collect();
+    out.resize(ids.len(), 0.0);
+    keys.score(&ids, q, out, stats)
 }
 
 /// A proximity graph over the keys.
@@ -31,6 +58,9 @@ pub trait Graph {
     fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult;
     /// Where searches start.
     fn entry(&self) -> u32;
+    /// A hint that `node`'s neighbours will be asked for soon (see
+    /// [`ctxfs_kernels::prefetch`]); sources that cannot reach the record cheaply ignore it.
+    fn prefetch(&self, _node: u32) {}
 }
 
 /// Keys and a graph over them, searchable together.
@@ -52,6 +82,16 @@ impl<K: Keys, G> Keys for Pair<'_, K, G> {
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         self.keys.score_range(first, q, out, stats)
     }
+    fn score_strided(
+        &self,
+        stride: u32,
+        limit: u32,
+        q: &[f32],
+        out: &mut Vec<f32>,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        self.keys.score_strided(stride, limit, q, out, stats)
+    }
 }
 
 impl<K, G: Graph> Graph for Pair<'_, K, G> {
@@ -60,5 +100,8 @@ impl<K, G: Graph> Graph for Pair<'_, K, G> {
     }
     fn entry(&self) -> u32 {
         self.graph.entry()
+    }
+    fn prefetch(&self, node: u32) {
+        self.graph.prefetch(node)
     }
 }

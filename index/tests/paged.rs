@@ -3,7 +3,7 @@
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, FrameHint, PoolConfig};
 use ctxfs_index::paged::{index_payloads, PagedIndex};
-use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::Pair;
 use ctxfs_index::{build, flat, BuildParams, DiprsParams, Keys, MemGraph, MemKeys};
@@ -11,13 +11,17 @@ use ctxfs_vfs::device::{FaultPlan, MemDevice};
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
 use std::sync::Arc;
 
-fn store_index(dev: Arc<dyn BlockDevice>, keys: &MemKeys, graph: &MemGraph) -> (Store, Vec<BlockRequest>) {
+/// The payloads of `keys`' and `graph`'s index stream at 4 KiB blocks.
+fn payloads(keys: &MemKeys, graph: &MemGraph) -> Vec<Vec<u8>> {
+    index_payloads(keys, graph, max_payload(4096)).1
+}
+
+fn store_index(dev: Arc<dyn BlockDevice>, dim: usize, blocks: &[Vec<u8>]) -> (Store, Vec<BlockRequest>) {
     let store = ctxfs_vfs::format(dev).unwrap();
-    let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: keys.dim() as u16, dtype: DType::F16 };
-    let (_, blocks) = index_payloads(keys, graph, max_payload(4096));
+    let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: dim as u16, dtype: DType::F16 };
     let mut txn = store.begin().unwrap();
     txn.create_context("c", shape, &[]).unwrap();
-    for b in &blocks {
+    for b in blocks {
         txn.append_block("c", 0, 0, FileStream::Index, b).unwrap();
     }
     txn.commit().unwrap();
@@ -29,12 +33,12 @@ fn store_index(dev: Arc<dyn BlockDevice>, keys: &MemKeys, graph: &MemGraph) -> (
 }
 
 /// The index stored on the io_uring device in a temporary file (kept while the dir lives).
-fn uring_index(keys: &MemKeys, graph: &MemGraph) -> (tempfile::TempDir, Store, Vec<BlockRequest>) {
+fn uring_index(dim: usize, blocks: &[Vec<u8>]) -> (tempfile::TempDir, Store, Vec<BlockRequest>) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("idx.img");
     std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
     let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
-    let (store, reqs) = store_index(dev, keys, graph);
+    let (store, reqs) = store_index(dev, dim, blocks);
     (dir, store, reqs)
 }
 
@@ -50,7 +54,7 @@ fn data() -> (MemKeys, MemGraph, Vec<f32>) {
 #[test]
 fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     let (keys, graph, queries) = data();
-    let (_dir, store, reqs) = uring_index(&keys, &graph);
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);
     let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
@@ -84,6 +88,33 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     assert_eq!(pool.stats().index.misses, misses);
 }
 
+#[test]
+fn a_layout_2_index_without_a_seed_table_answers_the_same() {
+    let (keys, graph, queries) = data();
+    let (layout, mut blocks) = index_payloads(&keys, &graph, max_payload(4096));
+    assert_eq!(layout.seed_stride, SEED_STRIDE);
+    // What a layout 2 writer stored: no seed table after the keys, a 36-byte meta block.
+    blocks.truncate((layout.index_blocks() - layout.seed_blocks()) as usize);
+    blocks[0].truncate(36);
+    blocks[0][4..8].copy_from_slice(&2u32.to_le_bytes());
+    let (_dir, store, reqs) = uring_index(64, &blocks);
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let hints = hints_for(&reqs);
+    let old = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+    assert_eq!((old.layout().seed_stride, old.layout().index_blocks()), (0, reqs.len() as u32));
+    let mem = Pair { keys: &keys, graph: &graph };
+    for q in queries.chunks(64) {
+        let params = DiprsParams { beta: 40.0, l0: 64, ..Default::default() };
+        // The seeds are scored from their scattered key rows instead: the same keys.
+        let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&old, q, &params).unwrap());
+        assert_eq!((a.ids, a.scores, a.stats.keys_scored), (b.ids, b.scores, b.stats.keys_scored));
+    }
+    // A newer layout is refused by name.
+    blocks[0][4..8].copy_from_slice(&4u32.to_le_bytes());
+    let err = ctxfs_index::paged::Layout::decode(&blocks[0]).unwrap_err();
+    assert!(err.contains("layout version 4 (this build reads 1 to 3)"), "{err}");
+}
+
 fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {
     reqs.iter().map(|_| FrameHint::default()).collect()
 }
@@ -91,7 +122,7 @@ fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {
 #[test]
 fn a_pool_smaller_than_the_index_gives_the_same_answers() {
     let (keys, graph, queries) = data();
-    let (_dir, store, reqs) = uring_index(&keys, &graph);
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
     // 48 index frames for an index of more blocks: searches evict as they go, so the
     // per-index pins stop at their cap and frame hints go stale.
     let config = PoolConfig { budget_bytes: 64 * 4096, data_fraction: 0.25, ..Default::default() };
@@ -113,7 +144,7 @@ fn a_pool_smaller_than_the_index_gives_the_same_answers() {
 fn an_unreadable_index_block_is_an_error_not_a_panic() {
     let (keys, graph, queries) = data();
     let mem = Arc::new(MemDevice::new(4096, 2048));
-    let (store, reqs) = store_index(mem.clone(), &keys, &graph);
+    let (store, reqs) = store_index(mem.clone(), 64, &payloads(&keys, &graph));
     let bad = reqs[reqs.len() / 2].block; // a key block
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);

@@ -148,9 +148,9 @@ pub fn dot_on<E: Element>(isa: Isa, x: &[E], q: &[f32]) -> f32 {
 /// Only a hint: on targets without a prefetch instruction in stable Rust (aarch64) it does
 /// nothing.
 #[inline]
-pub fn prefetch<E: Element>(row: &[E]) {
+pub fn prefetch<T>(row: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    for line in row.chunks(64 / std::mem::size_of::<E>()) {
+    for line in row.chunks((64 / std::mem::size_of::<T>().max(1)).max(1)) {
         // SAFETY: SSE is part of the x86-64 baseline, and a prefetch never faults (the
         // address, inside `row`, is only a hint).
         unsafe { core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast()) };

@@ -112,6 +112,20 @@ fn methods(n: usize, sqrt_d: f32) -> Vec<(String, Method)> {
     m
 }
 
+/// Bytes written before each timed search: twice this VM's 32 MiB L3.
+const CACHE_FLUSH_BYTES: usize = 64 << 20;
+
+/// Every method is timed from cold CPU caches. In a decode step a head's search follows the
+/// other heads' and layers' searches, which have evicted its keys; without this, a method
+/// timed right after another on the same query (β = 2√d, 3√d, then 5√d) finds that query's
+/// keys cached and measured up to 2× faster than the same search timed after others.
+fn evict_caches(buf: &mut [u64]) {
+    for (i, x) in buf.iter_mut().enumerate().step_by(8) {
+        *x = x.wrapping_add(i as u64);
+    }
+    std::hint::black_box(buf);
+}
+
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
@@ -147,6 +161,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     let mut builds = Vec::new();
     let bar = crate::progress::bar((a.heads * n) as u64, "bench search");
+    let mut flush = vec![0u64; CACHE_FLUSH_BYTES / 8];
     for kv in 0..a.heads {
         let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed: a.seed };
         let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
@@ -194,6 +209,7 @@ pub fn run(a: Args) -> Result<()> {
                     ctxfs_attention::Window { init: WINDOW.0 as u32, recent: WINDOW.1 as u32 }.tokens(p_len as u32);
                 let win_set: BTreeSet<u32> = window.iter().copied().collect();
                 let win_max = window.iter().map(|&t| all[t as usize]).fold(f32::NEG_INFINITY, f32::max);
+                evict_caches(&mut flush);
                 let t = Instant::now();
                 // Tokens (best first for the searches, ascending for coarse indexes), keys
                 // scored, metadata bytes touched, and bytes per token the index holds.
