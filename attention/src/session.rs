@@ -548,6 +548,16 @@ impl Session {
             .zip(&files)
             .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
+        // A flat plan scores every key for each q head of the group: one pass over each
+        // segment's keys for all of them (its time is shared out as their search time).
+        let scanning = Instant::now();
+        let scans = match choice.plan {
+            Plan::Full | Plan::Flat => {
+                readers.iter().map(|r| flat::scan_many(&r.index, qs, r.seg.usable)).collect::<Result<Vec<_>, _>>()?
+            }
+            _ => Vec::new(),
+        };
+        let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
         let mut out = Vec::with_capacity(qs.len() / d);
@@ -559,7 +569,8 @@ impl Session {
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
             let searching = Instant::now();
-            let found = self.retrieve(&readers, q, own_max, choice, opts, &mut stats)?;
+            let scanned: Vec<&(Vec<f32>, SearchStats)> = scans.iter().map(|s| &s[i]).collect();
+            let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &mut stats)?;
             let reading = Instant::now();
             // The retrieved tokens' weights first; their values are then summed straight from
             // the pinned data blocks, one batch per segment, never copied.
@@ -597,7 +608,7 @@ impl Session {
                 }
                 Ok::<(), Error>(())
             })?;
-            let (search, values) = (reading - searching, reading.elapsed());
+            let (search, values) = (reading - searching + scan_share, reading.elapsed());
             // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
             let own = if own_on_cpu {
                 win_z.iter_mut().for_each(|z| *z *= scale);
@@ -680,9 +691,12 @@ impl Session {
     }
 
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k).
+    /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work.
+    #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &self,
         readers: &[SegmentReader<'_>],
+        scanned: &[&(Vec<f32>, SearchStats)],
         q: &[f32],
         own_max: f32,
         choice: Choice,
@@ -699,10 +713,9 @@ impl Session {
         let mut found: Vec<(usize, u32, f32)> = Vec::new();
         for (si, r) in readers.iter().enumerate() {
             let (seg, index) = (&r.seg, &r.index);
-            let limit = Some(seg.usable);
             let r: SearchResult = match plan {
-                Plan::Full => flat::dipr(index, q, f32::INFINITY, f32::NEG_INFINITY, limit)?,
-                Plan::Flat => flat::dipr(index, q, opts.beta, best, limit)?,
+                Plan::Full => flat::dipr_of(&scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
+                Plan::Flat => flat::dipr_of(&scanned[si].0, opts.beta, best, scanned[si].1),
                 Plan::Diprs => diprs(
                     index,
                     q,
