@@ -374,9 +374,7 @@ impl<'p> PagedIndex<'p> {
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
         let first = 1 + self.layout.adjacency_blocks();
         let rows = self.layout.rows_per_block;
-        let mut wanted: Vec<u32> = ids.iter().map(|&t| first + t / rows).collect();
-        wanted.sort_unstable();
-        wanted.dedup();
+        let wanted = blocks_holding(&self.layout, ids, first);
         self.with_blocks(&wanted, stats, |block| visit_rows(&self.layout, ids, |t| block(first + t / rows), f))
     }
 }
@@ -498,13 +496,20 @@ pub fn for_rows(
     f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
     let rows_per_block = layout.rows_per_block;
-    let mut wanted: Vec<u32> = ids.iter().map(|&t| t / rows_per_block).collect();
-    wanted.sort_unstable();
-    wanted.dedup();
+    let wanted = blocks_holding(layout, ids, 0);
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
     visit_rows(layout, ids, |t| &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")], f);
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
+}
+
+/// The distinct blocks, ascending, of packed rows (row `t` in block `first + t /
+/// rows_per_block`) that hold `ids`.
+fn blocks_holding(layout: &Layout, ids: &[u32], first: u32) -> Vec<u32> {
+    let mut blocks: Vec<u32> = ids.iter().map(|&t| first + t / layout.rows_per_block).collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    blocks
 }
 
 /// Calls `f` with each id's position and row, the block of token `t` being `block(t)`;
