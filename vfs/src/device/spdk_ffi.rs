@@ -18,6 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 #[allow(
@@ -67,8 +68,9 @@ pub struct Reactor {
     /// Set (under the write lock) before the stop message is sent; `exec` reads it under the
     /// read lock, so no message is sent to a thread that may be gone.
     stopped: RwLock<bool>,
-    /// Signalled when `spdk_app_start` has returned and `spdk_app_fini` has run.
-    finished: Mutex<Option<Receiver<()>>>,
+    /// Signalled when `spdk_app_start` has returned and `spdk_app_fini` has run; with the
+    /// reactor thread, which `stop` joins once it has.
+    finished: Mutex<Option<(Receiver<()>, JoinHandle<()>)>>,
 }
 
 /// What `spdk_app_start` needs to keep alive: strings and arrays `spdk_app_opts` points to.
@@ -117,7 +119,7 @@ impl Reactor {
             .map_err(|e| format!("cannot start the SPDK reactor thread: {e}"))?;
         match started_rx.recv() {
             Ok(Ok(thread)) => {
-                Ok(Reactor { thread, stopped: RwLock::new(false), finished: Mutex::new(Some(finished_rx)) })
+                Ok(Reactor { thread, stopped: RwLock::new(false), finished: Mutex::new(Some((finished_rx, handle))) })
             }
             Ok(Err(e)) => {
                 let _ = handle.join();
@@ -186,8 +188,14 @@ impl Reactor {
             }
             *stopped = true;
         }
-        if let Some(rx) = self.finished.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = rx.recv_timeout(wait);
+        if let Some((rx, handle)) = self.finished.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            // Join the thread once it has finished: `stop` runs at process exit, and a reactor
+            // thread still exiting (freeing its malloc caches) while the exit handlers tear
+            // DPDK's memory down aborted the process ("malloc_consolidate(): invalid chunk
+            // size", about 1 run in 80 under load). After a timeout it is left running.
+            if rx.recv_timeout(wait).is_ok() {
+                let _ = handle.join();
+            }
         }
     }
 }
