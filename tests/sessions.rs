@@ -232,7 +232,7 @@ fn update_store_reopen_round_trips_and_survives_deleting_the_parent() {
 }
 
 #[test]
-fn eight_concurrent_sessions_match_serial_runs() {
+fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     let dir = tempfile::tempdir().unwrap();
     let (b, store) = imported(dir.path());
     let db = open(&store);
@@ -245,11 +245,21 @@ fn eight_concurrent_sessions_match_serial_runs() {
             .collect()
     };
     let serial: Vec<_> = (0..8).map(run).collect();
-    let parallel: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..8).map(|i| s.spawn(move || run(i))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert_eq!(serial, parallel);
+    let parallel = || -> Vec<_> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|i| s.spawn(move || run(i))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    assert_eq!(serial, parallel());
+    // Warmed, the index is held resident and read without pins: the same answers, and no
+    // index block read again.
+    db.warm("book").unwrap();
+    let st = db.pool_stats();
+    assert!(st.index.resident_pins > 1000, "{st:?}");
+    assert_eq!(st.index.resident_pins, st.index.resident_frames, "every index block held, each once");
+    assert_eq!(serial, parallel());
+    assert_eq!(db.pool_stats().index.misses, st.index.misses);
 }
 
 #[test]

@@ -7,7 +7,7 @@ use crate::layout::{segments, FileBlocks};
 use crate::plan::Rules;
 use crate::session::{Reuse, Session};
 use crate::trie::PrefixTrie;
-use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats};
+use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher};
 use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_index::BuildParams;
 use ctxfs_kernels::gpu::Gpu;
@@ -79,7 +79,9 @@ impl Default for DbConfig {
 
 pub(crate) struct Inner {
     pub store: Store,
-    pub pool: BufferPool,
+    pub pool: Arc<BufferPool>,
+    /// Reads searches' value blocks while the next searches run.
+    pub prefetcher: Prefetcher,
     pub config: DbConfig,
     /// Derived from the committed contexts' token ids; see [`crate::trie`].
     pub trie: RwLock<PrefixTrie>,
@@ -139,10 +141,10 @@ impl Db {
     }
 
     pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {
-        let pool = BufferPool::new(
+        let pool = Arc::new(BufferPool::new(
             Arc::new(DeviceSource::new(store.device().clone())),
             PoolConfig { budget_bytes: config.pool_bytes, data_fraction: config.data_fraction, ..Default::default() },
-        )?;
+        )?);
         let (gpu, gpu_status) = match config.gpu {
             false => (None, "the GPU is disabled by the DB's configuration".to_string()),
             true => match Gpu::open() {
@@ -153,7 +155,17 @@ impl Db {
                 Err(e) => (None, e.reason().to_string()),
             },
         };
-        let inner = Inner { store, pool, config, trie: RwLock::default(), files: Mutex::default(), gpu, gpu_status };
+        let prefetcher = Prefetcher::start(pool.clone()).map_err(ctxfs_vfs::Error::Io)?;
+        let inner = Inner {
+            store,
+            pool,
+            prefetcher,
+            config,
+            trie: RwLock::default(),
+            files: Mutex::default(),
+            gpu,
+            gpu_status,
+        };
         inner.refresh_trie()?;
         Ok(Db { inner: Arc::new(inner) })
     }
@@ -227,9 +239,10 @@ impl Db {
     }
 
     /// Reads every index block (graph and keys) of a context and of the prefix it stands on
-    /// into the pool's index area, where they stay resident while it has room: what a server
-    /// does once per context so that sessions search memory and read only value blocks.
-    /// Returns the index blocks read.
+    /// into the pool's index area and holds them resident there, while the area has room
+    /// (the rest stay in the area while nothing pushes them out): what a server does once
+    /// per context, so that sessions search memory without pinning and read only value
+    /// blocks. Returns the index blocks read.
     pub fn warm(&self, name: &str) -> Result<u64> {
         let snap = self.inner.store.snapshot();
         let ctx = snap.context(name)?;
@@ -243,6 +256,12 @@ impl Db {
                     for chunk in file.index.chunks(256) {
                         for g in self.inner.pool.get_many(chunk) {
                             read += u64::from(g?.read_here());
+                        }
+                    }
+                    if file.resident.get().is_none() {
+                        if let Some(held) = self.inner.pool.make_resident(&file.index)? {
+                            // A concurrent warm may have won: its holds serve, these go back.
+                            let _ = file.resident.set(held);
                         }
                     }
                 }

@@ -3,8 +3,9 @@
 //! sequence resolves to a chain of *segments*, one per stored context, oldest first.
 
 use crate::error::{Error, Result};
-use ctxfs_buffer::{BlockRequest, FrameHint};
+use ctxfs_buffer::{BlockRequest, FrameHint, ResidentBlocks};
 use ctxfs_vfs::{FileStream, Snapshot};
+use std::sync::OnceLock;
 
 /// Longest parent chain followed; a longer one is treated as corrupt (a cycle).
 pub const MAX_CHAIN: usize = 4096;
@@ -59,6 +60,8 @@ pub struct FileBlocks {
     pub data: Vec<BlockRequest>,
     /// Where each index block was last found in the pool: searches skip the page table.
     pub index_hints: Box<[FrameHint]>,
+    /// The index blocks held resident, once the context is warmed ([`crate::Db::warm`]).
+    pub resident: OnceLock<ResidentBlocks>,
 }
 
 impl FileBlocks {
@@ -76,6 +79,6 @@ impl FileBlocks {
         };
         let index = all(FileStream::Index)?;
         let index_hints = index.iter().map(|_| FrameHint::default()).collect();
-        Ok(FileBlocks { index, data: all(FileStream::Data)?, index_hints })
+        Ok(FileBlocks { index, data: all(FileStream::Data)?, index_hints, resident: OnceLock::new() })
     }
 }

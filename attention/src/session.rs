@@ -12,11 +12,12 @@ use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan};
+use ctxfs_buffer::{BlockClass, Prefetched};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
-use ctxfs_index::paged::{for_rows, gather_rows, PagedIndex};
+use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
@@ -179,6 +180,30 @@ struct Parts {
 
 /// Each q head of a GQA group: its parts and report.
 type GroupOutput = Vec<(Parts, HeadReport)>;
+
+/// A GQA group after its searches, its value blocks being prefetched.
+struct GroupSearch {
+    h: usize,
+    files: Vec<Arc<FileBlocks>>,
+    /// Each segment's index layout (how its data stream packs value rows).
+    layouts: Vec<Layout>,
+    window: Arc<HeadWindow>,
+    heads: Vec<SearchedHead>,
+}
+
+/// One q head after its search.
+struct SearchedHead {
+    /// q · k of the window's and of the session's own tokens.
+    win_z: Vec<f32>,
+    fresh_z: Vec<f32>,
+    /// Retrieved (segment, token, q · k), by token.
+    found: Vec<(usize, u32, f32)>,
+    prefetch: Option<Prefetched>,
+    stats: SearchStats,
+    search: Duration,
+    /// Time spent on this head so far.
+    elapsed: Duration,
+}
 
 /// The window's keys and values of one (layer, kv head), in window order.
 struct HeadWindow {
@@ -383,12 +408,16 @@ impl Session {
             let workers: Vec<_> = (0..threads)
                 .map(|t| {
                     scope.spawn(move || {
+                        // Every group's searches first, then every group's values: the value
+                        // blocks are read under the searches that follow theirs.
+                        let searched: Vec<_> = (t..kv)
+                            .step_by(threads)
+                            .map(|h| self.search_group(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts))
+                            .collect();
                         (t..kv)
                             .step_by(threads)
-                            .map(|h| {
-                                let qs = &q[h * group * d..(h + 1) * group * d];
-                                (h, self.kv_head(layer, h, qs, choice, opts, !on_gpu))
-                            })
+                            .zip(searched)
+                            .map(|(h, g)| (h, g.and_then(|g| self.sum_group(layer, g, opts, !on_gpu))))
                             .collect::<Vec<_>>()
                     })
                 })
@@ -511,8 +540,11 @@ impl Session {
     }
 
     fn open_index<'a>(&'a self, file: &'a FileBlocks, seg: &Segment, layer: usize, h: usize) -> Result<PagedIndex<'a>> {
-        let index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints)
-            .map_err(|e| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context)))?;
+        let corrupt = |e: String| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context));
+        let mut index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints).map_err(corrupt)?;
+        if let Some(held) = file.resident.get() {
+            index = index.with_resident(held).map_err(corrupt)?;
+        }
         let l = index.layout();
         if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize {
             return Err(Error::Corrupt(format!(
@@ -523,19 +555,18 @@ impl Session {
         Ok(index)
     }
 
-    /// Attention of the q heads of kv head `h`'s group (`qs`: their queries, row after row).
-    fn kv_head(
+    /// The searches of the q heads of kv head `h`'s group (`qs`: their queries, row after
+    /// row); each hands its value blocks to the prefetch thread as soon as it is done.
+    fn search_group(
         &self,
         layer: usize,
         h: usize,
         qs: &[f32],
         choice: Choice,
         opts: &AttentionOptions,
-        own_on_cpu: bool,
-    ) -> Result<GroupOutput> {
+    ) -> Result<GroupSearch> {
         let mut started = Instant::now();
         let d = self.shape.head_dim as usize;
-        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let isa = ctxfs_kernels::active();
         let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         let files = segments
@@ -559,8 +590,7 @@ impl Session {
         };
         let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
         let fresh = &self.fresh[layer];
-        let prefix = self.prefix_tokens();
-        let mut out = Vec::with_capacity(qs.len() / d);
+        let mut heads = Vec::with_capacity(qs.len() / d);
         for (i, q) in qs.chunks_exact(d).enumerate() {
             let mut stats = if i == 0 { window_io } else { SearchStats::default() };
             let mut win_z = vec![0.0; self.window_ids.len()];
@@ -571,7 +601,36 @@ impl Session {
             let searching = Instant::now();
             let scanned: Vec<&(Vec<f32>, SearchStats)> = scans.iter().map(|s| &s[i]).collect();
             let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &mut stats)?;
+            let search = searching.elapsed() + scan_share;
+            let prefetch = self.prefetch_values(&found, &readers);
+            heads.push(SearchedHead { win_z, fresh_z, found, prefetch, stats, search, elapsed: started.elapsed() });
+            started = Instant::now();
+        }
+        let layouts = readers.iter().map(|r| *r.index.layout()).collect();
+        drop(readers);
+        Ok(GroupSearch { h, files, layouts, window, heads })
+    }
+
+    /// Attention of a searched group's q heads: their retrieved values summed (once their
+    /// prefetch is in), and the window's part.
+    fn sum_group(
+        &self,
+        layer: usize,
+        g: GroupSearch,
+        opts: &AttentionOptions,
+        own_on_cpu: bool,
+    ) -> Result<GroupOutput> {
+        let GroupSearch { h, files, layouts, window, heads } = g;
+        let d = self.shape.head_dim as usize;
+        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let isa = ctxfs_kernels::active();
+        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
+        let fresh = &self.fresh[layer];
+        let prefix = self.prefix_tokens();
+        let mut out = Vec::with_capacity(heads.len());
+        for SearchedHead { mut win_z, mut fresh_z, found, prefetch, mut stats, search, elapsed } in heads {
             let reading = Instant::now();
+            stats.blocks_read += prefetch.map_or(0, |p| p.wait()) as u64;
             // The retrieved tokens' weights first; their values are then summed straight from
             // the pinned data blocks, one batch per segment, never copied.
             let mut ret_z: Vec<f32> = found.iter().map(|f| f.2 * scale).collect();
@@ -583,7 +642,7 @@ impl Session {
                         .filter(|(f, _)| f.0 == si)
                         .map(|(f, &w)| (f.1 - segments[si].base, w))
                         .unzip();
-                    let layout = readers[si].index.layout();
+                    let layout = &layouts[si];
                     let rows = layout.rows_per_block;
                     // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of
                     // a long prefix (full attention) streams it through a small data area.
@@ -608,7 +667,7 @@ impl Session {
                 }
                 Ok::<(), Error>(())
             })?;
-            let (search, values) = (reading - searching + scan_share, reading.elapsed());
+            let values = reading.elapsed();
             // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
             let own = if own_on_cpu {
                 win_z.iter_mut().for_each(|z| *z *= scale);
@@ -629,12 +688,27 @@ impl Session {
             } else {
                 Vec::new()
             };
-            let timing = HeadTiming { search, values, total: started.elapsed() };
-            started = Instant::now();
+            let timing = HeadTiming { search, values, total: elapsed + reading.elapsed() };
             let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats, timing };
             out.push((Parts { own, retrieved }, report));
         }
         Ok(out)
+    }
+
+    /// Starts reading the value blocks of `found` (segment, token, score) into the pool;
+    /// `None` when they would take more than a sixteenth of the data area (a plan selecting
+    /// most of the prefix streams its values in batches instead).
+    fn prefetch_values(&self, found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Option<Prefetched> {
+        let mut reqs = Vec::new();
+        for (si, r) in readers.iter().enumerate() {
+            let rows = r.index.layout().rows_per_block;
+            let mut blocks: Vec<u32> = found.iter().filter(|f| f.0 == si).map(|f| (f.1 - r.seg.base) / rows).collect();
+            blocks.dedup();
+            reqs.extend(blocks.iter().filter_map(|&b| r.file.data.get(b as usize)));
+        }
+        let pool = &self.db.inner.pool;
+        (!reqs.is_empty() && reqs.len() <= pool.frames(BlockClass::Data) / 16)
+            .then(|| self.db.inner.prefetcher.submit(reqs))
     }
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it

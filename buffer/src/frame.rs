@@ -40,6 +40,10 @@ pub(crate) struct Frame {
     pub data: RwLock<FrameData>,
     /// Set by hits; the eviction policies' second-chance bit.
     pub referenced: AtomicBool,
+    /// Read by a prefetch and not used since: its first pin is the use the read was for,
+    /// neither a hit nor a second reference (a block read ahead and used once must not look
+    /// reused to the eviction policy).
+    pub prefetched: AtomicBool,
     /// Pool clock at the last hit (coarse recency, for coldest-context eviction).
     pub last_use: AtomicU64,
     /// Context of the block held, or [`NO_CONTEXT`]; read by eviction without locking.
@@ -48,6 +52,9 @@ pub(crate) struct Frame {
     /// lock before it is released, so no eviction can slip in between the end of a load and
     /// the loader's own pin (which would cost the block a second read).
     pub reserved: AtomicU64,
+    /// Holds of [`ResidentBlocks`](crate::ResidentBlocks) on the frame: raised under a read
+    /// latch, so an evictor holding the write latch sees every one (see resident.rs).
+    pub resident: AtomicU64,
 }
 
 impl Frame {
@@ -55,9 +62,11 @@ impl Frame {
         Frame {
             data: RwLock::new(FrameData { block: u64::MAX, state: FrameState::Empty, buf: AlignedBuf::zeroed(0) }),
             referenced: AtomicBool::new(false),
+            prefetched: AtomicBool::new(false),
             last_use: AtomicU64::new(0),
             context: AtomicU64::new(NO_CONTEXT),
             reserved: AtomicU64::new(0),
+            resident: AtomicU64::new(0),
         }
     }
 

@@ -5,7 +5,11 @@
 //!   a small **data area** (value blocks: scan-resistant 2Q, never pushes index blocks out).
 //! * A sharded page table: a hit takes one shard read lock and one frame read lock. A reader
 //!   can keep a [`FrameHint`] per block it reads often and skip the table.
+//! * [`ResidentBlocks`] hold a served context's index blocks in their frames, read without
+//!   latches (a pin per block costs more than the search's work on it).
 //! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.
+//! * A [`Prefetcher`] thread reads blocks a caller will need soon (a search's value blocks)
+//!   while the caller goes on computing.
 //! * Batched reads: the misses of a request go to the device as one submission, adjacent
 //!   blocks coalesced; concurrent requests for one block share one read; an I/O error or a
 //!   checksum failure reaches every waiter and is not cached.
@@ -18,7 +22,9 @@ mod guard;
 mod hint;
 mod policy;
 mod pool;
+mod prefetcher;
 mod request;
+mod resident;
 mod source;
 mod stats;
 mod sync;
@@ -27,6 +33,8 @@ mod table;
 pub use guard::PageGuard;
 pub use hint::FrameHint;
 pub use pool::{BufferPool, PoolConfig};
+pub use prefetcher::{Prefetched, Prefetcher};
 pub use request::{BlockClass, BlockRequest, BufferError};
+pub use resident::ResidentBlocks;
 pub use source::{BlockSource, DeviceSource, STAGING_BLOCKS, STAGING_BUFFERS};
 pub use stats::{ClassStats, PoolStats};

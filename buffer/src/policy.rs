@@ -55,7 +55,9 @@ pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) ->
     let snapshot: Vec<(u64, u64, usize)> = area
         .filter_map(|f| {
             let ctx = frames[f].context.load(Ordering::Relaxed);
-            (ctx != NO_CONTEXT).then(|| (ctx, frames[f].last_use.load(Ordering::Relaxed), f))
+            // Resident frames cannot be evicted: ranking them would only be passed over.
+            (ctx != NO_CONTEXT && frames[f].resident.load(Ordering::Relaxed) == 0)
+                .then(|| (ctx, frames[f].last_use.load(Ordering::Relaxed), f))
         })
         .collect();
     let mut recency: BTreeMap<u64, u64> = BTreeMap::new();

@@ -6,6 +6,7 @@ use crate::guard::PageGuard;
 use crate::hint::FrameHint;
 use crate::policy::{coldest_context, TwoQueue};
 use crate::request::{BlockClass, BlockRequest, BufferError};
+use crate::resident::{check_class, reserve, ResidentBlocks};
 use crate::source::BlockSource;
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
@@ -48,6 +49,8 @@ struct Area {
     misses: AtomicU64,
     bytes_read: AtomicU64,
     evictions: AtomicU64,
+    /// Holds of [`ResidentBlocks`] on the area's frames, all together.
+    resident_pins: AtomicU64,
 }
 
 pub struct BufferPool {
@@ -64,6 +67,16 @@ pub struct BufferPool {
 }
 
 type Claim<'a> = (usize, RwLockWriteGuard<'a, FrameData>);
+
+/// What one `load` did.
+struct LoadOutcome {
+    /// The blocks whose reads failed.
+    failed: Vec<(u64, BufferError)>,
+    /// Whether anything was read, or found being read by another caller.
+    progressed: bool,
+    /// Blocks read and published.
+    read: Vec<u64>,
+}
 
 impl BufferPool {
     pub fn new(source: Arc<dyn BlockSource>, config: PoolConfig) -> Result<BufferPool, BufferError> {
@@ -88,6 +101,7 @@ impl BufferPool {
             misses: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
+            resident_pins: AtomicU64::new(0),
         };
         Ok(BufferPool {
             block_size: bs as usize,
@@ -112,6 +126,58 @@ impl BufferPool {
     /// Frames of an area: how many of its blocks can be pinned at once.
     pub fn frames(&self, class: BlockClass) -> usize {
         self.areas[class as usize].frames.len()
+    }
+
+    /// Frames of an area that are not held by [`ResidentBlocks`]: what pinned reads share.
+    pub fn pinnable(&self, class: BlockClass) -> usize {
+        let area = &self.areas[class as usize];
+        area.frames.len().saturating_sub(area.resident_pins.load(Ordering::Relaxed) as usize)
+    }
+
+    /// Holds index blocks in their frames until the returned value is dropped, readable
+    /// without latches (see [`ResidentBlocks`]); misses are read first, in batches. `None`
+    /// when holding them would leave the index area too few frames for pinned reads
+    /// ([`reserve`]); the caller then reads them through pins.
+    pub fn make_resident(self: &Arc<Self>, reqs: &[BlockRequest]) -> Result<Option<ResidentBlocks>, BufferError> {
+        check_class(reqs)?;
+        let area = &self.areas[BlockClass::Index as usize];
+        let limit = area.frames.len().saturating_sub(reserve(area.frames.len())) as u64;
+        let wanted = reqs.len() as u64;
+        // Reserve first, so concurrent requests cannot both pass the check.
+        if area.resident_pins.fetch_add(wanted, Ordering::AcqRel) + wanted > limit {
+            area.resident_pins.fetch_sub(wanted, Ordering::AcqRel);
+            return Ok(None);
+        }
+        let mut held = ResidentBlocks::new(self.clone());
+        let batch = (area.frames.len() - limit as usize).clamp(1, 256);
+        let mut outcome = Ok(());
+        for chunk in reqs.chunks(batch) {
+            for g in self.get_many(chunk) {
+                match g {
+                    Ok(g) => {
+                        // Raised under the pin's read latch: see resident.rs.
+                        self.frames[g.frame()].resident.fetch_add(1, Ordering::AcqRel);
+                        held.push(g.frame(), g.payload());
+                    }
+                    Err(e) => outcome = outcome.and(Err(e)),
+                }
+            }
+            if outcome.is_err() {
+                break;
+            }
+        }
+        // Holds not taken (a failed batch) give their reservation back; the taken ones go
+        // back when `held` drops.
+        area.resident_pins.fetch_sub(wanted - held.len() as u64, Ordering::AcqRel);
+        outcome.map(|()| Some(held))
+    }
+
+    /// Ends the holds of a [`ResidentBlocks`] on `frames`.
+    pub(crate) fn release_resident(&self, frames: &[usize]) {
+        for &f in frames {
+            self.frames[f].resident.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.areas[BlockClass::Index as usize].resident_pins.fetch_sub(frames.len() as u64, Ordering::AcqRel);
     }
 
     /// One block, pinned until the guard is dropped.
@@ -186,8 +252,8 @@ impl BufferPool {
                 break;
             }
             let wanted: Vec<BlockRequest> = missing.into_values().collect();
-            let (outcomes, progressed) = self.load(&wanted, Some(&mut loaded_here));
-            for (block, err) in outcomes {
+            let LoadOutcome { failed, progressed, .. } = self.load(&wanted, Some(&mut loaded_here));
+            for (block, err) in failed {
                 for (i, r) in reqs.iter().enumerate() {
                     if r.block == block && out[i].is_none() {
                         out[i] = Some(Err(err.clone()));
@@ -241,20 +307,15 @@ impl BufferPool {
         Ok(reqs.len())
     }
 
-    /// Reads blocks into the pool without pinning them (a prefetch hint). Errors are dropped:
-    /// a later `get` reads again and reports them.
-    pub fn prefetch(&self, reqs: &[BlockRequest]) {
-        // `load` skips blocks already resident or being loaded.
+    /// Reads blocks into the pool without pinning them, in one submission (a prefetch: see
+    /// [`Prefetcher`](crate::Prefetcher)). Blocks already here or being read are skipped, and
+    /// so are those no frame is free for. Errors are dropped: a later `get` reads again and
+    /// reports them. Returns the blocks read.
+    pub fn prefetch(&self, reqs: &[BlockRequest]) -> Vec<u64> {
         let mut wanted = reqs.to_vec();
         wanted.sort_by_key(|r| r.block);
         wanted.dedup_by_key(|r| r.block);
-        let _ = self.load(&wanted, None);
-    }
-
-    /// Prefetch on a background thread; the hint returns at once.
-    pub fn prefetch_in_background(self: &Arc<Self>, reqs: Vec<BlockRequest>) -> std::thread::JoinHandle<()> {
-        let pool = self.clone();
-        std::thread::spawn(move || pool.prefetch(&reqs))
+        self.load(&wanted, None).read
     }
 
     fn wait_rounds(&self) -> u32 {
@@ -292,6 +353,8 @@ impl BufferPool {
                 let header = *header;
                 if own_load {
                     frame.reserved.fetch_sub(1, Ordering::Release);
+                } else if frame.prefetched.load(Ordering::Relaxed) && frame.prefetched.swap(false, Ordering::Relaxed) {
+                    // The use a prefetch read the block for (see Frame::prefetched).
                 } else {
                     frame.touch(self.clock.load(Ordering::Relaxed));
                     self.table.shard(req.block).hits[req.class() as usize].fetch_add(1, Ordering::Relaxed);
@@ -306,8 +369,7 @@ impl BufferPool {
     /// Claims frames for blocks nobody holds, reads them in one batch, and publishes them.
     /// Blocks read for a caller (`loaded` is given) keep a reserved pin for it and are
     /// recorded there.
-    /// Returns the blocks whose loads failed, and whether anything was loaded or found.
-    fn load(&self, wanted: &[BlockRequest], mut loaded: Option<&mut BTreeSet<u64>>) -> (Vec<(u64, BufferError)>, bool) {
+    fn load(&self, wanted: &[BlockRequest], mut loaded: Option<&mut BTreeSet<u64>>) -> LoadOutcome {
         let wanted_blocks: BTreeSet<u64> = wanted.iter().map(|r| r.block).collect();
         let mut claimed: Vec<(BlockRequest, Claim<'_>)> = Vec::new();
         let mut progressed = false;
@@ -338,8 +400,9 @@ impl BufferPool {
             claimed.push((*req, (idx, data)));
         }
         if claimed.is_empty() {
-            return (Vec::new(), progressed);
+            return LoadOutcome { failed: Vec::new(), progressed, read: Vec::new() };
         }
+        let mut read = Vec::with_capacity(claimed.len());
         let reqs: Vec<BlockRequest> = claimed.iter().map(|(r, _)| *r).collect();
         let results = {
             let mut bufs: Vec<&mut [u8]> = claimed.iter_mut().map(|(_, (_, d))| &mut d.buf[..]).collect();
@@ -352,8 +415,10 @@ impl BufferPool {
             let frame = &self.frames[idx];
             match res {
                 Ok(header) => {
+                    read.push(req.block);
                     data.state = FrameState::Ready(header);
                     frame.referenced.store(false, Ordering::Relaxed);
+                    frame.prefetched.store(loaded.is_none(), Ordering::Relaxed);
                     frame.last_use.store(now, Ordering::Relaxed);
                     frame.context.store(req.context() as u64, Ordering::Relaxed);
                     area.misses.fetch_add(1, Ordering::Relaxed);
@@ -377,7 +442,7 @@ impl BufferPool {
                 }
             }
         }
-        (failed, true)
+        LoadOutcome { read, failed, progressed: true }
     }
 
     /// A frame of `area` write-locked for a new block: a free one, or an evicted one.
@@ -442,6 +507,7 @@ impl BufferPool {
         // A reservation is made under this lock, so holding it we see every one.
         if !matches!(data.state, FrameState::Ready(_))
             || frame.reserved.load(Ordering::Acquire) > 0
+            || frame.resident.load(Ordering::Acquire) > 0
             || keep.contains(&data.block)
         {
             return None;
@@ -459,6 +525,7 @@ impl BufferPool {
             misses: a.misses.load(Ordering::Relaxed),
             bytes_read: a.bytes_read.load(Ordering::Relaxed),
             evictions: a.evictions.load(Ordering::Relaxed),
+            resident_pins: a.resident_pins.load(Ordering::Relaxed),
             resident_frames: a
                 .frames
                 .clone()

@@ -11,6 +11,10 @@ pub struct ClassStats {
     pub misses: u64,
     pub bytes_read: u64,
     pub evictions: u64,
+    /// Holds of [`ResidentBlocks`](crate::ResidentBlocks) on the area's frames (index area
+    /// only): blocks that stay in memory whatever the pressure.
+    pub resident_pins: u64,
+    /// Frames holding a block.
     pub resident_frames: u64,
     pub capacity_frames: u64,
 }

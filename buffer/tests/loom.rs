@@ -14,10 +14,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 const BS: usize = 4096;
 
+/// Blocks from 100 on are index blocks; the others data blocks.
 fn header(block: u64) -> BlockHeader {
+    let index = block >= 100;
     BlockHeader {
-        kind: BlockKind::Data,
-        stream: StreamTag::Data,
+        kind: if index { BlockKind::Index } else { BlockKind::Data },
+        stream: if index { StreamTag::Index } else { StreamTag::Data },
         owner: Owner::file(1, 0, 0),
         payload_len: 8,
         logical: block,
@@ -153,5 +155,50 @@ fn an_io_error_wakes_every_waiter_with_the_error() {
         assert!((1..=2).contains(&loads), "{loads} loads");
         // Nothing was cached: the frame is free again.
         assert_eq!(pool.stats().data.resident_frames, 0);
+    });
+}
+
+#[test]
+fn a_resident_block_is_never_evicted_or_refilled() {
+    model(|| {
+        let (_, pool) = pool(vec![]);
+        // make_resident needs a std Arc; the pool's own protocol is what loom explores.
+        let pool = std::sync::Arc::new(Arc::try_unwrap(pool).ok().expect("only handle"));
+        let holder = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || match pool.make_resident(&[request(101)]) {
+                Ok(Some(held)) => {
+                    let first = held.payload(0).to_vec();
+                    loom::thread::yield_now();
+                    assert_eq!(first, 101u64.to_le_bytes());
+                    assert_eq!(held.payload(0), &first[..]);
+                    Some(held)
+                }
+                Ok(None) => panic!("one frame, no reserve: residency fits"),
+                // The other thread held the only index frame pinned for the whole wait.
+                Err(e) => {
+                    assert!(matches!(e, BufferError::Exhausted { .. }), "{e}");
+                    None
+                }
+            })
+        };
+        let evictor = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || match pool.get(&request(102)) {
+                Ok(g) => assert_eq!(g.payload(), &102u64.to_le_bytes()),
+                Err(e) => assert!(matches!(e, BufferError::Exhausted { .. }), "{e}"),
+            })
+        };
+        let held = holder.join().unwrap();
+        evictor.join().unwrap();
+        if let Some(held) = held {
+            // The frame still holds block 101, and nothing could take it.
+            assert_eq!(held.payload(0), &101u64.to_le_bytes());
+            assert_eq!(pool.get(&request(101)).unwrap().payload(), &101u64.to_le_bytes());
+            assert!(matches!(pool.get(&request(103)), Err(BufferError::Exhausted { .. })));
+            drop(held);
+            assert_eq!(pool.stats().index.resident_pins, 0);
+            assert_eq!(pool.get(&request(103)).unwrap().payload(), &103u64.to_le_bytes(), "released, it is evictable");
+        }
     });
 }

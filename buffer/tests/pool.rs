@@ -1,7 +1,9 @@
 //! The buffer pool over real stores on the io_uring device (and the mem device where faults
 //! are injected).
 
-use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, FrameHint, PoolConfig};
+use ctxfs_buffer::{
+    BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, FrameHint, PoolConfig, Prefetcher, ResidentBlocks,
+};
 use ctxfs_vfs::device::{self, FaultPlan, IoOp, MemDevice};
 use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store};
 use half::f16;
@@ -107,7 +109,7 @@ fn pool(dev: Arc<dyn BlockDevice>, budget: u64, data_fraction: f64) -> BufferPoo
 }
 
 #[test]
-fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
+fn stress_eight_threads_pin_both_kinds_and_hold_some_resident_within_five_percent_of_the_data() {
     let dir = tmp();
     let tokens = 6000;
     let (dev, store) = real_store(&dir, 64, 4, tokens);
@@ -128,7 +130,28 @@ fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
             let (pool, all, checked) = (pool.clone(), all.clone(), &checked);
             s.spawn(move || {
                 let mut rng = SplitMix64::new(t);
-                for _ in 0..400 {
+                // Even threads also hold a few index blocks resident, a new set every 8 rounds.
+                let mut held: Option<(ResidentBlocks, Vec<usize>)> = None;
+                for round in 0..400 {
+                    if t % 2 == 0 && round % 8 == 0 {
+                        drop(held.take());
+                        let picks: Vec<usize> = (0..3)
+                            .map(|_| loop {
+                                let i = rng.below(all.len() as u64) as usize;
+                                if all[i].0.class() == BlockClass::Index {
+                                    break i;
+                                }
+                            })
+                            .collect();
+                        let reqs: Vec<BlockRequest> = picks.iter().map(|&i| all[i].0).collect();
+                        held =
+                            pool.make_resident(&reqs).unwrap_or_else(|e| panic!("thread {t}: {e}")).map(|r| (r, picks));
+                    }
+                    if let Some((r, picks)) = &held {
+                        for (j, &i) in picks.iter().enumerate() {
+                            assert_eq!(resident_f16(r, j), expected(all[i].1, tokens), "resident block {i} changed");
+                        }
+                    }
                     // A few blocks at a time, held together, both kinds mixed.
                     let picks: Vec<usize> =
                         (0..1 + rng.below(4) as usize).map(|_| rng.below(all.len() as u64) as usize).collect();
@@ -148,6 +171,7 @@ fn stress_eight_threads_pin_both_kinds_within_five_percent_of_the_data() {
         }
     });
     let st = pool.stats();
+    assert_eq!(st.index.resident_pins, 0, "every hold was released");
     assert!(st.index.evictions > 0 && st.data.evictions > 0, "the budget must force evictions: {st:?}");
     assert!(checked.load(Ordering::Relaxed) > 0);
     println!("stress: {st:?}");
@@ -376,4 +400,95 @@ fn a_frame_hint_finds_its_block_and_a_stale_one_finds_nothing() {
     // The evicted block's old frame now holds the third block: its hint is stale, not wrong.
     let stale = (0..2).find(|&i| p.get_at_hint(&data[i].0, &hints[i]).is_none()).unwrap();
     assert!(p.get_at_hint(&data[2].0, &hints[stale]).is_some(), "the frame was reused for block 3");
+}
+
+/// The f16 elements of a resident block's payload.
+fn resident_f16(r: &ResidentBlocks, i: usize) -> Vec<f16> {
+    r.payload(i).chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect()
+}
+
+#[test]
+fn resident_blocks_survive_any_pressure_until_dropped_and_are_bounded() {
+    let dir = tmp();
+    let tokens = 15 * 100;
+    let (dev, store) = real_store(&dir, 32, 2, tokens);
+    // 64 index frames (reserve: 8) and 16 data frames.
+    let p = Arc::new(pool(dev, (80 * BS) as u64, 0.2));
+    assert_eq!(p.frames(BlockClass::Index), 64);
+    let held_reqs = requests(&store, 1, 0, FileStream::Index);
+    let resident = p.make_resident(&held_reqs.iter().map(|r| r.0).take(50).collect::<Vec<_>>()).unwrap().unwrap();
+    assert_eq!((resident.len(), p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (50, 50, 14));
+    // Only the reserve is left: 7 more would leave 7 of the 8 it keeps.
+    let more: Vec<BlockRequest> = held_reqs.iter().map(|r| r.0).skip(50).take(7).collect();
+    assert!(p.make_resident(&more).unwrap().is_none(), "residency past the reserve is refused");
+    assert_eq!(p.stats().index.resident_pins, 50, "a refusal holds nothing");
+    // 400 other index blocks stream through the 14 frames left: each evicts, none a resident one.
+    for head in 0..2 {
+        for (req, _) in requests(&store, 2, head, FileStream::Index) {
+            drop(p.get(&req).unwrap());
+        }
+    }
+    assert!(p.stats().index.evictions >= 186);
+    for (i, (_, key)) in held_reqs.iter().take(50).enumerate() {
+        assert_eq!(resident_f16(&resident, i), expected(*key, tokens), "resident block {i} changed under pressure");
+    }
+    let misses = p.stats().index.misses;
+    for (req, _) in held_reqs.iter().take(50) {
+        drop(p.get(req).unwrap());
+    }
+    assert_eq!(p.stats().index.misses, misses, "resident blocks are hits through the page table too");
+    // Dropped, they are evictable again.
+    drop(resident);
+    assert_eq!((p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (0, 64));
+    for (req, _) in requests(&store, 2, 0, FileStream::Index) {
+        drop(p.get(&req).unwrap());
+    }
+    let reread = held_reqs.iter().take(50).filter(|(req, _)| p.get(req).unwrap().read_here()).count();
+    assert!(reread > 0, "released blocks were evicted by the next stream");
+    // Data blocks never become resident.
+    let data = requests(&store, 1, 0, FileStream::Data);
+    assert!(matches!(p.make_resident(&[data[0].0]), Err(BufferError::Config(_))));
+}
+
+#[test]
+fn a_prefetch_reads_once_in_one_submission_and_its_first_use_is_no_hit() {
+    let dir = tmp();
+    let tokens = 15 * 40;
+    let (dev, store) = real_store(&dir, 16, 1, tokens);
+    let p = Arc::new(pool(dev.clone(), (128 * BS) as u64, 0.5));
+    let prefetcher = Prefetcher::start(p.clone()).unwrap();
+    let data = requests(&store, 1, 0, FileStream::Data);
+    drop(p.get(&data[0].0).unwrap());
+    let submits = dev.submits.load(Ordering::Relaxed);
+    let wanted: Vec<BlockRequest> = data[..10].iter().chain(&data[5..10]).map(|r| r.0).collect();
+    assert_eq!(prefetcher.submit(wanted.clone()).wait(), 9, "block 0 was here; repeats are read once");
+    assert_eq!(dev.submits.load(Ordering::Relaxed) - submits, 1, "one submission");
+    assert_eq!(prefetcher.submit(wanted).wait(), 0, "all here now");
+    let (hits, misses) = (p.stats().data.hits, p.stats().data.misses);
+    assert_eq!(misses, 10);
+    for (req, key) in &data[1..10] {
+        let g = p.get(req).unwrap();
+        assert!(!g.read_here());
+        assert_eq!(g.as_f16(), &expected(*key, tokens)[..]);
+    }
+    assert_eq!(p.stats().data.hits, hits, "the use a block was read ahead for is not a hit");
+    for (req, _) in &data[1..10] {
+        drop(p.get(req).unwrap());
+    }
+    assert_eq!((p.stats().data.hits, p.stats().data.misses), (hits + 9, 10), "later uses are");
+    // Requests queued from many threads at once are all answered, each block read once.
+    let all: Vec<BlockRequest> = data.iter().map(|r| r.0).collect();
+    let read: usize = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                s.spawn({
+                    let (prefetcher, all) = (&prefetcher, &all);
+                    move || prefetcher.submit(all[t * 5..].to_vec()).wait()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert_eq!(read, data.len() - 10);
+    assert_eq!(p.stats().data.misses as usize, data.len());
 }

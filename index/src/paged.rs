@@ -14,7 +14,7 @@ use crate::mem::{MemGraph, MemKeys, PREFETCH_AHEAD};
 use crate::search::SEED_STRIDE;
 use crate::source::{score_strided_rows, Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard};
+use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard, ResidentBlocks};
 use ctxfs_vfs::DType;
 use half::{bf16, f16};
 use std::cell::RefCell;
@@ -183,11 +183,12 @@ impl Rows<'_> {
             Rows::Bf16(r) => bytemuck::cast_slice(r),
         }
     }
-    /// Rows `slot · dim .. (slot + 1) · dim` of a pinned block of this element type.
-    fn of<'g>(dtype: DType, g: &'g PageGuard<'_>, slot: usize, dim: usize) -> Rows<'g> {
+    /// Rows `from .. to` of a block payload of packed rows of `dim` elements of `dtype`.
+    fn of(dtype: DType, payload: &[u8], from: usize, to: usize, dim: usize) -> Rows<'_> {
+        let bytes = &payload[from * dim * 2..to * dim * 2];
         match dtype {
-            DType::F16 => Rows::F16(&g.as_f16()[slot * dim..(slot + 1) * dim]),
-            DType::Bf16 => Rows::Bf16(&g.as_bf16()[slot * dim..(slot + 1) * dim]),
+            DType::F16 => Rows::F16(bytemuck::cast_slice(bytes)),
+            DType::Bf16 => Rows::Bf16(bytemuck::cast_slice(bytes)),
         }
     }
 }
@@ -228,7 +229,9 @@ fn packed(bytes: &[u8], row_bytes: usize, payload: usize) -> Vec<Vec<u8>> {
 }
 
 /// An index searched through the buffer pool: adjacency and key blocks are read on demand
-/// (and stay resident in the pool's index area); nothing is copied into another structure.
+/// (and stay in the pool's index area); nothing is copied into another structure. A served
+/// context's blocks are held resident ([`with_resident`](Self::with_resident)) and read
+/// without pins.
 pub struct PagedIndex<'p> {
     pool: &'p BufferPool,
     layout: Layout,
@@ -236,6 +239,8 @@ pub struct PagedIndex<'p> {
     blocks: &'p [BlockRequest],
     /// Per logical block, the frame it was last found in (shared by every search of it).
     hints: &'p [FrameHint],
+    /// The stream's blocks, held resident, in logical order.
+    resident: Option<&'p ResidentBlocks>,
     pins: RefCell<Pins<'p>>,
 }
 
@@ -338,25 +343,40 @@ impl<'p> PagedIndex<'p> {
             ));
         }
         let blocks = &blocks[..layout.index_blocks() as usize];
-        let cap = pool.frames(BlockClass::Index) / PIN_SHARE;
+        let cap = pool.pinnable(BlockClass::Index) / PIN_SHARE;
         let pins = Pins { slot: vec![0; blocks.len()], guards: Vec::new(), cap };
-        Ok(PagedIndex { pool, layout, blocks, hints: &hints[..blocks.len()], pins: RefCell::new(pins) })
+        Ok(PagedIndex { pool, layout, blocks, hints: &hints[..blocks.len()], resident: None, pins: RefCell::new(pins) })
     }
 
-    /// Pins the blocks `wanted` (logical, sorted, distinct) and calls `f` with a lookup
-    /// from each of them to its guard.
+    /// Reads the index from `resident`, the stream's blocks held resident in logical order
+    /// (at least the index's), instead of pinning them.
+    pub fn with_resident(mut self, resident: &'p ResidentBlocks) -> Result<PagedIndex<'p>, String> {
+        if resident.len() < self.blocks.len() {
+            return Err(format!("{} resident blocks for an index of {}", resident.len(), self.blocks.len()));
+        }
+        self.resident = Some(resident);
+        Ok(self)
+    }
+
+    /// Calls `f` with a lookup from logical block to payload for the blocks `wanted()`
+    /// (logical, sorted, distinct), pinning them first unless the index is resident.
     fn with_blocks<R>(
         &self,
-        wanted: &[u32],
+        wanted: impl FnOnce() -> Vec<u32>,
         stats: &mut SearchStats,
-        f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a PageGuard<'p>) -> R,
+        f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a [u8]) -> R,
     ) -> Result<R, BufferError> {
+        if let Some(resident) = self.resident {
+            return Ok(f(&|b| resident.payload(b as usize)));
+        }
         let mut pins = self.pins.borrow_mut();
-        let spill = pins.pin(self.pool, (self.blocks, self.hints), wanted, stats)?;
+        let spill = pins.pin(self.pool, (self.blocks, self.hints), &wanted(), stats)?;
         let pins = &*pins;
         let spill = &spill;
         Ok(f(&|b| {
-            pins.get(b).unwrap_or_else(|| &spill[spill.binary_search_by_key(&b, |s| s.0).expect("pinned above")].1)
+            pins.get(b)
+                .unwrap_or_else(|| &spill[spill.binary_search_by_key(&b, |s| s.0).expect("pinned above")].1)
+                .payload()
         }))
     }
 
@@ -374,8 +394,8 @@ impl<'p> PagedIndex<'p> {
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
         let first = 1 + self.layout.adjacency_blocks();
         let rows = self.layout.rows_per_block;
-        let wanted = blocks_holding(&self.layout, ids, first);
-        self.with_blocks(&wanted, stats, |block| visit_rows(&self.layout, ids, |t| block(first + t / rows), f))
+        let wanted = || blocks_holding(&self.layout, ids, first);
+        self.with_blocks(wanted, stats, |block| visit_rows(&self.layout, ids, |t| block(first + t / rows), f))
     }
 }
 
@@ -426,23 +446,26 @@ impl PagedIndex<'_> {
     ) -> SourceResult {
         let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
         let end = first + out.len() as u32;
-        let wanted: Vec<u32> = (first_block + first / rows..first_block + end.div_ceil(rows)).collect();
-        self.with_blocks(&wanted, stats, |block| {
-            let mut t = first;
-            for &b in &wanted {
-                let g = block(b);
-                let block_first = t / rows * rows;
-                let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
-                let at = (t - first) as usize;
-                let scores = &mut out[at..at + to - from];
-                match self.layout.dtype {
-                    DType::F16 => ctxfs_kernels::scores(&g.as_f16()[from * dim..to * dim], q, 1.0, scores),
-                    DType::Bf16 => ctxfs_kernels::scores(&g.as_bf16()[from * dim..to * dim], q, 1.0, scores),
+        let span = first_block + first / rows..first_block + end.div_ceil(rows);
+        self.with_blocks(
+            || span.clone().collect(),
+            stats,
+            |block| {
+                let mut t = first;
+                for b in span.clone() {
+                    let block_first = t / rows * rows;
+                    let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
+                    let at = (t - first) as usize;
+                    let scores = &mut out[at..at + to - from];
+                    match Rows::of(self.layout.dtype, block(b), from, to, dim) {
+                        Rows::F16(r) => ctxfs_kernels::scores(r, q, 1.0, scores),
+                        Rows::Bf16(r) => ctxfs_kernels::scores(r, q, 1.0, scores),
+                    }
+                    t = block_first + to as u32;
                 }
-                t = block_first + to as u32;
-            }
-            debug_assert_eq!(t, end);
-        })?;
+                debug_assert_eq!(t, end);
+            },
+        )?;
         stats.keys_scored += out.len() as u64;
         Ok(())
     }
@@ -453,20 +476,30 @@ impl Graph for PagedIndex<'_> {
         let per = self.layout.records_per_block;
         let deg = self.layout.degree as usize;
         let at = (node % per) as usize * deg;
-        self.with_blocks(&[1 + node / per], stats, |block| {
-            let record = &block(1 + node / per).as_u32()[at..at + deg];
-            out.extend(record.iter().copied().take_while(|&n| n != u32::MAX));
-        })
+        self.with_blocks(
+            || vec![1 + node / per],
+            stats,
+            |block| {
+                let record: &[u32] = bytemuck::cast_slice(&block(1 + node / per)[at * 4..(at + deg) * 4]);
+                out.extend(record.iter().copied().take_while(|&n| n != u32::MAX));
+            },
+        )
     }
     fn entry(&self) -> u32 {
         self.layout.entry
     }
-    /// Only a record in a block this index already holds pinned (pinning is not a hint).
+    /// Only a record in a block this index holds resident or pinned (pinning is not a hint).
     fn prefetch(&self, node: u32) {
         let (per, deg) = (self.layout.records_per_block, self.layout.degree as usize);
-        if let Some(g) = self.pins.borrow().get(1 + node / per) {
-            let at = (node % per) as usize * deg;
-            ctxfs_kernels::prefetch(&g.as_u32()[at..at + deg]);
+        let at = (node % per) as usize * deg * 4;
+        let block = 1 + node / per;
+        match self.resident {
+            Some(r) => ctxfs_kernels::prefetch(&r.payload(block as usize)[at..at + deg * 4]),
+            None => {
+                if let Some(g) = self.pins.borrow().get(block) {
+                    ctxfs_kernels::prefetch(&g.payload()[at..at + deg * 4]);
+                }
+            }
         }
     }
 }
@@ -499,7 +532,12 @@ pub fn for_rows(
     let wanted = blocks_holding(layout, ids, 0);
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
-    visit_rows(layout, ids, |t| &guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")], f);
+    visit_rows(
+        layout,
+        ids,
+        |t| guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")].payload(),
+        f,
+    );
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
@@ -514,14 +552,12 @@ fn blocks_holding(layout: &Layout, ids: &[u32], first: u32) -> Vec<u32> {
 
 /// Calls `f` with each id's position and row, the block of token `t` being `block(t)`;
 /// rows a few ids ahead are prefetched, so their cache misses overlap.
-fn visit_rows<'g>(
-    layout: &Layout,
-    ids: &[u32],
-    block: impl Fn(u32) -> &'g PageGuard<'g>,
-    mut f: impl FnMut(usize, Rows<'_>),
-) {
+fn visit_rows<'g>(layout: &Layout, ids: &[u32], block: impl Fn(u32) -> &'g [u8], mut f: impl FnMut(usize, Rows<'_>)) {
     let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
-    let row = |t: u32| Rows::of(layout.dtype, block(t), (t % rows_per_block) as usize, dim);
+    let row = |t: u32| {
+        let slot = (t % rows_per_block) as usize;
+        Rows::of(layout.dtype, block(t), slot, slot + 1, dim)
+    };
     for &t in &ids[..ids.len().min(PREFETCH_AHEAD)] {
         row(t).prefetch();
     }

@@ -55,6 +55,9 @@ pub const SEED_CLIMB_WINDOW: f32 = 3.0;
 /// How far ahead in its queue the range phase prefetches adjacency records.
 const PREFETCH_NODES_AHEAD: usize = 4;
 
+/// Nodes of the range phase expanded together before their neighbours are scored.
+const RANGE_BATCH: usize = 8;
+
 /// The default seed stride, and the stride of the seed table indexes store.
 pub const SEED_STRIDE: u32 = 96;
 
@@ -269,22 +272,31 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let mut queue: Vec<(u32, f32)> = seen.iter().copied().filter(|&(_, sc)| sc >= best - reach).collect();
     let mut i = 0;
     let limit = p.expand_limit.unwrap_or(usize::MAX);
+    let mut batch = Vec::new();
     while i < queue.len() && queue.len() < limit {
-        let (node, sc) = queue[i];
-        if let Some(&(ahead, _)) = queue.get(i + PREFETCH_NODES_AHEAD) {
-            s.prefetch(ahead);
+        // Up to RANGE_BATCH nodes are expanded before their neighbours are scored, in one
+        // batch: the scoring pipelines its memory reads across them.
+        batch.clear();
+        let mut taken = 0;
+        while i < queue.len() && taken < RANGE_BATCH {
+            let (node, sc) = queue[i];
+            if let Some(&(ahead, _)) = queue.get(i + PREFETCH_NODES_AHEAD) {
+                s.prefetch(ahead);
+            }
+            i += 1;
+            if sc < best - reach || !expanded.insert(node) {
+                continue;
+            }
+            taken += 1;
+            if sc < best - p.beta {
+                ex.expand_along_sequence(node, &mut fresh, &mut stats);
+            } else {
+                ex.expand(s, node, &mut fresh, &mut stats)?;
+            }
+            batch.extend_from_slice(&fresh);
         }
-        i += 1;
-        if sc < best - reach || !expanded.insert(node) {
-            continue;
-        }
-        if sc < best - p.beta {
-            ex.expand_along_sequence(node, &mut fresh, &mut stats);
-            score_all(s, q, (&fresh, &mut scores), &mut stats)?;
-        } else {
-            ex.expand_scored(s, node, q, (&mut fresh, &mut scores), &mut stats)?;
-        }
-        for (&k, &sc) in fresh.iter().zip(&scores) {
+        score_all(s, q, (&batch, &mut scores), &mut stats)?;
+        for (&k, &sc) in batch.iter().zip(&scores) {
             seen.push((k, sc));
             best = best.max(sc);
             if sc >= best - reach {

@@ -97,6 +97,43 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
 }
 
 #[test]
+fn a_resident_index_answers_exactly_as_the_pinned_one_without_pins() {
+    let (keys, graph, queries) = data();
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
+    let pool =
+        Arc::new(BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap());
+    let hints = hints_for(&reqs);
+    let held = pool.make_resident(&reqs).unwrap().expect("the default pool holds this index");
+    let pinned = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+    let resident = PagedIndex::open(&pool, &reqs, &hints).unwrap().with_resident(&held).unwrap();
+    let beta = 5.0 * 8.0;
+    for q in queries.chunks(64) {
+        let params = DiprsParams { beta, l0: 64, ..Default::default() };
+        let (a, b) = (diprs(&pinned, q, &params).unwrap(), diprs(&resident, q, &params).unwrap());
+        assert_eq!((a.ids, a.scores), (b.ids, b.scores));
+        assert_eq!((a.stats.keys_scored, a.stats.hops), (b.stats.keys_scored, b.stats.hops));
+        assert!(a.stats.blocks_touched > 0);
+        assert_eq!((b.stats.blocks_touched, b.stats.blocks_read), (0, 0), "nothing pinned, nothing read");
+        assert_eq!(
+            topk(&pinned, q, 50, 64, Some(1000)).unwrap().ids,
+            topk(&resident, q, 50, 64, Some(1000)).unwrap().ids
+        );
+        let mut stats = Default::default();
+        assert_eq!(
+            flat::scan(&pinned, q, 2999, &mut stats).unwrap(),
+            flat::scan(&resident, q, 2999, &mut stats).unwrap()
+        );
+    }
+    drop(pinned);
+    let fewer: Vec<BlockRequest> = reqs[..reqs.len() - 1].to_vec();
+    let partial = pool.make_resident(&fewer).unwrap().unwrap();
+    let err = PagedIndex::open(&pool, &reqs, &hints).unwrap().with_resident(&partial).err().unwrap();
+    assert!(err.contains("resident blocks for an index of"), "{err}");
+    assert_eq!(pool.stats().index.resident_pins as usize, reqs.len() + fewer.len());
+    drop((resident, partial));
+}
+
+#[test]
 fn a_layout_2_index_without_a_seed_table_answers_the_same() {
     let (keys, graph, queries) = data();
     let (layout, mut blocks) = index_payloads(&keys, &graph, max_payload(4096));
