@@ -404,26 +404,26 @@ impl Session {
         let group = qh / kv;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(kv).max(1);
         let mut per_head: Vec<Option<Result<GroupOutput>>> = (0..kv).map(|_| None).collect();
+        // Workers take kv heads as they come free (a diffuse head's search costs several
+        // times a sharp one's), every search first, then their values: the value blocks are
+        // read under the searches that follow. The calling thread is one of the workers.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = || -> Vec<(usize, Result<GroupOutput>)> {
+            let mut searched = Vec::new();
+            loop {
+                let h = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if h >= kv {
+                    break;
+                }
+                searched.push((h, self.search_group(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts)));
+            }
+            searched.into_iter().map(|(h, g)| (h, g.and_then(|g| self.sum_group(layer, g, opts, !on_gpu)))).collect()
+        };
         std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|t| {
-                    scope.spawn(move || {
-                        // Every group's searches first, then every group's values: the value
-                        // blocks are read under the searches that follow theirs.
-                        let searched: Vec<_> = (t..kv)
-                            .step_by(threads)
-                            .map(|h| self.search_group(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts))
-                            .collect();
-                        (t..kv)
-                            .step_by(threads)
-                            .zip(searched)
-                            .map(|(h, g)| (h, g.and_then(|g| self.sum_group(layer, g, opts, !on_gpu))))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            for w in workers {
-                for (h, r) in w.join().expect("attention worker panicked") {
+            let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+            let mine = work();
+            for done in helpers.into_iter().map(|w| w.join().expect("attention worker panicked")).chain([mine]) {
+                for (h, r) in done {
                     per_head[h] = Some(r);
                 }
             }
