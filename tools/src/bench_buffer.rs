@@ -176,6 +176,7 @@ pub fn stats_json(s: &PoolStats) -> serde_json::Value {
         json!({
             "hits": c.hits, "misses": c.misses, "hit_ratio": c.hit_ratio(), "bytes_read": c.bytes_read,
             "evictions": c.evictions, "resident_frames": c.resident_frames, "capacity_frames": c.capacity_frames,
+            "resident_pins": c.resident_pins,
         })
     };
     json!({
@@ -194,19 +195,20 @@ pub fn print_stats(s: &PoolStats) {
         crate::units::human_bytes(s.overhead_bytes)
     );
     println!(
-        "  {:<6} {:>10} {:>10} {:>7} {:>12} {:>10} {:>16}",
-        "class", "hits", "misses", "hit %", "read", "evictions", "resident/frames"
+        "  {:<6} {:>10} {:>10} {:>7} {:>12} {:>10} {:>16} {:>10}",
+        "class", "hits", "misses", "hit %", "read", "evictions", "resident/frames", "held"
     );
     for (name, c) in [("index", &s.index), ("data", &s.data)] {
         println!(
-            "  {:<6} {:>10} {:>10} {:>6.1}% {:>12} {:>10} {:>16}",
+            "  {:<6} {:>10} {:>10} {:>6.1}% {:>12} {:>10} {:>16} {:>10}",
             name,
             c.hits,
             c.misses,
             c.hit_ratio() * 100.0,
             crate::units::human_bytes(c.bytes_read),
             c.evictions,
-            format!("{}/{}", c.resident_frames, c.capacity_frames)
+            format!("{}/{}", c.resident_frames, c.capacity_frames),
+            c.resident_pins
         );
     }
 }
