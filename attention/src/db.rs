@@ -7,7 +7,7 @@ use crate::layout::{segments, FileBlocks};
 use crate::plan::Rules;
 use crate::session::{Reuse, Session};
 use crate::trie::PrefixTrie;
-use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher};
+use ctxfs_buffer::{BlockClass, BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher};
 use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_index::BuildParams;
 use ctxfs_kernels::gpu::Gpu;
@@ -129,6 +129,18 @@ impl Inner {
     }
 }
 
+/// What [`Db::warm`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmReport {
+    /// Index blocks of the context and of the prefix it stands on.
+    pub blocks: u64,
+    /// Of those, the blocks read from the device (the others were in the pool).
+    pub read: u64,
+    /// Of those, the blocks held resident: all of them unless the index area ran out of
+    /// room, in which case the rest are searched through pins.
+    pub held: u64,
+}
+
 /// A mounted context store. Cloning shares it; sessions keep it alive.
 #[derive(Clone)]
 pub struct Db {
@@ -242,32 +254,45 @@ impl Db {
     /// into the pool's index area and holds them resident there, while the area has room
     /// (the rest stay in the area while nothing pushes them out): what a server does once
     /// per context, so that sessions search memory without pinning and read only value
-    /// blocks. Returns the index blocks read.
-    pub fn warm(&self, name: &str) -> Result<u64> {
+    /// blocks.
+    pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
         let ctx = snap.context(name)?;
         let shape = ctx.record().shape;
         let total = ctx.token_count() as u32;
-        let mut read = 0;
+        let mut report = WarmReport::default();
         for seg in segments(&snap, ctx.record().id, total)? {
             for layer in 0..shape.layers {
                 for head in 0..shape.kv_heads {
                     let file = self.inner.file(&snap, seg.context, layer, head)?;
-                    for chunk in file.index.chunks(256) {
-                        for g in self.inner.pool.get_many(chunk) {
-                            read += u64::from(g?.read_here());
+                    if file.resident.get().is_none() {
+                        let pool = &self.inner.pool;
+                        match pool.make_resident(&file.index)? {
+                            Some(held) => {
+                                report.read += held.read() as u64;
+                                // A concurrent warm may have won: its holds serve, these go back.
+                                let _ = file.resident.set(held);
+                            }
+                            // No room to hold it: read it into the frames left, in batches
+                            // small enough to leave room for other readers.
+                            None => {
+                                let batch = (pool.pinnable(BlockClass::Index) / 4).clamp(1, 256);
+                                for chunk in file.index.chunks(batch) {
+                                    for g in pool.get_many(chunk) {
+                                        report.read += u64::from(g?.read_here());
+                                    }
+                                }
+                            }
                         }
                     }
-                    if file.resident.get().is_none() {
-                        if let Some(held) = self.inner.pool.make_resident(&file.index)? {
-                            // A concurrent warm may have won: its holds serve, these go back.
-                            let _ = file.resident.set(held);
-                        }
+                    report.blocks += file.index.len() as u64;
+                    if file.resident.get().is_some() {
+                        report.held += file.index.len() as u64;
                     }
                 }
             }
         }
-        Ok(read)
+        Ok(report)
     }
 
     /// Deletes a context by name. Contexts stored on top of it keep its blocks alive.

@@ -17,7 +17,7 @@ pub mod plan;
 mod session;
 pub mod trie;
 
-pub use db::{Db, DbConfig, Window};
+pub use db::{Db, DbConfig, WarmReport, Window};
 pub use error::{Error, Result};
 pub use import::WriteReport;
 pub use kv::{KvSource, SafetensorsKv};

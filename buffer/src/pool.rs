@@ -161,7 +161,7 @@ impl BufferPool {
                     Ok(g) => {
                         // Raised under the pin's read latch: see resident.rs.
                         self.frames[g.frame()].resident.fetch_add(1, Ordering::AcqRel);
-                        held.push(g.frame(), g.payload());
+                        held.push(g.frame(), g.payload(), g.read_here());
                     }
                     Err(e) => outcome = outcome.and(Err(e)),
                 }

@@ -29,6 +29,8 @@ pub struct ResidentBlocks {
     frames: Vec<usize>,
     /// Each block's payload, in its frame's buffer.
     payloads: Vec<(*const u8, usize)>,
+    /// Blocks read from the device to take the holds (the others were in the pool).
+    read: usize,
 }
 
 // SAFETY: the pointers address frame buffers that nothing writes or frees while the blocks
@@ -39,12 +41,18 @@ unsafe impl Sync for ResidentBlocks {}
 
 impl ResidentBlocks {
     pub(crate) fn new(pool: Arc<BufferPool>) -> ResidentBlocks {
-        ResidentBlocks { pool, frames: Vec::new(), payloads: Vec::new() }
+        ResidentBlocks { pool, frames: Vec::new(), payloads: Vec::new(), read: 0 }
     }
 
-    pub(crate) fn push(&mut self, frame: usize, payload: &[u8]) {
+    pub(crate) fn push(&mut self, frame: usize, payload: &[u8], read_here: bool) {
         self.frames.push(frame);
         self.payloads.push((payload.as_ptr(), payload.len()));
+        self.read += usize::from(read_here);
+    }
+
+    /// Blocks read from the device to take the holds.
+    pub fn read(&self) -> usize {
+        self.read
     }
 
     pub fn len(&self) -> usize {
@@ -79,9 +87,11 @@ impl std::fmt::Debug for ResidentBlocks {
 }
 
 /// What a request for residency needs to leave free in the index area for pinned reads:
-/// an eighth of it, at most 1,024 frames.
+/// an eighth of it, at least 128 frames (all but one of a smaller area) and at most 1,024.
+/// Readers of indexes not held pin a bounded batch at a time (64 key blocks beyond a small
+/// cache), so this serves several of them at once.
 pub(crate) fn reserve(index_frames: usize) -> usize {
-    (index_frames / 8).min(1024)
+    (index_frames / 8).clamp(index_frames.saturating_sub(1).min(128), 1024)
 }
 
 /// Blocks requested for residency must be index blocks.

@@ -124,10 +124,10 @@ fn stress_eight_threads_pin_both_kinds_and_hold_some_resident_within_five_percen
     let budget = data_bytes / 20;
     let pool = Arc::new(pool(dev, budget, 0.5));
     let all = Arc::new(all);
-    let checked = AtomicU64::new(0);
+    let (checked, holds) = (AtomicU64::new(0), AtomicU64::new(0));
     std::thread::scope(|s| {
         for t in 0..8u64 {
-            let (pool, all, checked) = (pool.clone(), all.clone(), &checked);
+            let (pool, all, checked, holds) = (pool.clone(), all.clone(), &checked, &holds);
             s.spawn(move || {
                 let mut rng = SplitMix64::new(t);
                 // Even threads also hold a few index blocks resident, a new set every 8 rounds.
@@ -146,6 +146,7 @@ fn stress_eight_threads_pin_both_kinds_and_hold_some_resident_within_five_percen
                         let reqs: Vec<BlockRequest> = picks.iter().map(|&i| all[i].0).collect();
                         held =
                             pool.make_resident(&reqs).unwrap_or_else(|e| panic!("thread {t}: {e}")).map(|r| (r, picks));
+                        holds.fetch_add(u64::from(held.is_some()), Ordering::Relaxed);
                     }
                     if let Some((r, picks)) = &held {
                         for (j, &i) in picks.iter().enumerate() {
@@ -172,6 +173,7 @@ fn stress_eight_threads_pin_both_kinds_and_hold_some_resident_within_five_percen
     });
     let st = pool.stats();
     assert_eq!(st.index.resident_pins, 0, "every hold was released");
+    assert_eq!(holds.load(Ordering::Relaxed), 4 * 50, "every hold requested fit under the reserve");
     assert!(st.index.evictions > 0 && st.data.evictions > 0, "the budget must force evictions: {st:?}");
     assert!(checked.load(Ordering::Relaxed) > 0);
     println!("stress: {st:?}");
@@ -410,25 +412,29 @@ fn resident_f16(r: &ResidentBlocks, i: usize) -> Vec<f16> {
 #[test]
 fn resident_blocks_survive_any_pressure_until_dropped_and_are_bounded() {
     let dir = tmp();
-    let tokens = 15 * 100;
+    let tokens = 15 * 300;
     let (dev, store) = real_store(&dir, 32, 2, tokens);
-    // 64 index frames (reserve: 8) and 16 data frames.
-    let p = Arc::new(pool(dev, (80 * BS) as u64, 0.2));
-    assert_eq!(p.frames(BlockClass::Index), 64);
+    // 312 index frames (reserve: 128, the floor) and 78 data frames.
+    let p = Arc::new(pool(dev, (390 * BS) as u64, 0.2));
+    assert_eq!(p.frames(BlockClass::Index), 312);
     let held_reqs = requests(&store, 1, 0, FileStream::Index);
     let resident = p.make_resident(&held_reqs.iter().map(|r| r.0).take(50).collect::<Vec<_>>()).unwrap().unwrap();
-    assert_eq!((resident.len(), p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (50, 50, 14));
-    // Only the reserve is left: 7 more would leave 7 of the 8 it keeps.
-    let more: Vec<BlockRequest> = held_reqs.iter().map(|r| r.0).skip(50).take(7).collect();
+    assert_eq!((resident.len(), p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (50, 50, 262));
+    // 135 more would leave 127 frames, one short of the reserve.
+    let more: Vec<BlockRequest> = held_reqs.iter().map(|r| r.0).skip(50).take(135).collect();
     assert!(p.make_resident(&more).unwrap().is_none(), "residency past the reserve is refused");
     assert_eq!(p.stats().index.resident_pins, 50, "a refusal holds nothing");
-    // 400 other index blocks stream through the 14 frames left: each evicts, none a resident one.
-    for head in 0..2 {
-        for (req, _) in requests(&store, 2, head, FileStream::Index) {
-            drop(p.get(&req).unwrap());
+    // Context 2's 600 index blocks stream through the 262 frames left: none evicts a
+    // resident one.
+    let stream = || {
+        for head in 0..2 {
+            for (req, _) in requests(&store, 2, head, FileStream::Index) {
+                drop(p.get(&req).unwrap());
+            }
         }
-    }
-    assert!(p.stats().index.evictions >= 186);
+    };
+    stream();
+    assert!(p.stats().index.evictions >= 338);
     for (i, (_, key)) in held_reqs.iter().take(50).enumerate() {
         assert_eq!(resident_f16(&resident, i), expected(*key, tokens), "resident block {i} changed under pressure");
     }
@@ -439,10 +445,8 @@ fn resident_blocks_survive_any_pressure_until_dropped_and_are_bounded() {
     assert_eq!(p.stats().index.misses, misses, "resident blocks are hits through the page table too");
     // Dropped, they are evictable again.
     drop(resident);
-    assert_eq!((p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (0, 64));
-    for (req, _) in requests(&store, 2, 0, FileStream::Index) {
-        drop(p.get(&req).unwrap());
-    }
+    assert_eq!((p.stats().index.resident_pins, p.pinnable(BlockClass::Index)), (0, 312));
+    stream();
     let reread = held_reqs.iter().take(50).filter(|(req, _)| p.get(req).unwrap().read_here()).count();
     assert!(reread > 0, "released blocks were evicted by the next stream");
     // Data blocks never become resident.

@@ -244,6 +244,11 @@ pub struct PagedIndex<'p> {
     pins: RefCell<Pins<'p>>,
 }
 
+/// Most key blocks a [`PagedIndex`] whose blocks are not resident pins for one batch beyond
+/// its pin cache: a range-phase batch scores up to 8 neighbour lists, a flat scan a whole
+/// prefix, and the index area may be mostly held resident by other files.
+const PIN_BATCH: usize = 64;
+
 /// Share of the pool's index area one [`PagedIndex`] may keep pinned: with 2 threads per
 /// session, 8 concurrent sessions hold at most half of it.
 const PIN_SHARE: usize = 32;
@@ -391,11 +396,18 @@ impl<'p> PagedIndex<'p> {
     }
 
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
-    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
+    /// Pins at most [`PIN_BATCH`] ids' blocks at a time (none when resident).
+    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
         let first = 1 + self.layout.adjacency_blocks();
         let rows = self.layout.rows_per_block;
-        let wanted = || blocks_holding(&self.layout, ids, first);
-        self.with_blocks(wanted, stats, |block| visit_rows(&self.layout, ids, |t| block(first + t / rows), f))
+        let batch = if self.resident.is_some() { ids.len().max(1) } else { PIN_BATCH };
+        for (c, ids) in ids.chunks(batch).enumerate() {
+            let wanted = || blocks_holding(&self.layout, ids, first);
+            self.with_blocks(wanted, stats, |block| {
+                visit_rows(&self.layout, ids, |t| block(first + t / rows), |i, row| f(c * batch + i, row))
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -444,6 +456,28 @@ impl PagedIndex<'_> {
         out: &mut [f32],
         stats: &mut SearchStats,
     ) -> SourceResult {
+        let rows = self.layout.rows_per_block;
+        let end = first + out.len() as u32;
+        // At most PIN_BATCH blocks pinned at a time: a flat scan streams a whole prefix.
+        let mut t = first;
+        while t < end {
+            let to = end.min((t / rows + PIN_BATCH as u32) * rows);
+            self.scan_span(first_block, t, &mut out[(t - first) as usize..(to - first) as usize], q, stats)?;
+            t = to;
+        }
+        stats.keys_scored += out.len() as u64;
+        Ok(())
+    }
+
+    /// [`scan_rows`](Self::scan_rows) of the rows `first ..` one pinning covers.
+    fn scan_span(
+        &self,
+        first_block: u32,
+        first: u32,
+        out: &mut [f32],
+        q: &[f32],
+        stats: &mut SearchStats,
+    ) -> SourceResult {
         let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
         let end = first + out.len() as u32;
         let span = first_block + first / rows..first_block + end.div_ceil(rows);
@@ -466,7 +500,6 @@ impl PagedIndex<'_> {
                 debug_assert_eq!(t, end);
             },
         )?;
-        stats.keys_scored += out.len() as u64;
         Ok(())
     }
 }

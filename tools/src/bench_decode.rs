@@ -169,7 +169,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "hit_ratio": hits as f64 / (hits + misses).max(1) as f64,
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
         "step_split_seconds": {"search": split.0, "value_read_and_sum": split.1, "window_and_merge": split.2},
-        "index_warm_seconds": warm_s, "index_warm_blocks": warmed, "index_warm_extrapolated_seconds": per_layer(warm_s),
+        "index_warm_seconds": warm_s, "index_warm_blocks": warmed.blocks, "index_held_blocks": warmed.held, "index_warm_extrapolated_seconds": per_layer(warm_s),
         "session_open_seconds": open_s, "time_to_first_output_seconds": ttft,
         "exact_step_seconds": exact_step, "full_load_seconds": per_layer(load_s), "full_load_attend_seconds": per_layer(attend_s),
         "store_1k_on_top": {"tokens": stored.tokens, "seconds": stored.seconds, "blocks": stored.blocks, "build_seconds": stored.build_seconds()},
@@ -216,7 +216,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         stored.tokens, stored.seconds, stored.blocks, layers
     );
     println!(
-        "index made resident once per DB open: {warmed} blocks in {warm_s:.2} s ({:.2} s for 32 layers)",
+        "index made resident once per DB open: {} of {} blocks held, read in {warm_s:.2} s ({:.2} s for 32 layers)",
+        warmed.held,
+        warmed.blocks,
         per_layer(warm_s)
     );
     println!(
