@@ -145,7 +145,8 @@ impl BufferPool {
     pub fn make_resident(self: &Arc<Self>, reqs: &[BlockRequest]) -> Result<Option<ResidentBlocks>, BufferError> {
         check_class(reqs)?;
         let area = &self.areas[BlockClass::Index as usize];
-        let limit = area.frames.len().saturating_sub(reserve(area.frames.len())) as u64;
+        let reserve = reserve(area.frames.len());
+        let limit = area.frames.len().saturating_sub(reserve) as u64;
         let wanted = reqs.len() as u64;
         // Reserve first, so concurrent requests cannot both pass the check.
         if area.resident_pins.fetch_add(wanted, Ordering::AcqRel) + wanted > limit {
@@ -153,7 +154,8 @@ impl BufferPool {
             return Ok(None);
         }
         let mut held = ResidentBlocks::new(self.clone());
-        let batch = (area.frames.len() - limit as usize).clamp(1, 256);
+        // Misses are read in batches the reserve can take.
+        let batch = reserve.clamp(1, 256);
         let mut outcome = Ok(());
         for chunk in reqs.chunks(batch) {
             for g in self.get_many(chunk) {

@@ -395,6 +395,13 @@ impl<'p> PagedIndex<'p> {
         gather_rows(self.pool, &self.blocks[first..], &self.layout, ids)
     }
 
+    /// Where `node`'s adjacency record is: its logical block, and its bytes in the payload.
+    fn record_of(&self, node: u32) -> (u32, std::ops::Range<usize>) {
+        let (per, bytes) = (self.layout.records_per_block, self.layout.degree as usize * 4);
+        let at = (node % per) as usize * bytes;
+        (1 + node / per, at..at + bytes)
+    }
+
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
     /// Pins at most [`PIN_BATCH`] ids' blocks at a time (none when resident).
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
@@ -506,14 +513,12 @@ impl PagedIndex<'_> {
 
 impl Graph for PagedIndex<'_> {
     fn neighbors(&self, node: u32, out: &mut Vec<u32>, stats: &mut SearchStats) -> SourceResult {
-        let per = self.layout.records_per_block;
-        let deg = self.layout.degree as usize;
-        let at = (node % per) as usize * deg;
+        let (block, at) = self.record_of(node);
         self.with_blocks(
-            || vec![1 + node / per],
+            || vec![block],
             stats,
-            |block| {
-                let record: &[u32] = bytemuck::cast_slice(&block(1 + node / per)[at * 4..(at + deg) * 4]);
+            |payload| {
+                let record: &[u32] = bytemuck::cast_slice(&payload(block)[at]);
                 out.extend(record.iter().copied().take_while(|&n| n != u32::MAX));
             },
         )
@@ -523,14 +528,12 @@ impl Graph for PagedIndex<'_> {
     }
     /// Only a record in a block this index holds resident or pinned (pinning is not a hint).
     fn prefetch(&self, node: u32) {
-        let (per, deg) = (self.layout.records_per_block, self.layout.degree as usize);
-        let at = (node % per) as usize * deg * 4;
-        let block = 1 + node / per;
+        let (block, at) = self.record_of(node);
         match self.resident {
-            Some(r) => ctxfs_kernels::prefetch(&r.payload(block as usize)[at..at + deg * 4]),
+            Some(r) => ctxfs_kernels::prefetch(&r.payload(block as usize)[at]),
             None => {
                 if let Some(g) = self.pins.borrow().get(block) {
-                    ctxfs_kernels::prefetch(&g.payload()[at..at + deg * 4]);
+                    ctxfs_kernels::prefetch(&g.payload()[at]);
                 }
             }
         }
