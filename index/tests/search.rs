@@ -206,11 +206,16 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
             dipr as f64 / (m * n) as f64 * 100.0
         );
         assert!(recall >= *floor, "kv {kv}: recall {recall}");
-        assert!(excess <= 7.0, "kv {kv}: scored {excess:.2}x the DIPR set");
+        assert!(excess <= MAX_EXCESS, "kv {kv}: scored {excess:.2}x the DIPR set");
     }
 }
 
-/// Measured after the search started from seeds, climbed from them and expanded its band
-/// along the sequence (0.968 and 0.899, at 5.3× and 6.4× the DIPR set scored), less 0.05: a
-/// regression floor; `ctxfs bench search` measures the goal (0.95) at 128K.
-const RECALL_FLOOR: [f64; 2] = [0.91, 0.84];
+/// Measured after the band was expanded in runs of 12 tokens with reach 1.25 (0.983 and
+/// 0.920, at 5.8× and 7.1× the DIPR set scored; one token at a time with reach 1.7 gave
+/// 0.970 and 0.899 at 5.3× and 6.4×), less 0.05: a regression floor. At this size the
+/// seeds are most of the keys scored; `ctxfs bench search` measures the goals (recall
+/// 0.95, at most 3% scored) at 128K, where the runs score fewer keys, not more.
+const RECALL_FLOOR: [f64; 2] = [0.93, 0.87];
+
+/// Keys scored over the size of the DIPR set, measured as above (7.1×) plus 10%.
+const MAX_EXCESS: f64 = 7.8;
