@@ -245,7 +245,7 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let mut score = [0.0f32];
     s.score(&[start], q, &mut score, &mut stats)?;
     let mut best = score[0].max(p.window_max);
-    let mut seen: Vec<(u32, f32)> = Vec::with_capacity(SEEN_CAPACITY);
+    let mut seen: Vec<(u32, f32)> = Vec::with_capacity(SEEN_CAPACITY.min(s.len() as usize));
     seen.push((start, score[0]));
     let mut expanded = Visited::new(s.len());
     let mut beam = Beam::new(p.l0, Scored(score[0], start));
