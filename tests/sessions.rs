@@ -345,3 +345,55 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
     let err = session.attention_with(0, &b.decode_step(0, 0), &opts(Plan::Quest, 0.0)).unwrap_err().to_string();
     assert!(err.contains("no quest index"), "{err}");
 }
+
+/// A session's DIPRS search starts from the tokens the same q head's last search returned
+/// (decode queries drift slowly): the beam that finds the best region is skipped, and the
+/// answers are at least as complete as searches that start afresh.
+#[test]
+fn a_decode_step_starts_from_the_last_steps_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    let warm = db.open_session("book", None).unwrap();
+    let afresh = db.open_session("book", None).unwrap();
+    let d = b.shape.head_dim as usize;
+    let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
+    let beta = 5.0 * (d as f32).sqrt();
+    let layer = 1;
+    let (mut recall, mut hops, mut scored) = ([0.0f64; 2], [0u64; 2], [0u64; 2]);
+    for step in 0..8 {
+        let q = b.decode_step(layer, step);
+        let cold = AttentionOptions { warm_start: false, ..opts(Plan::Diprs, beta) };
+        let answers = [
+            warm.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap(),
+            afresh.attention_with(layer, &q, &cold).unwrap(),
+        ];
+        if step == 0 {
+            // Nothing to start from yet: the same search.
+            assert_eq!(answers[0].output, answers[1].output);
+            for (w, a) in answers[0].heads.iter().zip(&answers[1].heads) {
+                assert_eq!((w.stats.keys_scored, w.stats.hops), (a.stats.keys_scored, a.stats.hops));
+            }
+            continue;
+        }
+        for (i, a) in answers.iter().enumerate() {
+            for (qh, r) in a.heads.iter().enumerate() {
+                let h = b.head(layer, qh / group);
+                let qv = &q[qh * d..(qh + 1) * d];
+                let s: Vec<f32> =
+                    h.keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a.to_f32() * b).sum()).collect();
+                let best = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let dipr: Vec<u32> = (0..N as u32).filter(|&t| s[t as usize] >= best - beta).collect();
+                recall[i] +=
+                    dipr.iter().filter(|t| r.selected.binary_search(t).is_ok()).count() as f64 / dipr.len() as f64;
+                hops[i] += r.stats.hops;
+                scored[i] += r.stats.keys_scored;
+            }
+        }
+    }
+    let searches = 7.0 * b.shape.q_heads as f64;
+    let (warm_recall, afresh_recall) = (recall[0] / searches, recall[1] / searches);
+    println!("from the last step: recall {warm_recall:.3}, {} hops, {} keys scored; afresh: recall {afresh_recall:.3}, {} hops, {} keys scored", hops[0], scored[0], hops[1], scored[1]);
+    assert!(warm_recall >= afresh_recall - 0.005, "recall {warm_recall} against {afresh_recall} afresh");
+    assert!(hops[0] < hops[1], "{} hops against {} afresh: the beam ran", hops[0], hops[1]);
+}

@@ -18,7 +18,7 @@ use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
-use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::search::{diprs_from, topk};
 use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
@@ -85,6 +85,11 @@ pub struct AttentionOptions {
     pub detail: bool,
     /// Attend the window on the CPU even when the DB has a GPU.
     pub cpu_only: bool,
+    /// Start each DIPRS search from the best tokens the same q head's last DIPRS search in
+    /// this layer returned ([`ctxfs_index::search::diprs_from`]): critical tokens repeat
+    /// from one decode step to the next. `false`: every search starts afresh, so a call's
+    /// answer does not depend on the calls before it.
+    pub warm_start: bool,
 }
 
 impl Default for AttentionOptions {
@@ -98,6 +103,7 @@ impl Default for AttentionOptions {
             scale: None,
             detail: false,
             cpu_only: false,
+            warm_start: true,
         }
     }
 }
@@ -232,6 +238,9 @@ pub struct Session {
     /// Loaded on a layer's first attention call, per (layer, kv head).
     windows: Mutex<Vec<Option<Arc<HeadWindow>>>>,
     fresh: Vec<Fresh>,
+    /// Per (layer, q head): the best tokens, as (segment, token in it), that the last DIPRS
+    /// search returned; the next one starts from them.
+    last_found: Mutex<Vec<Vec<(usize, u32)>>>,
     /// Ids of the tokens after the prefix: the prompt's unreused tokens, then appended ones.
     new_tokens: Vec<u32>,
     /// The pool's data area could hold every value of the reused prefix.
@@ -279,6 +288,7 @@ impl Session {
             window_ids: window.tokens(prefix),
             windows: Mutex::new(vec![None; files]),
             fresh,
+            last_found: Mutex::new(vec![Vec::new(); shape.layers as usize * shape.q_heads as usize]),
             new_tokens,
         })
     }
@@ -600,7 +610,14 @@ impl Session {
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
             let searching = Instant::now();
             let scanned: Vec<&(Vec<f32>, SearchStats)> = scans.iter().map(|s| &s[i]).collect();
-            let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &mut stats)?;
+            let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
+            let warm = choice.plan == Plan::Diprs && opts.warm_start;
+            let previous =
+                if warm { self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot].clone() } else { Vec::new() };
+            let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
+            if warm {
+                self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot] = best_found(&found, &readers);
+            }
             let search = searching.elapsed() + scan_share;
             let prefetch = self.prefetch_values(&found, &readers);
             heads.push(SearchedHead { win_z, fresh_z, found, prefetch, stats, search, elapsed: started.elapsed() });
@@ -775,6 +792,7 @@ impl Session {
         own_max: f32,
         choice: Choice,
         opts: &AttentionOptions,
+        previous: &[(usize, u32)],
         stats: &mut SearchStats,
     ) -> Result<Vec<(usize, u32, f32)>> {
         let plan = choice.plan;
@@ -790,7 +808,7 @@ impl Session {
             let r: SearchResult = match plan {
                 Plan::Full => flat::dipr_of(&scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
                 Plan::Flat => flat::dipr_of(&scanned[si].0, opts.beta, best, scanned[si].1),
-                Plan::Diprs => diprs(
+                Plan::Diprs => diprs_from(
                     index,
                     q,
                     &DiprsParams {
@@ -801,6 +819,7 @@ impl Session {
                         expand_limit: budget.map(|b| b * 2 + in_window as usize),
                         ..Default::default()
                     },
+                    &previous.iter().filter(|p| p.0 == si).map(|p| p.1).collect::<Vec<_>>(),
                 )?,
                 Plan::Topk => {
                     // Window tokens may rank among the best; ask for enough to fill k without them.
@@ -843,4 +862,18 @@ impl Session {
         found.sort_by_key(|f| f.1);
         Ok(found)
     }
+}
+
+/// How many of a search's best tokens the next search of the same q head starts from.
+const WARM_START_TOKENS: usize = 64;
+
+/// The [`WARM_START_TOKENS`] best of `found` (segment, token, score), as (segment, token in
+/// the segment).
+fn best_found(found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Vec<(usize, u32)> {
+    let mut best = found.to_vec();
+    if best.len() > WARM_START_TOKENS {
+        best.select_nth_unstable_by(WARM_START_TOKENS - 1, |a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+        best.truncate(WARM_START_TOKENS);
+    }
+    best.into_iter().map(|(si, t, _)| (si, t - readers[si].seg.base)).collect()
 }

@@ -237,6 +237,24 @@ impl Expander {
 /// breadth-first, admitting only neighbours within that reach; keys that fall out of it as
 /// the best rises are not expanded.
 pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<SearchResult, BufferError> {
+    diprs_from(s, q, p, &[])
+}
+
+/// [`diprs`], also starting from `previous`: tokens a search for a nearby query returned
+/// (the last decode step's, for the same q head; critical tokens repeat from step to step).
+/// They are scored first. When the best of them scores at least the best seed, they already
+/// lie in the best region and the beam, the search's route there, is skipped: the range
+/// phase starts from them, and the seed climbs still look for passages they miss. Otherwise
+/// they join the beam. At 131,072 generated tokens (4 heads, 7 consecutive decode steps per
+/// q head, each from the last's 64 best): median search 201 → 155 µs from cold caches, DIPR
+/// recall 0.961 → 0.981 at 2% fewer keys scored; starting from another head's tokens instead
+/// (unrelated ones) gave 0.961 and the same time, the beam running as without them.
+pub fn diprs_from<S: Keys + Graph>(
+    s: &S,
+    q: &[f32],
+    p: &DiprsParams,
+    previous: &[u32],
+) -> Result<SearchResult, BufferError> {
     let mut stats = SearchStats::default();
     let mut ex = Expander::new(s.len(), p.prefix);
     let Some(start) = ex.start(s) else {
@@ -248,38 +266,51 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
     let mut seen: Vec<(u32, f32)> = Vec::with_capacity(SEEN_CAPACITY.min(s.len() as usize));
     seen.push((start, score[0]));
     let mut expanded = Visited::new(s.len());
-    let mut beam = Beam::new(p.l0, Scored(score[0], start));
     let seeds = match p.seed_stride {
         Some(stride) => Seeds::score(s, stride.max(1), start, &mut ex, q, &mut stats)?,
         None => Seeds::default(),
     };
     best = best.max(seeds.best());
-    // Only the beam's width of best seeds can ever be expanded by it (a key enters the
-    // frontier only to be popped after every better one, and the climb ends at the first
-    // popped key worse than all it keeps), so only those enter it: a selection, not a sort.
-    for seed in seeds.best_of(p.l0.max(1)) {
-        s.prefetch(seed.1);
-        beam.add(seed);
-    }
-    let (mut nodes, mut batch) = (Vec::with_capacity(BEAM_BATCH), Batch::default());
-    loop {
-        // Up to BEAM_BATCH of the best unexpanded keys are expanded together: their records
-        // and then their neighbours' rows are read in parallel, not one hop after another.
-        nodes.clear();
-        while nodes.len() < BEAM_BATCH {
-            let Some(Scored(_, node)) = beam.next() else { break };
-            s.prefetch(node);
-            expanded.insert(node);
-            nodes.push(node);
+    let fresh: Vec<u32> = previous.iter().copied().filter(|&k| ex.qualifies(k) && ex.visited.insert(k)).collect();
+    let mut batch = Batch::default();
+    score_all(s, q, (&fresh, &mut batch.scores), &mut stats)?;
+    let warm: Vec<Scored> = fresh.iter().zip(&batch.scores).map(|(&k, &sc)| Scored(sc, k)).collect();
+    let warm_best = warm.iter().map(|k| k.0).fold(f32::NEG_INFINITY, f32::max);
+    seen.extend(warm.iter().map(|&Scored(sc, k)| (k, sc)));
+    best = best.max(warm_best);
+    if warm.is_empty() || warm_best < seeds.best() {
+        let mut beam = Beam::new(p.l0, Scored(score[0], start));
+        // Only the beam's width of best seeds can ever be expanded by it (a key enters the
+        // frontier only to be popped after every better one, and the climb ends at the first
+        // popped key worse than all it keeps), so only those enter it: a selection, not a sort.
+        for seed in seeds.best_of(p.l0.max(1)) {
+            s.prefetch(seed.1);
+            beam.add(seed);
         }
-        if nodes.is_empty() {
-            break;
+        for &key in &warm {
+            beam.offer(key);
         }
-        ex.expand_batch(s, nodes.iter().copied(), q, &mut batch, &mut stats)?;
-        for (&k, &sc) in batch.keys.iter().zip(&batch.scores) {
-            seen.push((k, sc));
-            best = best.max(sc);
-            beam.offer(Scored(sc, k));
+        let mut nodes = Vec::with_capacity(BEAM_BATCH);
+        loop {
+            // Up to BEAM_BATCH of the best unexpanded keys are expanded together: their
+            // records and then their neighbours' rows are read in parallel, not one hop
+            // after another.
+            nodes.clear();
+            while nodes.len() < BEAM_BATCH {
+                let Some(Scored(_, node)) = beam.next() else { break };
+                s.prefetch(node);
+                expanded.insert(node);
+                nodes.push(node);
+            }
+            if nodes.is_empty() {
+                break;
+            }
+            ex.expand_batch(s, nodes.iter().copied(), q, &mut batch, &mut stats)?;
+            for (&k, &sc) in batch.keys.iter().zip(&batch.scores) {
+                seen.push((k, sc));
+                best = best.max(sc);
+                beam.offer(Scored(sc, k));
+            }
         }
     }
     // The beam fills with the best passage's keys; a seed in another passage the query
