@@ -24,6 +24,18 @@ fn imported(dir: &Path) -> (Book, std::path::PathBuf) {
     (b, store)
 }
 
+/// The share of q head `qh`'s exact DIPR set (over the book's keys of `layer`) that
+/// `selected` (ascending) holds.
+fn dipr_recall(b: &Book, layer: usize, qh: usize, q: &[f32], beta: f32, selected: &[u32]) -> f64 {
+    let d = b.shape.head_dim as usize;
+    let h = b.head(layer, qh / (b.shape.q_heads / b.shape.kv_heads) as usize);
+    let qv = &q[qh * d..(qh + 1) * d];
+    let s: Vec<f32> = h.keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a.to_f32() * b).sum()).collect();
+    let best = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let dipr: Vec<u32> = (0..N as u32).filter(|&t| s[t as usize] >= best - beta).collect();
+    dipr.iter().filter(|t| selected.binary_search(t).is_ok()).count() as f64 / dipr.len() as f64
+}
+
 fn opts(plan: Plan, beta: f32) -> AttentionOptions {
     AttentionOptions { plan: Some(plan), beta, detail: true, ..Default::default() }
 }
@@ -94,16 +106,8 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             let lean = lean.attention(layer, &q).unwrap();
             assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "diprs" });
             let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
-            let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
             for (qh, r) in auto.heads.iter().enumerate() {
-                let h = b.head(layer, qh / group);
-                let qv = &q[qh * d..(qh + 1) * d];
-                let s: Vec<f32> =
-                    h.keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a.to_f32() * b).sum()).collect();
-                let best = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let dipr: Vec<u32> = (0..N as u32).filter(|&t| s[t as usize] >= best - beta).collect();
-                let hit = dipr.iter().filter(|t| r.selected.binary_search(t).is_ok()).count();
-                recall += hit as f64 / dipr.len() as f64;
+                recall += dipr_recall(&b, layer, qh, &q, beta, &r.selected);
                 queries += 1;
                 scored += r.stats.keys_scored;
             }
@@ -357,7 +361,6 @@ fn a_decode_step_starts_from_the_last_steps_tokens() {
     let warm = db.open_session("book", None).unwrap();
     let afresh = db.open_session("book", None).unwrap();
     let d = b.shape.head_dim as usize;
-    let group = (b.shape.q_heads / b.shape.kv_heads) as usize;
     let beta = 5.0 * (d as f32).sqrt();
     let layer = 1;
     let (mut recall, mut hops, mut scored) = ([0.0f64; 2], [0u64; 2], [0u64; 2]);
@@ -378,14 +381,7 @@ fn a_decode_step_starts_from_the_last_steps_tokens() {
         }
         for (i, a) in answers.iter().enumerate() {
             for (qh, r) in a.heads.iter().enumerate() {
-                let h = b.head(layer, qh / group);
-                let qv = &q[qh * d..(qh + 1) * d];
-                let s: Vec<f32> =
-                    h.keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a.to_f32() * b).sum()).collect();
-                let best = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let dipr: Vec<u32> = (0..N as u32).filter(|&t| s[t as usize] >= best - beta).collect();
-                recall[i] +=
-                    dipr.iter().filter(|t| r.selected.binary_search(t).is_ok()).count() as f64 / dipr.len() as f64;
+                recall[i] += dipr_recall(&b, layer, qh, &q, beta, &r.selected);
                 hops[i] += r.stats.hops;
                 scored[i] += r.stats.keys_scored;
             }
