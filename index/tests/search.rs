@@ -1,6 +1,6 @@
 //! Property tests of the searches and the build on small random data, against flat scans.
 
-use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::search::{diprs, diprs_from, topk};
 use ctxfs_index::synth::Rng;
 use ctxfs_index::Pair;
 use ctxfs_index::{build, flat, BuildParams, DiprsParams, MemGraph, MemKeys};
@@ -48,6 +48,33 @@ fn diprs_with_l0_at_least_n_returns_exactly_the_flat_dipr_set() {
             let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None).unwrap();
             assert_eq!(set(&got.ids), set(&want.ids), "beta {beta}");
             assert_eq!(got.ids, want.ids, "same order, best first");
+        }
+    }
+}
+
+/// Starting from earlier results changes where the search begins, not what it may return:
+/// exhaustive searches still give the exact set, and a filtered one nothing at or beyond P,
+/// whatever the starting tokens (repeated, beyond the prefix or beyond the keys).
+#[test]
+fn diprs_from_earlier_tokens_returns_the_same_exact_set_and_respects_the_prefix() {
+    let (keys, queries, graph) = built(600, 16, 3);
+    let idx = Pair { keys: &keys, graph: &graph };
+    let mut rng = Rng::new(7);
+    for q in queries.chunks(16).take(20) {
+        let previous: Vec<u32> = (0..40).map(|_| (rng.next_u64() % 700) as u32).chain([5, 5, u32::MAX]).collect();
+        for beta in [0.5, 2.0, 8.0, 1e9] {
+            let p = DiprsParams { beta, l0: 600, ..Default::default() };
+            let got = diprs_from(&idx, q, &p, &previous).unwrap();
+            let want = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, None).unwrap();
+            assert_eq!(got.ids, want.ids, "beta {beta}");
+        }
+        for prefix in [0, 1, 10, 160, 400] {
+            let p = DiprsParams { beta: 3.0, l0: 32, prefix: Some(prefix), ..Default::default() };
+            let got = diprs_from(&idx, q, &p, &previous).unwrap();
+            assert!(got.ids.iter().all(|&id| id < prefix), "prefix {prefix}: {:?}", got.ids);
+            let mut unique = got.ids.clone();
+            unique.dedup();
+            assert_eq!(unique.len(), got.ids.len(), "a token returned twice");
         }
     }
 }
