@@ -612,8 +612,12 @@ impl Session {
             let scanned: Vec<&(Vec<f32>, SearchStats)> = scans.iter().map(|s| &s[i]).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::Diprs && opts.warm_start;
-            let previous =
-                if warm { self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot].clone() } else { Vec::new() };
+            // Taken, not copied: this search replaces them.
+            let previous = if warm {
+                std::mem::take(&mut self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot])
+            } else {
+                Vec::new()
+            };
             let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
             if warm {
                 self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot] = best_found(&found, &readers);
