@@ -49,6 +49,9 @@ pub struct DbConfig {
     pub pool_bytes: u64,
     /// Share of the pool for data blocks; the rest keeps index blocks resident.
     pub data_fraction: f64,
+    /// Map the whole pool's memory when the DB opens (`PoolConfig::populate`): what a
+    /// server does, so that first reads pay no page faults.
+    pub populate_pool: bool,
     pub window: Window,
     pub rules: Rules,
     pub build: BuildParams,
@@ -67,6 +70,7 @@ impl Default for DbConfig {
         DbConfig {
             pool_bytes: 256 << 20,
             data_fraction: PoolConfig::default().data_fraction,
+            populate_pool: false,
             window: Window::default(),
             rules: Rules::default(),
             build: BuildParams::default(),
@@ -155,7 +159,12 @@ impl Db {
     pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {
         let pool = Arc::new(BufferPool::new(
             Arc::new(DeviceSource::new(store.device().clone())),
-            PoolConfig { budget_bytes: config.pool_bytes, data_fraction: config.data_fraction, ..Default::default() },
+            PoolConfig {
+                budget_bytes: config.pool_bytes,
+                data_fraction: config.data_fraction,
+                populate: config.populate_pool,
+                ..Default::default()
+            },
         )?);
         let (gpu, gpu_status) = match config.gpu {
             false => (None, "the GPU is disabled by the DB's configuration".to_string()),

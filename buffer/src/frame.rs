@@ -11,9 +11,9 @@
 //! the frame still holds the block it wanted: the frame may have been evicted and reused
 //! between the lookup and the lock.
 
+use crate::arena::FrameBuf;
 use crate::request::BufferError;
 use crate::sync::{AtomicBool, AtomicU64, Ordering, RwLock};
-use ctxfs_vfs::device::AlignedBuf;
 use ctxfs_vfs::format::BlockHeader;
 
 #[derive(Debug)]
@@ -29,8 +29,8 @@ pub(crate) enum FrameState {
 pub(crate) struct FrameData {
     pub block: u64,
     pub state: FrameState,
-    /// Allocated on first use, so an idle pool costs no memory.
-    pub buf: AlignedBuf,
+    /// The frame's slot of the pool's arena, taken on first use.
+    pub buf: FrameBuf,
 }
 
 /// No context: the frame holds nothing an eviction policy should look at.
@@ -60,7 +60,7 @@ pub(crate) struct Frame {
 impl Frame {
     pub fn new() -> Self {
         Frame {
-            data: RwLock::new(FrameData { block: u64::MAX, state: FrameState::Empty, buf: AlignedBuf::zeroed(0) }),
+            data: RwLock::new(FrameData { block: u64::MAX, state: FrameState::Empty, buf: FrameBuf::none() }),
             referenced: AtomicBool::new(false),
             prefetched: AtomicBool::new(false),
             last_use: AtomicU64::new(0),

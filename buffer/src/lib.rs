@@ -17,6 +17,7 @@
 //! Memory: frame buffers never exceed the budget; beyond it the pool holds frame descriptors
 //! and table entries ([`PoolStats::overhead`]) and the device source's fixed staging buffers.
 
+mod arena;
 mod frame;
 mod guard;
 mod hint;
@@ -36,5 +37,5 @@ pub use pool::{BufferPool, PoolConfig};
 pub use prefetcher::{Prefetched, Prefetcher};
 pub use request::{BlockClass, BlockRequest, BufferError};
 pub use resident::ResidentBlocks;
-pub use source::{BlockSource, DeviceSource, STAGING_BLOCKS, STAGING_BUFFERS};
+pub use source::{BlockSource, DeviceSource, RUN_BLOCKS, STAGING_BUFFERS, STAGING_BUFFER_BYTES};
 pub use stats::{ClassStats, PoolStats};

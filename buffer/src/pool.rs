@@ -1,6 +1,7 @@
 //! The buffer pool: frames split into an index area and a data area, a sharded page table,
 //! batched loads through a [`BlockSource`].
 
+use crate::arena::FrameArena;
 use crate::frame::{Frame, FrameData, FrameState, NO_CONTEXT};
 use crate::guard::PageGuard;
 use crate::hint::FrameHint;
@@ -11,7 +12,6 @@ use crate::source::BlockSource;
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
 use crate::table::Table;
-use ctxfs_vfs::device::AlignedBuf;
 use ctxfs_vfs::{FileStream, Snapshot};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -28,11 +28,21 @@ pub struct PoolConfig {
     pub wait: Duration,
     /// Page table shards.
     pub shards: usize,
+    /// Map every frame's memory when the pool is made, so that no read pays a page fault
+    /// later (a serving pool: it then holds its whole budget from the start). Otherwise a
+    /// frame's memory is mapped when the frame is first used.
+    pub populate: bool,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { budget_bytes: 256 << 20, data_fraction: 0.2, wait: Duration::from_secs(5), shards: 64 }
+        PoolConfig {
+            budget_bytes: 256 << 20,
+            data_fraction: 0.2,
+            wait: Duration::from_secs(5),
+            shards: 64,
+            populate: false,
+        }
     }
 }
 
@@ -61,6 +71,8 @@ pub struct BufferPool {
     source: Arc<dyn BlockSource>,
     block_size: usize,
     frames: Box<[Frame]>,
+    /// The frames' buffers (after `frames`, which point into it).
+    arena: FrameArena,
     areas: [Area; 2],
     table: Table,
     /// Advances on every load; hits record it as their frame's recency.
@@ -110,6 +122,7 @@ impl BufferPool {
         Ok(BufferPool {
             block_size: bs as usize,
             frames: (0..total).map(|_| Frame::new()).collect(),
+            arena: FrameArena::new(total, bs as usize, config.populate),
             areas: [area(BlockClass::Index, 0..index), area(BlockClass::Data, index..total)],
             table: Table::new(config.shards),
             clock: AtomicU64::new(1),
@@ -398,7 +411,10 @@ impl BufferPool {
                 continue;
             }
             if data.buf.is_empty() {
-                data.buf = AlignedBuf::zeroed(self.block_size);
+                // SAFETY: frame `idx` takes its slot once: here, under its write latch, while
+                // its buffer is still empty, and a buffer is never emptied again. Frames drop
+                // before the arena (field order), and guards borrow the pool.
+                data.buf = unsafe { self.arena.slot(idx) };
                 self.allocated.fetch_add(self.block_size as u64, Ordering::Relaxed);
             }
             data.block = req.block;

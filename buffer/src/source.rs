@@ -7,6 +7,7 @@ use ctxfs_vfs::device::{AlignedBuf, IoOp};
 use ctxfs_vfs::format::header::verify;
 use ctxfs_vfs::format::BlockHeader;
 use ctxfs_vfs::{BlockDevice, Error};
+use std::ops::Range;
 use std::sync::Arc;
 
 pub trait BlockSource: Send + Sync {
@@ -17,31 +18,76 @@ pub trait BlockSource: Send + Sync {
 }
 
 /// Staging buffers for coalesced reads: a fixed number of fixed size, so the memory they take
-/// is a constant. When all are in use, blocks are read one by one, straight into frames.
+/// is bounded. A batch takes one and packs all its runs into it; runs that do not fit, and
+/// every run of a batch that finds none free, are read block by block, straight into frames.
 pub const STAGING_BUFFERS: usize = 4;
+/// Bytes of one staging buffer (1,024 blocks of 4 KiB).
+pub const STAGING_BUFFER_BYTES: usize = 4 << 20;
 /// Longest coalesced read, in blocks.
-pub const STAGING_BLOCKS: usize = 64;
+pub const RUN_BLOCKS: usize = 64;
 
 pub struct DeviceSource {
     dev: Arc<dyn BlockDevice>,
-    staging: Mutex<Vec<AlignedBuf>>,
+    /// Idle staging buffers, and how many exist: they are made when first needed.
+    staging: Mutex<(Vec<AlignedBuf>, usize)>,
 }
 
 impl DeviceSource {
     pub fn new(dev: Arc<dyn BlockDevice>) -> Self {
-        let bytes = STAGING_BLOCKS * dev.block_size();
-        let staging = (0..STAGING_BUFFERS).map(|_| AlignedBuf::zeroed(bytes)).collect();
-        DeviceSource { dev, staging: Mutex::new(staging) }
+        DeviceSource { dev, staging: Mutex::new((Vec::new(), 0)) }
     }
 
-    /// Bytes the staging buffers take.
+    /// Bytes the staging buffers may take.
     pub fn staging_bytes(&self) -> usize {
-        STAGING_BUFFERS * STAGING_BLOCKS * self.dev.block_size()
+        STAGING_BUFFERS * STAGING_BUFFER_BYTES
+    }
+
+    /// An idle staging buffer, or a new one while fewer than [`STAGING_BUFFERS`] exist.
+    fn take_staging(&self) -> Option<AlignedBuf> {
+        let mut staging = lock(&self.staging);
+        let (idle, made) = &mut *staging;
+        if let Some(stage) = idle.pop() {
+            return Some(stage);
+        }
+        if *made == STAGING_BUFFERS {
+            return None;
+        }
+        *made += 1;
+        drop(staging);
+        Some(AlignedBuf::zeroed(STAGING_BUFFER_BYTES))
     }
 }
 
 fn io_error(block: u64, e: &std::io::Error) -> BufferError {
     BufferError::Block(Arc::new(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) }))
+}
+
+/// A coalesced read: the requests at `positions` of the block order, which name the
+/// adjacent device blocks from `first` on, staged from block `at` of the batch's staging
+/// buffer.
+struct Run {
+    positions: Range<usize>,
+    first: u64,
+    at: usize,
+}
+
+impl Run {
+    fn span(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+/// Splits the sorted blocks into runs of adjacent blocks, at most [`RUN_BLOCKS`] long, as
+/// ranges of positions.
+fn runs_of(sorted: &[u64]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (pos, &block) in sorted.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r) if sorted[r.end - 1] + 1 == block && r.len() < RUN_BLOCKS => r.end = pos + 1,
+            _ => runs.push(pos..pos + 1),
+        }
+    }
+    runs
 }
 
 impl BlockSource for DeviceSource {
@@ -51,79 +97,91 @@ impl BlockSource for DeviceSource {
 
     fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>> {
         let bs = self.dev.block_size();
+        let stage_blocks = STAGING_BUFFER_BYTES / bs;
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| reqs[i].block);
-        // Runs of adjacent device blocks, as positions in `order`.
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-        for (pos, &i) in order.iter().enumerate() {
-            match runs.last_mut() {
-                Some(r) if reqs[order[r.end - 1]].block + 1 == reqs[i].block && r.len() < STAGING_BLOCKS => r.end += 1,
-                _ => runs.push(pos..pos + 1),
+        let sorted: Vec<u64> = order.iter().map(|&i| reqs[i].block).collect();
+        debug_assert!(sorted.windows(2).all(|w| w[0] < w[1]), "requests name distinct blocks");
+        let runs: Vec<Range<usize>> = runs_of(&sorted).into_iter().filter(|r| r.len() > 1).collect();
+        let mut stage = if runs.is_empty() { None } else { self.take_staging() };
+        // Runs of more than one block are staged while the buffer has room.
+        let mut coalesced: Vec<Run> = Vec::new();
+        if stage.is_some() {
+            let mut at = 0;
+            for positions in runs {
+                if at + positions.len() <= stage_blocks {
+                    let run = Run { first: sorted[positions.start], positions, at };
+                    at += run.span();
+                    coalesced.push(run);
+                }
             }
         }
-        let mut staging: Vec<AlignedBuf> = {
-            let mut pool = lock(&self.staging);
-            let want = runs.iter().filter(|r| r.len() > 1).count().min(pool.len());
-            let at = pool.len() - want;
-            pool.split_off(at)
-        };
-        // Runs that got a staging buffer are read coalesced; the rest block by block.
-        let coalesced: Vec<std::ops::Range<usize>> =
-            runs.iter().filter(|r| r.len() > 1).take(staging.len()).cloned().collect();
         let mut direct: Vec<Option<&mut [u8]>> = bufs.iter_mut().map(|b| Some(&mut **b)).collect();
-        for r in &coalesced {
-            for pos in r.clone() {
+        for run in &coalesced {
+            for pos in run.positions.clone() {
                 direct[order[pos]] = None;
             }
         }
-        let mut io = {
+        let (runs, singles) = {
             let mut ops: Vec<IoOp<'_>> = Vec::new();
-            let mut slots: Vec<Slot> = Vec::new();
-            for (r, stage) in coalesced.iter().zip(staging.iter_mut()) {
-                ops.push(IoOp::Read { block: reqs[order[r.start]].block, buf: &mut stage[..r.len() * bs] });
-                slots.push(Slot::Run(r.clone()));
+            if let Some(stage) = stage.as_mut() {
+                // The runs were packed back to back from block 0 of the stage.
+                let mut rest: &mut [u8] = &mut stage[..];
+                for run in &coalesced {
+                    let (buf, tail) = std::mem::take(&mut rest).split_at_mut(run.span() * bs);
+                    ops.push(IoOp::Read { block: run.first, buf });
+                    rest = tail;
+                }
             }
+            let mut singles = Vec::new();
             for (i, buf) in direct.iter_mut().enumerate() {
                 if let Some(buf) = buf.take() {
                     ops.push(IoOp::Read { block: reqs[i].block, buf });
-                    slots.push(Slot::Single(i));
+                    singles.push(i);
                 }
             }
-            let results = self.dev.submit(&mut ops);
-            slots.into_iter().zip(results).collect::<Vec<_>>()
+            let mut runs = self.dev.submit(&mut ops);
+            let single = runs.split_off(coalesced.len());
+            (runs, singles.into_iter().zip(single))
         };
         let mut out: Vec<Option<Result<BlockHeader, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
         let mut retry: Vec<usize> = Vec::new();
-        for (slot, res) in io.drain(..) {
-            match (slot, res) {
-                (Slot::Single(i), Ok(())) => out[i] = Some(check(&reqs[i], bufs[i])),
-                (Slot::Single(i), Err(e)) => out[i] = Some(Err(io_error(reqs[i].block, &e))),
-                (Slot::Run(r), Ok(())) => {
-                    let stage = &staging[coalesced.iter().position(|c| *c == r).expect("run has a stage")];
-                    for (k, pos) in r.enumerate() {
+        for (i, res) in singles {
+            out[i] = Some(match res {
+                Ok(()) => check(&reqs[i], bufs[i]),
+                Err(e) => Err(io_error(reqs[i].block, &e)),
+            });
+        }
+        for (run, res) in coalesced.iter().zip(runs) {
+            match (res, stage.as_ref()) {
+                (Ok(()), Some(stage)) => {
+                    for pos in run.positions.clone() {
                         let i = order[pos];
+                        let k = run.at + pos - run.positions.start;
                         bufs[i].copy_from_slice(&stage[k * bs..(k + 1) * bs]);
                         out[i] = Some(check(&reqs[i], bufs[i]));
                     }
                 }
-                // A failed coalesced read is retried block by block, so the error names the block.
-                (Slot::Run(r), Err(_)) => retry.extend(r.map(|pos| order[pos])),
+                // A failed coalesced read is retried block by block, so the error names the
+                // block.
+                _ => retry.extend(run.positions.clone().map(|pos| order[pos])),
             }
         }
-        lock(&self.staging).append(&mut staging);
+        if let Some(stage) = stage {
+            lock(&self.staging).0.push(stage);
+        }
         if !retry.is_empty() {
+            retry.sort_unstable();
             let results = {
                 let mut ops: Vec<IoOp<'_>> = Vec::new();
                 for (i, buf) in bufs.iter_mut().enumerate() {
-                    if retry.contains(&i) {
+                    if retry.binary_search(&i).is_ok() {
                         ops.push(IoOp::Read { block: reqs[i].block, buf });
                     }
                 }
                 self.dev.submit(&mut ops)
             };
-            let mut sorted = retry.clone();
-            sorted.sort_unstable();
-            for (i, res) in sorted.into_iter().zip(results) {
+            for (&i, res) in retry.iter().zip(results) {
                 out[i] = Some(match res {
                     Ok(()) => check(&reqs[i], bufs[i]),
                     Err(e) => Err(io_error(reqs[i].block, &e)),
@@ -132,11 +190,6 @@ impl BlockSource for DeviceSource {
         }
         out.into_iter().map(|r| r.expect("every request has a result")).collect()
     }
-}
-
-enum Slot {
-    Single(usize),
-    Run(std::ops::Range<usize>),
 }
 
 fn check(req: &BlockRequest, buf: &[u8]) -> Result<BlockHeader, BufferError> {

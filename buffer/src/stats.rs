@@ -49,8 +49,8 @@ pub const TABLE_BYTES_PER_FRAME: usize = 32;
 
 impl PoolStats {
     /// Memory beyond the budget for a pool of `frames` frames: each frame's descriptor and its
-    /// page-table entry. The device source adds `source::STAGING_BUFFERS ×
-    /// source::STAGING_BLOCKS` blocks of staging, also fixed.
+    /// page-table entry. The device source adds at most `source::STAGING_BUFFERS ×
+    /// source::STAGING_BUFFER_BYTES` of staging, also fixed.
     pub fn overhead(frames: usize) -> u64 {
         (frames * (std::mem::size_of::<Frame>() + TABLE_BYTES_PER_FRAME)) as u64
     }

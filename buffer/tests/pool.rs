@@ -230,9 +230,8 @@ fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
     assert!(guards.iter().all(|g| g.is_ok()));
     let (submits, ops) = (dev.submits.load(Ordering::Relaxed) - s0, dev.ops.load(Ordering::Relaxed) - o0);
     assert_eq!(submits, 1, "one submission for the whole batch");
-    // 100 runs of 3: the first four runs are coalesced (staging buffers), the rest one by
-    // one; never more operations than blocks.
-    assert!((100..300).contains(&ops), "{ops} operations for 300 blocks");
+    // 100 runs of 3, each one coalesced read.
+    assert_eq!(ops, 100, "{ops} operations for 300 blocks in 100 runs");
     assert_eq!(pool.stats().data.misses, 300);
     drop(guards);
     // Duplicates in a request are read once.
@@ -241,6 +240,37 @@ fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
     assert!(pool.get_many(&dup).iter().all(|g| g.is_ok()));
     assert_eq!(dev.submits.load(Ordering::Relaxed) - s0, 1);
     assert_eq!(pool.stats().data.misses, 301);
+}
+
+#[test]
+fn long_runs_are_split_and_runs_past_the_staging_buffer_are_read_block_by_block() {
+    use ctxfs_buffer::{RUN_BLOCKS, STAGING_BUFFER_BYTES};
+    const STAGING_BLOCKS: usize = STAGING_BUFFER_BYTES / BS;
+    let dir = tmp();
+    let blocks = STAGING_BLOCKS + 276;
+    let (dev, store) = real_store(&dir, 64, 0, 0);
+    // One data stream written alone: past its first few blocks, the rest are adjacent on
+    // the device.
+    let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
+    let mut txn = store.begin().unwrap();
+    txn.create_context("ctx1", shape, &[]).unwrap();
+    let written = blocks + 16;
+    for first in (0..written * PER_BLOCK).step_by(PER_BLOCK) {
+        txn.append_block("ctx1", 0, 0, FileStream::Data, &block_payload(1, 0, 1, first, PER_BLOCK)).unwrap();
+    }
+    txn.commit().unwrap();
+    let all = requests(&store, 1, 0, FileStream::Data);
+    let data = &all[written - blocks..];
+    assert!(data.windows(2).all(|w| w[0].0.block + 1 == w[1].0.block), "the blocks requested are adjacent");
+    let pool = pool(dev.clone(), (4 * blocks * BS) as u64, 0.5);
+    let o0 = dev.ops.load(Ordering::Relaxed);
+    let reqs: Vec<BlockRequest> = data.iter().rev().map(|r| r.0).collect();
+    for (g, r) in pool.get_many(&reqs).iter().zip(data.iter().rev()) {
+        assert_eq!(g.as_ref().unwrap().as_f16(), &expected(r.1, PER_BLOCK * written)[..]);
+    }
+    // Runs of RUN_BLOCKS fill the staging buffer; the blocks after it are read one by one.
+    let staged = STAGING_BLOCKS / RUN_BLOCKS;
+    assert_eq!(dev.ops.load(Ordering::Relaxed) - o0, (staged + blocks - staged * RUN_BLOCKS) as u64);
 }
 
 #[test]

@@ -45,7 +45,8 @@ pub fn ensure_free(store: &Store, blocks: u64) -> Result<()> {
 }
 
 /// A buffer pool for serving a store: every index block resident, plus a data-block cache of
-/// a share of the data blocks (what `demo` and `bench decode` serve with).
+/// a share of the data blocks, its memory mapped when the DB opens (what `demo` and `bench
+/// decode` serve with).
 pub struct Serving {
     pub config: ctxfs_attention::DbConfig,
     pub index_bytes: u64,
@@ -59,7 +60,7 @@ impl Serving {
         // Slack beyond the index for the pool's own rounding, and a floor for the data area.
         let pool_bytes = index_bytes + cache_bytes + (8 << 20);
         let data_fraction = (cache_bytes + (4 << 20)) as f64 / pool_bytes as f64;
-        let config = ctxfs_attention::DbConfig { pool_bytes, data_fraction, ..Default::default() };
+        let config = ctxfs_attention::DbConfig { pool_bytes, data_fraction, populate_pool: true, ..Default::default() };
         Ok(Serving { config, index_bytes, cache_bytes })
     }
 }
