@@ -241,6 +241,9 @@ pub struct Session {
     /// Per (layer, q head): the best tokens, as (segment, token in it), that the last DIPRS
     /// search returned; the next one starts from them.
     last_found: Mutex<Vec<Vec<(usize, u32)>>>,
+    /// Per (layer, kv head): the thread time its group took in the last call, so the next
+    /// call hands out the costliest groups first.
+    last_cost: Mutex<Vec<Duration>>,
     /// Ids of the tokens after the prefix: the prompt's unreused tokens, then appended ones.
     new_tokens: Vec<u32>,
     /// The pool's data area could hold every value of the reused prefix.
@@ -289,6 +292,7 @@ impl Session {
             windows: Mutex::new(vec![None; files]),
             fresh,
             last_found: Mutex::new(vec![Vec::new(); shape.layers as usize * shape.q_heads as usize]),
+            last_cost: Mutex::new(vec![Duration::ZERO; files]),
             new_tokens,
         })
     }
@@ -414,17 +418,21 @@ impl Session {
         let group = qh / kv;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(kv).max(1);
         let mut per_head: Vec<Option<Result<GroupOutput>>> = (0..kv).map(|_| None).collect();
-        // Workers take kv heads as they come free (a diffuse head's search costs several
-        // times a sharp one's), every search first, then their values: the value blocks are
-        // read under the searches that follow. The calling thread is one of the workers.
+        // Workers take kv heads as they come free, the costliest in the last call first: a
+        // diffuse head's search costs several times a sharp one's, and one taken last would
+        // leave the other workers idle. Every search first, then their values: the value
+        // blocks are read under the searches that follow. The calling thread is one of the
+        // workers.
+        let order: Vec<usize> = {
+            let cost = &self.last_cost.lock().unwrap_or_else(|p| p.into_inner())[layer * kv..(layer + 1) * kv];
+            let mut order: Vec<usize> = (0..kv).collect();
+            order.sort_by_key(|&h| std::cmp::Reverse(cost[h]));
+            order
+        };
         let next = std::sync::atomic::AtomicUsize::new(0);
         let work = || -> Vec<(usize, Result<GroupOutput>)> {
             let mut searched = Vec::new();
-            loop {
-                let h = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if h >= kv {
-                    break;
-                }
+            while let Some(&h) = order.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
                 searched.push((h, self.search_group(layer, h, &q[h * group * d..(h + 1) * group * d], choice, opts)));
             }
             searched.into_iter().map(|(h, g)| (h, g.and_then(|g| self.sum_group(layer, g, opts, !on_gpu)))).collect()
@@ -443,6 +451,12 @@ impl Session {
             for (p, report) in r.expect("every kv head ran")? {
                 parts.push(p);
                 heads.push(report);
+            }
+        }
+        {
+            let mut cost = self.last_cost.lock().unwrap_or_else(|p| p.into_inner());
+            for (h, group) in heads.chunks(group).enumerate() {
+                cost[layer * kv + h] = group.iter().map(|r| r.timing.total).sum();
             }
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
