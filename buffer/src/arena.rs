@@ -27,17 +27,17 @@ unsafe impl Send for FrameArena {}
 unsafe impl Sync for FrameArena {}
 
 impl FrameArena {
-    /// An arena of `slots` frame buffers. `populate` maps every page now (writing the zero
-    /// it already reads as), so that no later read into a frame pays a page fault.
-    pub fn new(slots: usize, slot_bytes: usize, populate: bool) -> FrameArena {
+    /// An arena of `slots` frame buffers, or `None` if the system refuses that much memory.
+    /// `populate` maps every page now (writing the zero it already reads as), so that no
+    /// later read into a frame pays a page fault.
+    pub fn new(slots: usize, slot_bytes: usize, populate: bool) -> Option<FrameArena> {
         assert!(slot_bytes > 0 && slot_bytes.is_multiple_of(PAGE), "frame size {slot_bytes}");
-        let bytes = slots.checked_mul(slot_bytes).and_then(|b| b.checked_add(PAGE)).expect("pool budget overflows");
+        let bytes = slots.checked_mul(slot_bytes)?.checked_add(PAGE)?;
         // Requested at the allocator's natural alignment, so the zeroed allocation is a
         // lazily mapped `calloc`; the page alignment O_DIRECT needs comes from rounding up.
-        let layout = Layout::from_size_align(bytes, 16).expect("pool budget overflows");
+        let layout = Layout::from_size_align(bytes, 16).ok()?;
         // SAFETY: `layout` has a non-zero size (at least one page).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let base = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
         let skip = base.as_ptr().align_offset(PAGE);
         assert!(skip < PAGE);
         // SAFETY: `skip < PAGE`, and the allocation has PAGE bytes beyond the slots.
@@ -50,7 +50,7 @@ impl FrameArena {
                 unsafe { first.add(offset).as_ptr().write_volatile(0) };
             }
         }
-        FrameArena { base, layout, first, slots, slot_bytes }
+        Some(FrameArena { base, layout, first, slots, slot_bytes })
     }
 
     /// The buffer of frame `idx`.

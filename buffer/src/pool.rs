@@ -109,6 +109,9 @@ impl BufferPool {
             )));
         }
         let index = total - data;
+        let arena = FrameArena::new(total, bs as usize, config.populate).ok_or_else(|| {
+            BufferError::Config(format!("the system refused {} bytes for the pool's frames", config.budget_bytes))
+        })?;
         let area = |class, frames: Range<usize>| Area {
             class,
             free: Mutex::new(frames.clone().rev().collect()),
@@ -122,7 +125,7 @@ impl BufferPool {
         Ok(BufferPool {
             block_size: bs as usize,
             frames: (0..total).map(|_| Frame::new()).collect(),
-            arena: FrameArena::new(total, bs as usize, config.populate),
+            arena,
             areas: [area(BlockClass::Index, 0..index), area(BlockClass::Data, index..total)],
             table: Table::new(config.shards),
             clock: AtomicU64::new(1),

@@ -551,3 +551,10 @@ fn index_eviction_frees_a_batch_of_the_coldest_context_per_ranking() {
     drop(p.get(&two[11].0).unwrap());
     assert_eq!(p.stats().index.evictions, 22);
 }
+
+#[test]
+fn a_budget_the_system_cannot_map_is_a_config_error() {
+    let config = PoolConfig { budget_bytes: 1 << 50, ..Default::default() };
+    let err = BufferPool::new(Arc::new(DeviceSource::new(Arc::new(MemDevice::new(BS, 64)))), config).err().unwrap();
+    assert!(matches!(&err, BufferError::Config(m) if m.contains("refused")), "{err}");
+}
