@@ -14,8 +14,10 @@
 //!   blocks coalesced; concurrent requests for one block share one read; an I/O error or a
 //!   checksum failure reaches every waiter and is not cached.
 //!
-//! Memory: frame buffers never exceed the budget; beyond it the pool holds frame descriptors
-//! and table entries ([`PoolStats::overhead`]) and the device source's fixed staging buffers.
+//! Memory: frame buffers are slots of one allocation of the budget, mapped as frames are
+//! first used (or all at once, [`PoolConfig::populate`]), so they never exceed it; beyond it
+//! the pool holds frame descriptors and table entries ([`PoolStats::overhead`]) and the
+//! device source's fixed staging buffers.
 
 mod arena;
 mod frame;
