@@ -147,10 +147,7 @@ impl BlockSource for DeviceSource {
         let mut out: Vec<Option<Result<BlockHeader, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
         let mut retry: Vec<usize> = Vec::new();
         for (i, res) in singles {
-            out[i] = Some(match res {
-                Ok(()) => check(&reqs[i], bufs[i]),
-                Err(e) => Err(io_error(reqs[i].block, &e)),
-            });
+            out[i] = Some(outcome(&reqs[i], bufs[i], res));
         }
         for (run, res) in coalesced.iter().zip(runs) {
             match (res, stage.as_ref()) {
@@ -182,13 +179,18 @@ impl BlockSource for DeviceSource {
                 self.dev.submit(&mut ops)
             };
             for (&i, res) in retry.iter().zip(results) {
-                out[i] = Some(match res {
-                    Ok(()) => check(&reqs[i], bufs[i]),
-                    Err(e) => Err(io_error(reqs[i].block, &e)),
-                });
+                out[i] = Some(outcome(&reqs[i], bufs[i], res));
             }
         }
         out.into_iter().map(|r| r.expect("every request has a result")).collect()
+    }
+}
+
+/// A block read straight into its frame: verified if the read succeeded.
+fn outcome(req: &BlockRequest, buf: &[u8], read: std::io::Result<()>) -> Result<BlockHeader, BufferError> {
+    match read {
+        Ok(()) => check(req, buf),
+        Err(e) => Err(io_error(req.block, &e)),
     }
 }
 

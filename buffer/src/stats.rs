@@ -54,4 +54,12 @@ impl PoolStats {
     pub fn overhead(frames: usize) -> u64 {
         (frames * (std::mem::size_of::<Frame>() + TABLE_BYTES_PER_FRAME)) as u64
     }
+
+    /// The hit ratio of both classes' requests since `before`, an earlier snapshot of the
+    /// same pool.
+    pub fn hit_ratio_since(&self, before: &PoolStats) -> f64 {
+        let hits = (self.index.hits + self.data.hits) - (before.index.hits + before.data.hits);
+        let misses = (self.index.misses + self.data.misses) - (before.index.misses + before.data.misses);
+        ClassStats { hits, misses, ..Default::default() }.hit_ratio()
+    }
 }

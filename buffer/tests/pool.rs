@@ -234,6 +234,11 @@ fn a_batch_of_misses_is_one_submission_with_adjacent_blocks_coalesced() {
     assert_eq!(ops, 100, "{ops} operations for 300 blocks in 100 runs");
     assert_eq!(pool.stats().data.misses, 300);
     drop(guards);
+    // The same batch again: all hits since then, half of everything since the pool was made.
+    let before = pool.stats();
+    assert!(pool.get_many(&reqs).iter().all(|g| g.is_ok()));
+    assert_eq!(pool.stats().hit_ratio_since(&before), 1.0);
+    assert_eq!(pool.stats().data.hit_ratio(), 0.5);
     // Duplicates in a request are read once.
     let dup = vec![data[599].0; 5];
     let s0 = dev.submits.load(Ordering::Relaxed);

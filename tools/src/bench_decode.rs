@@ -133,14 +133,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let cold = step(0);
     let steady = median((1..steps).map(step).collect());
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
-    let hits = (after.index.hits + after.data.hits) - (before.index.hits + before.data.hits);
-    let misses = (after.index.misses + after.data.misses) - (before.index.misses + before.data.misses);
     // The split of the cold step, then the medians of the steady steps'.
     let cold_split = [0, 1, 2].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
-    let split_part = |i: usize| {
+    let split = [0, 1, 2].map(|i| {
         extrapolate(&layer_split.iter().map(|v| median(v[1..].iter().map(|p| p[i]).collect())).collect::<Vec<_>>())
-    };
-    let split = (split_part(0), split_part(1), split_part(2));
+    });
+    let split_json = |[search, values, rest]: [f64; 3]| json!({"search": search, "value_read_and_sum": values, "window_and_merge": rest});
 
     // Exact attention over the same store (one step, measured layers).
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
@@ -170,10 +168,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "layer_cold_seconds": layer_secs.iter().map(|v| v[0]).collect::<Vec<_>>(),
         "layer_steady_seconds": layer_secs.iter().map(|v| median(v[1..].to_vec())).collect::<Vec<_>>(),
         "ios_per_step": steady_ios, "bytes_per_step": steady_ios * 4096.0, "cold_step_ios": ios[0],
-        "hit_ratio": hits as f64 / (hits + misses).max(1) as f64,
+        "hit_ratio": after.hit_ratio_since(&before),
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
-        "step_split_seconds": {"search": split.0, "value_read_and_sum": split.1, "window_and_merge": split.2},
-        "cold_step_split_seconds": {"search": cold_split[0], "value_read_and_sum": cold_split[1], "window_and_merge": cold_split[2]},
+        "step_split_seconds": split_json(split), "cold_step_split_seconds": split_json(cold_split),
         "db_open_seconds": db_open_s, "index_warm_seconds": warm_s, "index_warm_blocks": warmed.blocks, "index_held_blocks": warmed.held, "index_warm_extrapolated_seconds": per_layer(warm_s),
         "session_open_seconds": open_s, "time_to_first_output_seconds": ttft,
         "exact_step_seconds": exact_step, "full_load_seconds": per_layer(load_s), "full_load_attend_seconds": per_layer(attend_s),
@@ -214,7 +211,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     );
     println!(
         "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s, window and merge {:.4} s",
-        split.0, split.1, split.2
+        split[0], split[1], split[2]
     );
     println!(
         "store_session of {} new tokens on top of the {n}-token book: {:.2} s, {} blocks written ({} layers)",

@@ -210,12 +210,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     }
     drop(replay);
     let hq = quality.heads as f64;
-    let hits = (pool.index.hits + pool.data.hits) - (before.index.hits + before.data.hits);
-    let misses = (pool.index.misses + pool.data.misses) - (before.index.misses + before.data.misses);
-    let hit_ratio = hits as f64 / (hits + misses).max(1) as f64;
-    let mut sorted = step_secs.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
+    let hit_ratio = pool.hit_ratio_since(&before);
+    let median = crate::bench::median(step_secs.clone());
     let t = Instant::now();
     let check = fsck::check(db.store().device().as_ref())?;
     let fsck_s = t.elapsed().as_secs_f64();
