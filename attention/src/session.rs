@@ -97,7 +97,7 @@ impl Default for AttentionOptions {
         AttentionOptions {
             plan: None,
             beta: 50.0,
-            l0: 64,
+            l0: DiprsParams::default().l0,
             k: 100,
             budget: None,
             scale: None,

@@ -18,7 +18,7 @@ fn measure() -> Vec<(String, u64)> {
         let idx = Pair { keys: &keys, graph: &graph };
         let (mut dipr, mut top) = (SearchStats::default(), SearchStats::default());
         for q in h.decode.concat().chunks(d) {
-            dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, l0: 64, ..Default::default() }).unwrap().stats;
+            dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, ..Default::default() }).unwrap().stats;
             top += topk(&idx, q, 100, 128, None).unwrap().stats;
         }
         out.push((format!("head{kv}.diprs.hops"), dipr.hops));

@@ -225,7 +225,7 @@ pub fn run(a: Args) -> Result<()> {
                         (f.ids, f.stats.keys_scored, meta, graph_per_token)
                     }
                     Method::Diprs { beta, prefix } => {
-                        let params = DiprsParams { beta, l0: 64, window_max: win_max, prefix, ..Default::default() };
+                        let params = DiprsParams { beta, window_max: win_max, prefix, ..Default::default() };
                         let f = diprs(&idx, q, &params)?;
                         let meta = f.stats.keys_scored * 2 * d as u64 + f.stats.hops * 4 * graph.degree as u64;
                         (f.ids, f.stats.keys_scored, meta, graph_per_token)
