@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::layout::{segments, FileBlocks};
 use crate::plan::Rules;
+use crate::poison::{lock, read, write};
 use crate::session::{Reuse, Session};
 use crate::trie::PrefixTrie;
 use ctxfs_buffer::{BlockClass, BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher};
@@ -100,11 +101,11 @@ pub(crate) struct Inner {
 impl Inner {
     pub fn file(&self, snap: &Snapshot, context: u32, layer: u16, head: u16) -> Result<Arc<FileBlocks>> {
         let key = (context, layer, head);
-        if let Some(f) = self.files.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        if let Some(f) = lock(&self.files).get(&key) {
             return Ok(f.clone());
         }
         let f = Arc::new(FileBlocks::locate(snap, context, layer, head)?);
-        self.files.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        lock(&self.files).insert(key, f.clone());
         Ok(f)
     }
 
@@ -115,7 +116,7 @@ impl Inner {
         for rec in snap.contexts() {
             trie.insert(rec.id, &snap.context_by_id(rec.id)?.tokens()?);
         }
-        *self.trie.write().unwrap_or_else(|p| p.into_inner()) = trie;
+        *write(&self.trie) = trie;
         Ok(())
     }
 
@@ -124,12 +125,12 @@ impl Inner {
         let snap = self.store.snapshot();
         let ctx = snap.context(name)?;
         let tokens = ctx.tokens()?;
-        self.trie.write().unwrap_or_else(|p| p.into_inner()).insert(ctx.record().id, &tokens);
+        write(&self.trie).insert(ctx.record().id, &tokens);
         Ok(())
     }
 
     pub fn forget_files(&self, context: u32) {
-        self.files.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != context);
+        lock(&self.files).retain(|k, _| k.0 != context);
     }
 }
 
@@ -218,7 +219,7 @@ impl Db {
     /// KV to [`Session::update`].
     pub fn create_session(&self, tokens: &[u32]) -> Result<(Session, usize)> {
         let snap = self.inner.store.snapshot();
-        let found = self.inner.trie.read().unwrap_or_else(|p| p.into_inner()).longest_prefix(tokens);
+        let found = read(&self.inner.trie).longest_prefix(tokens);
         let reuse = match found {
             Some(m) => {
                 let ctx = snap.context_by_id(m.context)?;
@@ -310,7 +311,7 @@ impl Db {
         let mut txn = self.inner.store.begin()?;
         txn.delete_context(name)?;
         txn.commit()?;
-        self.inner.trie.write().unwrap_or_else(|p| p.into_inner()).remove(id);
+        write(&self.inner.trie).remove(id);
         let snap = self.inner.store.snapshot();
         if snap.context_by_id(id).is_err() {
             self.inner.forget_files(id);

@@ -1,7 +1,7 @@
 //! Where an import reads a context's KV cache from: the [`KvSource`] trait, and its
 //! safetensors implementation (DESIGN.md "Data exchange"): `layers.{l}.k` and `layers.{l}.v`
 //! of shape [kv_heads, tokens, head_dim], optionally `layers.{l}.q` [q_heads, n, head_dim]
-//! (prefill queries that train the index) and `tokens` [tokens]; f32, f16 or bf16.
+//! (prefill queries that train the index) and `tokens` (`[tokens]`); f32, f16 or bf16.
 //!
 //! Only the header is parsed up front; tensor data is read with positioned reads, one (layer,
 //! kv head) at a time, so an import's memory is bounded by one head's keys and values, not by

@@ -14,6 +14,7 @@ mod import;
 pub mod kv;
 pub mod layout;
 pub mod plan;
+mod poison;
 mod session;
 pub mod trie;
 

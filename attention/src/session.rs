@@ -12,6 +12,7 @@ use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan};
+use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, Prefetched};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
@@ -380,7 +381,7 @@ impl Session {
         }
         f.rows += t;
         if let Some(g) = &self.gpu {
-            let mut windows = g.windows.lock().unwrap_or_else(|p| p.into_inner());
+            let mut windows = lock(&g.windows);
             if let Some(w) = windows[layer].as_mut() {
                 if w.append(&to_f16(k), &to_f16(v)).is_err() {
                     // Rebuilt from the host copy on the next attention call.
@@ -424,7 +425,7 @@ impl Session {
         // blocks are read under the searches that follow. The calling thread is one of the
         // workers.
         let order: Vec<usize> = {
-            let cost = &self.last_cost.lock().unwrap_or_else(|p| p.into_inner())[layer * kv..(layer + 1) * kv];
+            let cost = &lock(&self.last_cost)[layer * kv..(layer + 1) * kv];
             let mut order: Vec<usize> = (0..kv).collect();
             order.sort_by_key(|&h| std::cmp::Reverse(cost[h]));
             order
@@ -454,7 +455,7 @@ impl Session {
             }
         }
         {
-            let mut cost = self.last_cost.lock().unwrap_or_else(|p| p.into_inner());
+            let mut cost = lock(&self.last_cost);
             for (h, group) in heads.chunks(group).enumerate() {
                 cost[layer * kv + h] = group.iter().map(|r| r.timing.total).sum();
             }
@@ -486,11 +487,11 @@ impl Session {
     /// uploaded on its first use and grows as `update` appends.
     fn gpu_merge(&self, layer: usize, q: &[f32], scale: f32, parts: &[Parts]) -> Result<Vec<Partial>, GpuError> {
         let gpu = self.gpu.as_ref().expect("on_gpu implies a GPU");
-        let mut windows = gpu.windows.lock().unwrap_or_else(|p| p.into_inner());
+        let mut windows = lock(&gpu.windows);
         if windows[layer].is_none() {
             let s = self.shape;
             let (kv, d) = (s.kv_heads as usize, s.head_dim as usize);
-            let host = self.windows.lock().unwrap_or_else(|p| p.into_inner());
+            let host = lock(&self.windows);
             let fresh = &self.fresh[layer];
             let (mut keys, mut values) = (Vec::new(), Vec::new());
             for h in 0..kv {
@@ -512,7 +513,7 @@ impl Session {
     fn gpu_failed(&self, e: &GpuError) {
         if let Some(g) = &self.gpu {
             g.failed.store(true, std::sync::atomic::Ordering::Relaxed);
-            *g.reason.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
+            *lock(&g.reason) = e.to_string();
         }
     }
 
@@ -520,7 +521,7 @@ impl Session {
     pub fn device(&self) -> String {
         match &self.gpu {
             Some(g) if !g.failed.load(std::sync::atomic::Ordering::Relaxed) => format!("gpu ({})", g.device.name()),
-            Some(g) => format!("cpu (the GPU failed: {})", g.reason.lock().unwrap_or_else(|p| p.into_inner())),
+            Some(g) => format!("cpu (the GPU failed: {})", lock(&g.reason)),
             None if self.shape.dtype == DType::Bf16 && self.db.inner.gpu.is_some() => {
                 "cpu (a bf16 context: the GPU window holds f16)".to_string()
             }
@@ -532,7 +533,7 @@ impl Session {
     /// the I/O the load did (none when it was cached).
     fn head_window(&self, layer: usize, h: usize, files: &[Arc<FileBlocks>]) -> Result<(Arc<HeadWindow>, SearchStats)> {
         let slot = layer * self.shape.kv_heads as usize + h;
-        if let Some(w) = &self.windows.lock().unwrap_or_else(|p| p.into_inner())[slot] {
+        if let Some(w) = &lock(&self.windows)[slot] {
             return Ok((w.clone(), SearchStats::default()));
         }
         let d = self.shape.head_dim as usize;
@@ -559,7 +560,7 @@ impl Session {
             values.extend_from_slice(&v);
         }
         let w = Arc::new(HeadWindow { keys, values });
-        self.windows.lock().unwrap_or_else(|p| p.into_inner())[slot] = Some(w.clone());
+        lock(&self.windows)[slot] = Some(w.clone());
         Ok((w, io))
     }
 
@@ -627,14 +628,10 @@ impl Session {
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::Diprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
-            let previous = if warm {
-                std::mem::take(&mut self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot])
-            } else {
-                Vec::new()
-            };
+            let previous = if warm { std::mem::take(&mut lock(&self.last_found)[slot]) } else { Vec::new() };
             let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
             if warm {
-                self.last_found.lock().unwrap_or_else(|p| p.into_inner())[slot] = best_found(&found, &readers);
+                lock(&self.last_found)[slot] = best_found(&found, &readers);
             }
             let search = searching.elapsed() + scan_share;
             let prefetch = self.prefetch_values(&found, &readers);

@@ -157,7 +157,7 @@ impl BufferPool {
     /// Holds index blocks in their frames until the returned value is dropped, readable
     /// without latches (see [`ResidentBlocks`]); misses are read first, in batches. `None`
     /// when holding them would leave the index area too few frames for pinned reads
-    /// ([`reserve`]); the caller then reads them through pins.
+    /// (a reserve of its frames is kept for them); the caller then reads them through pins.
     pub fn make_resident(self: &Arc<Self>, reqs: &[BlockRequest]) -> Result<Option<ResidentBlocks>, BufferError> {
         check_class(reqs)?;
         let area = &self.areas[BlockClass::Index as usize];

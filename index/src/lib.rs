@@ -1,6 +1,6 @@
 //! ctxfs-index: finding, for each decode query, the keys that matter.
 //!
-//! * [`build`]: the query-guided graph per (layer, kv head), trained on prefill queries;
+//! * [`build()`]: the query-guided graph per (layer, kv head), trained on prefill queries;
 //! * [`search::diprs`]: the dynamic inner-product range search (window-enhanced), and
 //!   [`search::topk`]: beam search; both take a prefix filter for partial-prefix reuse;
 //! * [`flat`]: exact DIPR and top-k by scanning every key, through the SIMD kernels;

@@ -39,7 +39,7 @@ pub struct DiprsParams {
     /// at 3.08% (1.6 → 0.936 at 2.55%); run 12 with reach 1.25 → 0.959 at 2.64%, and mean
     /// search time 437 → 354 µs (p90 957 → 602); run 16 with 1.2 → 0.955 at 2.54%; run 2
     /// with 1.5 → 0.943 at 2.67%. At 16,384: 0.975 at 9.9% → 0.980 at 8.6%. With `l0` 16
-    /// and batches of [`RANGE_BATCH`] (recall 0.975 at 2.64% with reach 1.25), reach 1.2
+    /// and range batches of 32 nodes (recall 0.975 at 2.64% with reach 1.25), reach 1.2
     /// keeps 0.961 at 2.38% (the diffuse heads score 17% fewer keys; p99 2.1 → 1.5 ms).
     pub sequence_run: u32,
     /// Stop expanding once this many keys have been admitted to the range (a diffuse head's
