@@ -870,13 +870,18 @@ impl Session {
         };
         if let Some(cap) = cap {
             if found.len() > cap {
-                found.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+                found.sort_by(best_first);
                 found.truncate(cap);
             }
         }
         found.sort_by_key(|f| f.1);
         Ok(found)
     }
+}
+
+/// Retrieved (segment, token, score) triples best first: higher score, then the lower token.
+fn best_first(a: &(usize, u32, f32), b: &(usize, u32, f32)) -> std::cmp::Ordering {
+    b.2.total_cmp(&a.2).then(a.1.cmp(&b.1))
 }
 
 /// How many of a search's best tokens the next search of the same q head starts from.
@@ -887,7 +892,7 @@ const WARM_START_TOKENS: usize = 64;
 fn best_found(found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Vec<(usize, u32)> {
     let mut best = found.to_vec();
     if best.len() > WARM_START_TOKENS {
-        best.select_nth_unstable_by(WARM_START_TOKENS - 1, |a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+        best.select_nth_unstable_by(WARM_START_TOKENS - 1, best_first);
         best.truncate(WARM_START_TOKENS);
     }
     best.into_iter().map(|(si, t, _)| (si, t - readers[si].seg.base)).collect()
