@@ -624,7 +624,7 @@ impl Session {
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_max = win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max);
             let searching = Instant::now();
-            let scanned: Vec<&(Vec<f32>, SearchStats)> = scans.iter().map(|s| &s[i]).collect();
+            let scanned: Vec<(&[f32], SearchStats)> = scans.iter().map(|s| (s.scores(i), s.stats)).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::Diprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
@@ -802,7 +802,7 @@ impl Session {
     fn retrieve(
         &self,
         readers: &[SegmentReader<'_>],
-        scanned: &[&(Vec<f32>, SearchStats)],
+        scanned: &[(&[f32], SearchStats)],
         q: &[f32],
         own_max: f32,
         choice: Choice,
@@ -821,8 +821,8 @@ impl Session {
         for (si, r) in readers.iter().enumerate() {
             let (seg, index) = (&r.seg, &r.index);
             let r: SearchResult = match plan {
-                Plan::Full => flat::dipr_of(&scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
-                Plan::Flat => flat::dipr_of(&scanned[si].0, opts.beta, best, scanned[si].1),
+                Plan::Full => flat::dipr_of(scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
+                Plan::Flat => flat::dipr_of(scanned[si].0, opts.beta, best, scanned[si].1),
                 Plan::Diprs => diprs_from(
                     index,
                     q,

@@ -5,32 +5,42 @@ use crate::source::Keys;
 use crate::stats::{SearchResult, SearchStats};
 use ctxfs_buffer::BufferError;
 
-/// Keys scored per kernel call.
-const SCAN_BATCH: usize = 1024;
-
 /// q · key for every key below `limit`.
 pub fn scan<K: Keys>(keys: &K, q: &[f32], limit: u32, stats: &mut SearchStats) -> Result<Vec<f32>, BufferError> {
-    let (scores, scanned) = scan_many(keys, q, limit)?.pop().expect("one query");
-    *stats += scanned;
-    Ok(scores)
+    let group = scan_many(keys, q, limit)?;
+    *stats += group.stats;
+    Ok(group.scores)
 }
 
-/// [`scan`] for each of `queries` (rows of the keys' dimension) in one pass over the keys:
-/// each batch of keys is scored for every query while it is in cache. A flat plan scores
-/// a GQA group's q heads against the same keys; one pass instead of one per q head cuts
-/// the memory traffic of a 128K-token head from 4 × 32 MiB to 32 MiB.
-pub fn scan_many<K: Keys>(keys: &K, queries: &[f32], limit: u32) -> Result<Vec<(Vec<f32>, SearchStats)>, BufferError> {
+/// Every key's score for each query of a group, from one pass over the keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupScan {
+    /// Query after query, `keys` scores each.
+    scores: Vec<f32>,
+    keys: usize,
+    /// What each query's scan counts (the same for all of them).
+    pub stats: SearchStats,
+}
+
+impl GroupScan {
+    /// Query `t`'s score of every key scanned.
+    pub fn scores(&self, t: usize) -> &[f32] {
+        &self.scores[t * self.keys..(t + 1) * self.keys]
+    }
+}
+
+/// [`scan`] for each of `queries` (rows of the keys' dimension) in one pass over the keys. A
+/// flat plan scores a GQA group's q heads against the same keys: each key is read and
+/// widened once for all of them, and the memory traffic of a 128K-token head is 32 MiB, not
+/// 4 × 32 MiB. The scores equal [`scan`]'s to the bit.
+pub fn scan_many<K: Keys>(keys: &K, queries: &[f32], limit: u32) -> Result<GroupScan, BufferError> {
     let d = keys.dim();
     let n = limit.min(keys.len()) as usize;
-    let mut out: Vec<(Vec<f32>, SearchStats)> =
-        queries.chunks_exact(d).map(|_| (vec![0.0; n], SearchStats::default())).collect();
-    for first in (0..n).step_by(SCAN_BATCH) {
-        let len = SCAN_BATCH.min(n - first);
-        for (q, (scores, stats)) in queries.chunks_exact(d).zip(&mut out) {
-            keys.score_range(first as u32, q, &mut scores[first..first + len], stats)?;
-        }
-    }
-    Ok(out)
+    let m = queries.len() / d;
+    let mut scores = vec![0.0; m * n];
+    let mut stats = SearchStats::default();
+    keys.score_range_many(0, &queries[..m * d], &mut scores, n, n, &mut stats)?;
+    Ok(GroupScan { scores, keys: n, stats })
 }
 
 /// The exact DIPR set: every key (below `prefix`, if given) whose inner product is within

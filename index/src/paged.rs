@@ -432,7 +432,19 @@ impl Keys for PagedIndex<'_> {
     }
     /// Scores each key block's rows in one streaming kernel call (a flat scan's path).
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.scan_rows(1 + self.layout.adjacency_blocks(), first, q, out, stats)
+        let len = out.len();
+        self.scan_rows(1 + self.layout.adjacency_blocks(), first, q, Strided { out, stride: len, len }, stats)
+    }
+    fn score_range_many(
+        &self,
+        first: u32,
+        queries: &[f32],
+        out: &mut [f32],
+        stride: usize,
+        len: usize,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        self.scan_rows(1 + self.layout.adjacency_blocks(), first, queries, Strided { out, stride, len }, stats)
     }
     /// With a seed table of this stride, one sequential scan of it.
     fn score_strided(
@@ -447,66 +459,62 @@ impl Keys for PagedIndex<'_> {
         if stride == 0 || stride != l.seed_stride {
             return score_strided_rows(self, stride, limit, q, out, stats);
         }
-        out.resize(limit.min(l.tokens).div_ceil(stride) as usize, 0.0);
-        self.scan_rows(1 + l.adjacency_blocks() + l.key_blocks(), 0, q, out, stats)
+        let len = limit.min(l.tokens).div_ceil(stride) as usize;
+        out.resize(len, 0.0);
+        self.scan_rows(1 + l.adjacency_blocks() + l.key_blocks(), 0, q, Strided { out, stride: len, len }, stats)
     }
 }
 
+/// Scores laid out query after query: query `t`'s score of row `first + i` goes to
+/// `out[t · stride + i]`, for `i < len`.
+struct Strided<'o> {
+    out: &'o mut [f32],
+    stride: usize,
+    len: usize,
+}
+
 impl PagedIndex<'_> {
-    /// `out[i] = q · row(first + i)` of the packed rows starting at logical block
-    /// `first_block` (the keys, or the seed table), each block's rows in one kernel call.
+    /// The scores of `queries` (rows of `dim`) against rows `first .. first + out.len` of the
+    /// packed rows starting at logical block `first_block` (the keys, or the seed table), each
+    /// block's rows in one kernel call for all the queries.
     fn scan_rows(
         &self,
         first_block: u32,
         first: u32,
-        q: &[f32],
-        out: &mut [f32],
+        queries: &[f32],
+        out: Strided<'_>,
         stats: &mut SearchStats,
     ) -> SourceResult {
-        let rows = self.layout.rows_per_block;
-        let end = first + out.len() as u32;
+        let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
+        assert!(queries.len().is_multiple_of(dim), "{} query elements of dimension {dim}", queries.len());
+        let m = queries.len() / dim;
+        assert!(m == 0 || (out.len <= out.stride && out.out.len() >= (m - 1) * out.stride + out.len));
+        let end = first + out.len as u32;
         // At most PIN_BATCH blocks pinned at a time: a flat scan streams a whole prefix.
         let mut t = first;
         while t < end {
             let to = end.min((t / rows + PIN_BATCH as u32) * rows);
-            self.scan_span(first_block, t, &mut out[(t - first) as usize..(to - first) as usize], q, stats)?;
-            t = to;
-        }
-        stats.keys_scored += out.len() as u64;
-        Ok(())
-    }
-
-    /// [`scan_rows`](Self::scan_rows) of the rows `first ..` one pinning covers.
-    fn scan_span(
-        &self,
-        first_block: u32,
-        first: u32,
-        out: &mut [f32],
-        q: &[f32],
-        stats: &mut SearchStats,
-    ) -> SourceResult {
-        let (rows, dim) = (self.layout.rows_per_block, self.layout.dim as usize);
-        let end = first + out.len() as u32;
-        let span = first_block + first / rows..first_block + end.div_ceil(rows);
-        self.with_blocks(
-            || span.clone().collect(),
-            stats,
-            |block| {
-                let mut t = first;
-                for b in span.clone() {
-                    let block_first = t / rows * rows;
-                    let (from, to) = ((t - block_first) as usize, (end.min(block_first + rows) - block_first) as usize);
-                    let at = (t - first) as usize;
-                    let scores = &mut out[at..at + to - from];
-                    match Rows::of(self.layout.dtype, block(b), from, to, dim) {
-                        Rows::F16(r) => ctxfs_kernels::scores(r, q, 1.0, scores),
-                        Rows::Bf16(r) => ctxfs_kernels::scores(r, q, 1.0, scores),
+            let span = first_block + t / rows..first_block + to.div_ceil(rows);
+            self.with_blocks(
+                || span.clone().collect(),
+                stats,
+                |block| {
+                    for b in span.clone() {
+                        let block_first = t / rows * rows;
+                        let (from, upto) =
+                            ((t - block_first) as usize, (to.min(block_first + rows) - block_first) as usize);
+                        let scores = &mut out.out[(t - first) as usize..];
+                        match Rows::of(self.layout.dtype, block(b), from, upto, dim) {
+                            Rows::F16(r) => ctxfs_kernels::scores_many(r, queries, dim, scores, out.stride),
+                            Rows::Bf16(r) => ctxfs_kernels::scores_many(r, queries, dim, scores, out.stride),
+                        }
+                        t = block_first + upto as u32;
                     }
-                    t = block_first + to as u32;
-                }
-                debug_assert_eq!(t, end);
-            },
-        )?;
+                },
+            )?;
+            debug_assert_eq!(t, to);
+        }
+        stats.keys_scored += out.len as u64;
         Ok(())
     }
 }

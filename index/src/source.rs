@@ -23,6 +23,28 @@ pub trait Keys {
         let ids: Vec<u32> = (first..first + out.len() as u32).collect();
         self.score(&ids, q, out, stats)
     }
+    /// `out[t · stride + i] = queries_t · key(first + i)` for `i < len`: one scan of
+    /// consecutive keys for several queries (a GQA group's q heads). A source that widens
+    /// each key once for all of them does so; the scores equal [`score_range`]'s to the bit.
+    /// Counts in `stats` what one query's scan counts.
+    ///
+    /// [`score_range`]: Keys::score_range
+    fn score_range_many(
+        &self,
+        first: u32,
+        queries: &[f32],
+        out: &mut [f32],
+        stride: usize,
+        len: usize,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        let mut others = SearchStats::default();
+        for (t, q) in queries.chunks_exact(self.dim()).enumerate() {
+            let counted = if t == 0 { &mut *stats } else { &mut others };
+            self.score_range(first, q, &mut out[t * stride..t * stride + len], counted)?;
+        }
+        Ok(())
+    }
     /// `out[j] = q · key(j · stride)` for every `j · stride < limit` (resizing `out`): the
     /// seeds of DIPRS. A source holding those rows contiguously (a seed table of this
     /// stride) scans them; otherwise the scattered rows are scored.
@@ -81,6 +103,17 @@ impl<K: Keys, G> Keys for Pair<'_, K, G> {
     }
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         self.keys.score_range(first, q, out, stats)
+    }
+    fn score_range_many(
+        &self,
+        first: u32,
+        queries: &[f32],
+        out: &mut [f32],
+        stride: usize,
+        len: usize,
+        stats: &mut SearchStats,
+    ) -> SourceResult {
+        self.keys.score_range_many(first, queries, out, stride, len, stats)
     }
     fn score_strided(
         &self,

@@ -190,6 +190,36 @@ pub fn scores_on<E: Element>(isa: Isa, keys: &[E], q: &[f32], scale: f32, out: &
     }
 }
 
+/// `out[t · stride + i] = queries_t · key_i` for the keys stored row after row in `keys` and
+/// `m` queries (rows of `q_dim`): a flat scan of one GQA group's q heads. Each key is widened
+/// once for up to four queries, and each score equals [`dot`]`(key_i, queries_t)` to the bit.
+pub fn scores_many<E: Element>(keys: &[E], queries: &[f32], q_dim: usize, out: &mut [f32], stride: usize) {
+    scores_many_on(active(), keys, queries, q_dim, out, stride)
+}
+
+pub fn scores_many_on<E: Element>(isa: Isa, keys: &[E], queries: &[f32], q_dim: usize, out: &mut [f32], stride: usize) {
+    assert!(q_dim > 0 && queries.len().is_multiple_of(q_dim), "{} query elements of dimension {q_dim}", queries.len());
+    assert!(keys.len().is_multiple_of(q_dim), "{} key elements of dimension {q_dim}", keys.len());
+    let (m, n) = (queries.len() / q_dim, keys.len() / q_dim);
+    assert!(n <= stride || m == 0, "{n} scores per query in rows of {stride}");
+    assert!(
+        m == 0 || out.len() >= (m - 1) * stride + n,
+        "{} scores for {m} queries × {n} keys, stride {stride}",
+        out.len()
+    );
+    match usable(isa) {
+        // SAFETY (all arms): `usable` never returns an instruction set the CPU lacks (NEON is
+        // aarch64's baseline), and the lengths are checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => by_element!(E, keys, |ks| unsafe { x86::avx512::scores_many(ks, queries, q_dim, out, stride) }),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => by_element!(E, keys, |ks| unsafe { x86::avx2::scores_many(ks, queries, q_dim, out, stride) }),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => by_element!(E, keys, |ks| unsafe { neon::scores_many(ks, queries, q_dim, out, stride) }),
+        _ => scalar::scores_many(keys, queries, q_dim, out, stride),
+    }
+}
+
 /// `out[i · nk + k] = queries_i · key_k` for `m` queries (rows of `d`) against `nk` keys
 /// stored dimension-major: `kt[j · nk + k]` is channel `j` of key `k`. A batch of queries
 /// against one transposed block of keys needs no horizontal sum per score and reads each key

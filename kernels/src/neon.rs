@@ -91,6 +91,59 @@ pub unsafe fn scores<E: Lanes>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32
     }
 }
 
+/// [`dot`] of every key with `Q` queries (rows of `d` from `qp`) at once, the sums grouped
+/// as `dot` groups them (each score equals `dot(key, query)` to the bit).
+///
+/// # Safety
+/// `qp` points at `Q · d` readable floats, `keys.len()` is a multiple of `d`, and
+/// `out[t · stride + i]` is in bounds for every query `t` and key `i`.
+unsafe fn scores_of<E: Lanes, const Q: usize>(keys: &[E], qp: *const f32, d: usize, out: &mut [f32], stride: usize) {
+    for (i, k) in keys.chunks_exact(d).enumerate() {
+        let kp = k.as_ptr();
+        let mut acc = [[vdupq_n_f32(0.0); 4]; Q];
+        let mut c = 0;
+        while c + 16 <= d {
+            let kv = [0, 4, 8, 12].map(|o| E::load4(kp.add(c + o)));
+            for (t, a) in acc.iter_mut().enumerate() {
+                for (j, (a, kv)) in a.iter_mut().zip(&kv).enumerate() {
+                    *a = vfmaq_f32(*a, *kv, vld1q_f32(qp.add(t * d + c + 4 * j)));
+                }
+            }
+            c += 16;
+        }
+        while c + 4 <= d {
+            let kv = E::load4(kp.add(c));
+            for (t, a) in acc.iter_mut().enumerate() {
+                a[0] = vfmaq_f32(a[0], kv, vld1q_f32(qp.add(t * d + c)));
+            }
+            c += 4;
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let mut s = vaddvq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3])));
+            for (j, x) in k.iter().enumerate().skip(c) {
+                s += x.to_f32() * *qp.add(t * d + j);
+            }
+            out[t * stride + i] = s;
+        }
+    }
+}
+
+/// `out[t · stride + i] = queries_t · key_i`, four queries per pass over the keys.
+///
+/// # Safety
+/// The lengths are as `crate::scores_many` checks.
+pub unsafe fn scores_many<E: Lanes>(keys: &[E], queries: &[f32], d: usize, out: &mut [f32], stride: usize) {
+    for (g, qs) in queries.chunks(4 * d).enumerate() {
+        let (qp, o) = (qs.as_ptr(), &mut out[g * 4 * stride..]);
+        match qs.len() / d {
+            4 => scores_of::<E, 4>(keys, qp, d, o, stride),
+            3 => scores_of::<E, 3>(keys, qp, d, o, stride),
+            2 => scores_of::<E, 2>(keys, qp, d, o, stride),
+            _ => scores_of::<E, 1>(keys, qp, d, o, stride),
+        }
+    }
+}
+
 /// # Safety
 /// None beyond the module's: loads stay within `z`.
 pub unsafe fn max(z: &[f32]) -> f32 {

@@ -13,6 +13,14 @@ pub fn scores<E: Element>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
     }
 }
 
+pub fn scores_many<E: Element>(keys: &[E], queries: &[f32], d: usize, out: &mut [f32], stride: usize) {
+    for (t, q) in queries.chunks_exact(d).enumerate() {
+        for (i, k) in keys.chunks_exact(d).enumerate() {
+            out[t * stride + i] = dot(k, q);
+        }
+    }
+}
+
 pub fn max(z: &[f32]) -> f32 {
     z.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }

@@ -165,6 +165,64 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// As the AVX-512 `scores_of`, with [`dot`]'s grouping of the sums.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; the rest as the AVX-512 `scores_of`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_of<E: Lanes, const Q: usize>(
+        keys: &[E],
+        qp: *const f32,
+        d: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        for (i, k) in keys.chunks_exact(d).enumerate() {
+            let kp = k.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); 4]; Q];
+            let mut c = 0;
+            while c + 32 <= d {
+                let kv = [0, 8, 16, 24].map(|o| E::load8(kp.add(c + o)));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    for (j, (a, kv)) in a.iter_mut().zip(&kv).enumerate() {
+                        *a = _mm256_fmadd_ps(*kv, _mm256_loadu_ps(qp.add(t * d + c + 8 * j)), *a);
+                    }
+                }
+                c += 32;
+            }
+            while c + 8 <= d {
+                let kv = E::load8(kp.add(c));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp.add(t * d + c)), a[0]);
+                }
+                c += 8;
+            }
+            for (t, a) in acc.iter().enumerate() {
+                let mut s = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+                for (j, x) in k.iter().enumerate().skip(c) {
+                    s += x.to_f32() * *qp.add(t * d + j);
+                }
+                out[t * stride + i] = s;
+            }
+        }
+    }
+
+    /// `out[t · stride + i] = queries_t · key_i`, two queries per pass over the keys (four
+    /// would need more than AVX2's sixteen registers).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; the lengths are as `crate::scores_many` checks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores_many<E: Lanes>(keys: &[E], queries: &[f32], d: usize, out: &mut [f32], stride: usize) {
+        for (g, qs) in queries.chunks(2 * d).enumerate() {
+            let (qp, o) = (qs.as_ptr(), &mut out[g * 2 * stride..]);
+            match qs.len() / d {
+                2 => scores_of::<E, 2>(keys, qp, d, o, stride),
+                _ => scores_of::<E, 1>(keys, qp, d, o, stride),
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -319,6 +377,67 @@ pub(crate) mod avx512 {
     pub unsafe fn scores<E: Lanes>(keys: &[E], q: &[f32], scale: f32, out: &mut [f32]) {
         for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
             *o = dot(k, q) * scale;
+        }
+    }
+
+    /// [`dot`] of every key with `Q` queries (rows of `d` from `qp`) at once: each key is
+    /// loaded and widened once for all of them. The sums are grouped exactly as `dot` groups
+    /// them, so each score equals `dot(key, query)` to the bit.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `qp` points at `Q · d` readable floats, `keys.len()` is a
+    /// multiple of `d`, and `out[t · stride + i]` is in bounds for every query `t` and key `i`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_of<E: Lanes, const Q: usize>(
+        keys: &[E],
+        qp: *const f32,
+        d: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        for (i, k) in keys.chunks_exact(d).enumerate() {
+            let kp = k.as_ptr();
+            let mut acc = [[_mm512_setzero_ps(); 2]; Q];
+            let mut c = 0;
+            while c + 32 <= d {
+                let (lo, hi) = (E::load16(kp.add(c)), E::load16(kp.add(c + 16)));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(qp.add(t * d + c)), a[0]);
+                    a[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(qp.add(t * d + c + 16)), a[1]);
+                }
+                c += 32;
+            }
+            while c + 16 <= d {
+                let lo = E::load16(kp.add(c));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(qp.add(t * d + c)), a[0]);
+                }
+                c += 16;
+            }
+            for (t, a) in acc.iter().enumerate() {
+                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+                for (j, x) in k.iter().enumerate().skip(c) {
+                    s += x.to_f32() * *qp.add(t * d + j);
+                }
+                out[t * stride + i] = s;
+            }
+        }
+    }
+
+    /// `out[t · stride + i] = queries_t · key_i`, four queries per pass over the keys.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; the lengths are as `crate::scores_many` checks.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_many<E: Lanes>(keys: &[E], queries: &[f32], d: usize, out: &mut [f32], stride: usize) {
+        for (g, qs) in queries.chunks(4 * d).enumerate() {
+            let (qp, o) = (qs.as_ptr(), &mut out[g * 4 * stride..]);
+            match qs.len() / d {
+                4 => scores_of::<E, 4>(keys, qp, d, o, stride),
+                3 => scores_of::<E, 3>(keys, qp, d, o, stride),
+                2 => scores_of::<E, 2>(keys, qp, d, o, stride),
+                _ => scores_of::<E, 1>(keys, qp, d, o, stride),
+            }
         }
     }
 
