@@ -3,8 +3,8 @@
 //! * Frames of the block size under a byte budget, split into an **index area** (graph and
 //!   key blocks: stay resident, evicted only under real pressure, coldest context first) and
 //!   a small **data area** (value blocks: scan-resistant 2Q, never pushes index blocks out).
-//! * A sharded page table: a hit takes one shard read lock and one frame read lock. A reader
-//!   can keep a [`FrameHint`] per block it reads often and skip the table.
+//! * A page table of one atomic slot per device block: a hit is one load and one frame read
+//!   lock. A reader can keep a [`FrameHint`] per block it reads often and skip the table.
 //! * [`ResidentBlocks`] hold a served context's index blocks in their frames, read without
 //!   latches (a pin per block costs more than the search's work on it).
 //! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.

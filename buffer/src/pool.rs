@@ -1,4 +1,4 @@
-//! The buffer pool: frames split into an index area and a data area, a sharded page table,
+//! The buffer pool: frames split into an index area and a data area, a lock-free page table,
 //! batched loads through a [`BlockSource`].
 
 use crate::arena::FrameArena;
@@ -26,7 +26,7 @@ pub struct PoolConfig {
     pub data_fraction: f64,
     /// How long a request waits for a frame when every frame it could use is pinned.
     pub wait: Duration,
-    /// Page table shards.
+    /// Shards of the page table's hit counters.
     pub shards: usize,
     /// Map every frame's memory when the pool is made, so that no read pays a page fault
     /// later (a serving pool: it then holds its whole budget from the start). Otherwise a
@@ -127,7 +127,7 @@ impl BufferPool {
             frames: (0..total).map(|_| Frame::new()).collect(),
             arena,
             areas: [area(BlockClass::Index, 0..index), area(BlockClass::Data, index..total)],
-            table: Table::new(config.shards),
+            table: Table::new(source.blocks(), config.shards),
             clock: AtomicU64::new(1),
             allocated: AtomicU64::new(0),
             source,
@@ -379,7 +379,7 @@ impl BufferPool {
                     // The use a prefetch read the block for (see Frame::prefetched).
                 } else {
                     frame.touch(self.clock.load(Ordering::Relaxed));
-                    self.table.shard(req.block).hits[req.class() as usize].fetch_add(1, Ordering::Relaxed);
+                    self.table.hit(req.block, req.class() as usize);
                 }
                 Some(Ok(PageGuard::new(data, header, own_load, idx)))
             }
@@ -395,7 +395,18 @@ impl BufferPool {
         let wanted_blocks: BTreeSet<u64> = wanted.iter().map(|r| r.block).collect();
         let mut claimed: Vec<(BlockRequest, Claim<'_>)> = Vec::new();
         let mut progressed = false;
+        let mut failed = Vec::new();
         for req in wanted {
+            if !self.table.holds(req.block) {
+                // The device would refuse the read; the table has no slot for it either.
+                let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "beyond the end of the device");
+                failed.push((
+                    req.block,
+                    BufferError::Block(Arc::new(ctxfs_vfs::Error::BlockIo { block: req.block, source: e })),
+                ));
+                progressed = true;
+                continue;
+            }
             if self.table.get(req.block).is_some() {
                 progressed = true; // someone else has it, or is loading it
                 continue;
@@ -425,7 +436,7 @@ impl BufferPool {
             claimed.push((*req, (idx, data)));
         }
         if claimed.is_empty() {
-            return LoadOutcome { failed: Vec::new(), progressed, read: Vec::new() };
+            return LoadOutcome { failed, progressed, read: Vec::new() };
         }
         let mut read = Vec::with_capacity(claimed.len());
         let reqs: Vec<BlockRequest> = claimed.iter().map(|(r, _)| *r).collect();
@@ -434,7 +445,6 @@ impl BufferPool {
             self.source.load(&reqs, &mut bufs)
         };
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut failed = Vec::new();
         for ((req, (idx, mut data)), res) in claimed.into_iter().zip(results) {
             let area = &self.areas[req.class() as usize];
             let frame = &self.frames[idx];

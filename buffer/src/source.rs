@@ -12,6 +12,8 @@ use std::sync::Arc;
 
 pub trait BlockSource: Send + Sync {
     fn block_size(&self) -> usize;
+    /// Blocks on the device: requests name blocks below this.
+    fn blocks(&self) -> u64;
     /// Fills `bufs[i]` (one block each) with the block `reqs[i]` names, verified against the
     /// request. One result per request. Requests name distinct blocks.
     fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>>;
@@ -93,6 +95,10 @@ fn runs_of(sorted: &[u64]) -> Vec<Range<usize>> {
 impl BlockSource for DeviceSource {
     fn block_size(&self) -> usize {
         self.dev.block_size()
+    }
+
+    fn blocks(&self) -> u64 {
+        self.dev.num_blocks()
     }
 
     fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>> {

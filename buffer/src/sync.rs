@@ -3,7 +3,7 @@
 
 #[cfg(loom)]
 pub(crate) use loom::sync::{
-    atomic::{AtomicBool, AtomicU64, Ordering},
+    atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 #[cfg(loom)]
@@ -13,7 +13,7 @@ pub(crate) fn yield_now() {
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::{
-    atomic::{AtomicBool, AtomicU64, Ordering},
+    atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 #[cfg(not(loom))]

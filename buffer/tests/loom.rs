@@ -13,6 +13,8 @@ use loom::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const BS: usize = 4096;
+/// Blocks on the in-memory device.
+const BLOCKS: u64 = 104;
 
 /// Blocks from 100 on are index blocks; the others data blocks.
 fn header(block: u64) -> BlockHeader {
@@ -51,6 +53,9 @@ struct Source {
 impl BlockSource for Source {
     fn block_size(&self) -> usize {
         BS
+    }
+    fn blocks(&self) -> u64 {
+        BLOCKS
     }
     fn load(&self, reqs: &[BlockRequest], bufs: &mut [&mut [u8]]) -> Vec<Result<BlockHeader, BufferError>> {
         reqs.iter()

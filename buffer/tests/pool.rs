@@ -389,6 +389,14 @@ fn requests_that_cannot_fit_fail_clearly() {
     assert!(matches!(err, BufferError::Exhausted { class: BlockClass::Data, frames: 4, .. }), "{err}");
     drop(pinned);
     assert!(p.get(&data[4]).is_ok(), "frames free again once unpinned");
+    // A block past the end of the device (a corrupt reference) fails with its number, at once.
+    let beyond = BlockRequest { block: (32 << 20) / BS as u64, ..data[0] };
+    for res in [p.get(&beyond).err(), p.get_many(&[data[0], beyond]).pop().unwrap().err()] {
+        let err = res.expect("a block beyond the device is an error");
+        assert_eq!(err.block(), Some(beyond.block), "{err}");
+        assert!(err.to_string().contains("beyond the end of the device"), "{err}");
+    }
+    assert!(p.get(&data[0]).is_ok());
     assert!(BufferPool::new(
         Arc::new(DeviceSource::new(Arc::new(MemDevice::new(BS, 64)))),
         PoolConfig { budget_bytes: 4096, ..Default::default() }
