@@ -8,7 +8,7 @@ use crate::hint::FrameHint;
 use crate::policy::{coldest_context, TwoQueue};
 use crate::request::{BlockClass, BlockRequest, BufferError};
 use crate::resident::{check_class, reserve, ResidentBlocks};
-use crate::source::BlockSource;
+use crate::source::{io_error, BlockSource};
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
 use crate::table::Table;
@@ -112,6 +112,13 @@ impl BufferPool {
         let arena = FrameArena::new(total, bs as usize, config.populate).ok_or_else(|| {
             BufferError::Config(format!("the system refused {} bytes for the pool's frames", config.budget_bytes))
         })?;
+        if total >= u32::MAX as usize {
+            return Err(BufferError::Config(format!(
+                "a budget of {} bytes holds {total} frames; the page table numbers at most {} frames",
+                config.budget_bytes,
+                u32::MAX - 1
+            )));
+        }
         let area = |class, frames: Range<usize>| Area {
             class,
             free: Mutex::new(frames.clone().rev().collect()),
@@ -400,10 +407,7 @@ impl BufferPool {
             if !self.table.holds(req.block) {
                 // The device would refuse the read; the table has no slot for it either.
                 let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "beyond the end of the device");
-                failed.push((
-                    req.block,
-                    BufferError::Block(Arc::new(ctxfs_vfs::Error::BlockIo { block: req.block, source: e })),
-                ));
+                failed.push((req.block, io_error(req.block, &e)));
                 progressed = true;
                 continue;
             }

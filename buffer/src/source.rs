@@ -60,7 +60,8 @@ impl DeviceSource {
     }
 }
 
-fn io_error(block: u64, e: &std::io::Error) -> BufferError {
+/// The error of reading `block`, for every request of it (an `io::Error` cannot be cloned).
+pub(crate) fn io_error(block: u64, e: &std::io::Error) -> BufferError {
     BufferError::Block(Arc::new(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) }))
 }
 

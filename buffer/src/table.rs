@@ -77,6 +77,7 @@ impl Table {
     /// already mapped; returns whether it mapped it.
     pub fn insert_if_absent(&self, block: u64, frame: usize) -> bool {
         assert!(self.holds(block), "block {block} of a device of {} blocks", self.blocks);
+        // BufferPool::new refuses a pool of u32::MAX frames or more.
         let frame = u32::try_from(frame).ok().filter(|&f| f != UNMAPPED).expect("frame numbers fit a slot");
         let leaf = self.leaves[(block / LEAF) as usize].get_or_init(new_leaf);
         leaf[(block % LEAF) as usize].compare_exchange(UNMAPPED, frame, Ordering::AcqRel, Ordering::Acquire).is_ok()
