@@ -312,7 +312,8 @@ pub fn diprs_from<S: Keys + Graph>(
     // A beam as wide as the keys is exhaustive (it returns the exact set): the caller asked
     // for it, so it runs whatever the previous tokens score.
     let exhaustive = p.l0 >= s.len() as usize;
-    if warm.is_empty() || exhaustive || warm_best < seeds.best() {
+    let beam_runs = warm.is_empty() || exhaustive || warm_best < seeds.best();
+    if beam_runs {
         let mut beam = Beam::new(p.l0, Scored(score[0], start));
         // Only the beam's width of best seeds can ever be expanded by it (a key enters the
         // frontier only to be popped after every better one, and the climb ends at the first
@@ -352,7 +353,11 @@ pub fn diprs_from<S: Keys + Graph>(
     let floor = best - SEED_CLIMB_WINDOW * p.beta;
     let mut candidates: Vec<Scored> =
         seeds.pairs().filter(|&(_, sc)| sc >= floor).map(|(k, sc)| Scored(sc, k)).collect();
-    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    // The beam expanded at most the `l0` seeds it held, so the first `seed_climbs` seeds
+    // left are among the best `seed_climbs + l0`: only those are sorted. A diffuse head has
+    // most of its seeds above the floor: in a warm 128K decode loop, sorting them all took
+    // 15 of a search's ~300 µs.
+    keep_best(&mut candidates, p.seed_climbs + if beam_runs { p.l0.max(1) } else { 0 });
     // The climbs advance together, one hop per round, so their reads overlap.
     let mut climbs: Vec<(u32, f32)> = Vec::with_capacity(p.seed_climbs);
     for &Scored(sc, seed) in &candidates {
@@ -428,6 +433,19 @@ pub fn diprs_from<S: Keys + Graph>(
     }
     let pairs = seen.into_iter().chain(seeds.pairs()).filter(|&(_, sc)| sc >= best - p.beta).collect();
     Ok(SearchResult::from_pairs(pairs, stats))
+}
+
+/// Leaves the `n` best of `keys`, best first.
+fn keep_best(keys: &mut Vec<Scored>, n: usize) {
+    if n == 0 {
+        keys.clear();
+        return;
+    }
+    if keys.len() > n {
+        keys.select_nth_unstable_by(n - 1, |a, b| b.cmp(a));
+        keys.truncate(n);
+    }
+    keys.sort_unstable_by(|a, b| b.cmp(a));
 }
 
 /// Keys scored besides the seeds, sized so a typical search never grows it.
@@ -593,4 +611,25 @@ pub fn topk<S: Keys + Graph>(
     pairs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     pairs.truncate(k);
     Ok(SearchResult::from_pairs(pairs, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_best_is_a_full_sort_truncated() {
+        // Scores from a small range, so ties (broken by the lower id) are common.
+        let keys: Vec<Scored> =
+            (0..500u32).map(|i| Scored((i.wrapping_mul(2_654_435_761) % 37) as f32 - 18.0, i)).collect();
+        for n in [0, 1, 7, 24, 499, 500, 800] {
+            let mut sorted = keys.clone();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            sorted.truncate(n);
+            let mut kept = keys.clone();
+            keep_best(&mut kept, n);
+            let pairs = |v: &[Scored]| v.iter().map(|k| (k.0.to_bits(), k.1)).collect::<Vec<_>>();
+            assert_eq!(pairs(&kept), pairs(&sorted), "n = {n}");
+        }
+    }
 }
