@@ -869,12 +869,16 @@ impl Session {
             _ => budget,
         };
         if let Some(cap) = cap {
-            if found.len() > cap {
-                found.sort_by(best_first);
+            // Which tokens are kept is all that matters (they are put in token order next):
+            // a selection, not a sort.
+            if cap == 0 {
+                found.clear();
+            } else if found.len() > cap {
+                found.select_nth_unstable_by(cap - 1, best_first);
                 found.truncate(cap);
             }
         }
-        found.sort_by_key(|f| f.1);
+        found.sort_unstable_by_key(|f| (f.1, f.0));
         Ok(found)
     }
 }
