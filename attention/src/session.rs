@@ -869,14 +869,8 @@ impl Session {
             _ => budget,
         };
         if let Some(cap) = cap {
-            // Which tokens are kept is all that matters (they are put in token order next):
-            // a selection, not a sort.
-            if cap == 0 {
-                found.clear();
-            } else if found.len() > cap {
-                found.select_nth_unstable_by(cap - 1, best_first);
-                found.truncate(cap);
-            }
+            // Which tokens are kept is all that matters (they are put in token order next).
+            keep_best(&mut found, cap);
         }
         found.sort_unstable_by_key(|f| (f.1, f.0));
         Ok(found)
@@ -888,6 +882,16 @@ fn best_first(a: &(usize, u32, f32), b: &(usize, u32, f32)) -> std::cmp::Orderin
     b.2.total_cmp(&a.2).then(a.1.cmp(&b.1))
 }
 
+/// Leaves the `n` best of `found` (by [`best_first`]), in no order: a selection, not a sort.
+fn keep_best(found: &mut Vec<(usize, u32, f32)>, n: usize) {
+    if n == 0 {
+        found.clear();
+    } else if found.len() > n {
+        found.select_nth_unstable_by(n - 1, best_first);
+        found.truncate(n);
+    }
+}
+
 /// How many of a search's best tokens the next search of the same q head starts from.
 const WARM_START_TOKENS: usize = 64;
 
@@ -895,9 +899,6 @@ const WARM_START_TOKENS: usize = 64;
 /// the segment).
 fn best_found(found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Vec<(usize, u32)> {
     let mut best = found.to_vec();
-    if best.len() > WARM_START_TOKENS {
-        best.select_nth_unstable_by(WARM_START_TOKENS - 1, best_first);
-        best.truncate(WARM_START_TOKENS);
-    }
+    keep_best(&mut best, WARM_START_TOKENS);
     best.into_iter().map(|(si, t, _)| (si, t - readers[si].seg.base)).collect()
 }
