@@ -727,18 +727,23 @@ impl Session {
         Ok(out)
     }
 
-    /// Starts reading the value blocks of `found` (segment, token, score) into the pool;
-    /// `None` when they would take more than a sixteenth of the data area (a plan selecting
-    /// most of the prefix streams its values in batches instead).
+    /// Starts reading the value blocks of `found` (segment, token, score) that the pool lacks,
+    /// and gives the cached ones a second chance against eviction before they are summed.
+    /// `None` when there are none to read, or more than a sixteenth of the data area (a plan
+    /// selecting most of the prefix streams its values in batches instead). Only the blocks to
+    /// read count: a diffuse head's tokens span a thousand blocks or more, most of them cached
+    /// (counting them all left those heads to read their misses one batch at a time).
     fn prefetch_values(&self, found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Option<Prefetched> {
+        let pool = &self.db.inner.pool;
         let mut reqs = Vec::new();
         for (si, r) in readers.iter().enumerate() {
             let rows = r.index.layout().rows_per_block;
             let mut blocks: Vec<u32> = found.iter().filter(|f| f.0 == si).map(|f| (f.1 - r.seg.base) / rows).collect();
             blocks.dedup();
-            reqs.extend(blocks.iter().filter_map(|&b| r.file.data.get(b as usize)));
+            reqs.extend(
+                blocks.iter().filter_map(|&b| r.file.data.get(b as usize)).filter(|req| !pool.will_use(req.block)),
+            );
         }
-        let pool = &self.db.inner.pool;
         (!reqs.is_empty() && reqs.len() <= pool.frames(BlockClass::Data) / 16)
             .then(|| self.db.inner.prefetcher.submit(reqs))
     }

@@ -155,6 +155,20 @@ impl BufferPool {
         self.areas[class as usize].frames.len()
     }
 
+    /// Announces that `block` is about to be pinned. Returns whether it is in a frame, or
+    /// being read into one (a request for it then reads nothing); a block in a frame is marked
+    /// referenced, so the eviction policy passes it over once before that use.
+    pub fn will_use(&self, block: u64) -> bool {
+        match self.table.get(block) {
+            Some(idx) => {
+                // The frame may hold another block by now: that one gets the second chance.
+                self.frames[idx].referenced.store(true, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Frames of an area that are not held by [`ResidentBlocks`]: what pinned reads share.
     pub fn pinnable(&self, class: BlockClass) -> usize {
         let area = &self.areas[class as usize];

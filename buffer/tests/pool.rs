@@ -367,6 +367,28 @@ fn data_area_resists_a_scan_and_index_evicts_the_coldest_context_first() {
 }
 
 #[test]
+fn a_block_announced_for_use_outlives_one_eviction_round() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 64, 1, 15 * 200);
+    // Data: 40 frames, filled by blocks read once each (all on probation, oldest first).
+    let data: Vec<BlockRequest> = requests(&store, 1, 0, FileStream::Data).into_iter().map(|r| r.0).collect();
+    let p = pool(dev.clone(), (80 * BS) as u64, 0.5);
+    assert_eq!(p.frames(BlockClass::Data), 40);
+    assert!(p.get_many(&data[..40]).iter().all(|g| g.is_ok()));
+    assert!(p.will_use(data[0].block), "a block in a frame");
+    assert!(!p.will_use(data[40].block), "a block never read");
+    // Twenty more blocks evict twenty of the oldest: the announced one is passed over.
+    for chunk in data[40..60].chunks(4) {
+        assert!(p.get_many(chunk).iter().all(|g| g.is_ok()));
+    }
+    let misses = p.stats().data.misses;
+    assert!(p.get(&data[0]).is_ok());
+    assert_eq!(p.stats().data.misses, misses, "the announced block was evicted");
+    assert!(p.get(&data[1]).is_ok());
+    assert_eq!(p.stats().data.misses, misses + 1, "the next oldest block stayed: nothing was evicted");
+}
+
+#[test]
 fn requests_that_cannot_fit_fail_clearly() {
     let dir = tmp();
     let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
