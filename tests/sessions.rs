@@ -235,18 +235,40 @@ fn update_store_reopen_round_trips_and_survives_deleting_the_parent() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+/// Session by session and call by call, the same plans and bit-identical outputs; a
+/// difference names the first call that differs.
+fn assert_same_runs(serial: &[Vec<(String, Vec<f32>)>], parallel: &[Vec<(String, Vec<f32>)>], what: &str) {
+    assert_eq!(serial.len(), parallel.len());
+    for (i, (a, b)) in serial.iter().zip(parallel).enumerate() {
+        for (call, ((plan_a, o_a), (plan_b, o_b))) in a.iter().zip(b).enumerate() {
+            let diff = o_a.iter().zip(o_b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(
+                plan_a == plan_b && o_a == o_b,
+                "{what}: session {i}, call {call}: serial {plan_a} vs concurrent {plan_b}, largest difference {diff:e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     let dir = tempfile::tempdir().unwrap();
     let (b, store) = imported(dir.path());
     let db = open(&store);
     let prefixes = [N, 3000, N, 7000, 2000, N, 5000, 6500];
-    let run = |i: usize| -> Vec<Vec<f32>> {
+    // Each call's plan (with `@gpu` where the window was attended there) and output.
+    let run = |i: usize| -> Vec<(String, Vec<f32>)> {
         let s = db.open_session("book", Some(prefixes[i] as u32)).unwrap();
-        (0..4)
+        let calls = (0..4)
             .flat_map(|step| (0..2).map(move |layer| (step, layer)))
-            .map(|(step, layer)| s.attention(layer, &b.decode_step(layer, (step + i) % 8)).unwrap().output)
-            .collect()
+            .map(|(step, layer)| {
+                let a = s.attention(layer, &b.decode_step(layer, (step + i) % 8)).unwrap();
+                (a.plan(), a.output)
+            })
+            .collect();
+        let device = s.device();
+        assert!(!device.contains("failed"), "session {i}: {device}");
+        calls
     };
     let serial: Vec<_> = (0..8).map(run).collect();
     let parallel = || -> Vec<_> {
@@ -255,7 +277,7 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         })
     };
-    assert_eq!(serial, parallel());
+    assert_same_runs(&serial, &parallel(), "cold");
     // Warmed, the index is held resident and read without pins: the same answers, and no
     // index block read again.
     let warm = db.warm("book").unwrap();
@@ -264,7 +286,7 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     let st = db.pool_stats();
     assert!(warm.blocks > 1000 && st.index.resident_pins == warm.blocks, "{warm:?} {st:?}");
     assert_eq!(st.index.resident_pins, st.index.resident_frames, "every index block held, each once");
-    assert_eq!(serial, parallel());
+    assert_same_runs(&serial, &parallel(), "warmed");
     assert_eq!(db.pool_stats().index.misses, st.index.misses);
     // An index area too small for the whole index holds what fits; the rest is searched
     // through pins, with the same answers.

@@ -3,10 +3,13 @@
 //!
 //! Each of `--layers` layers has its own window (so that, at the defaults, the windows
 //! together exceed the H200's 60 MB L2 and are read from HBM), queries and host partials. One
-//! pass attends and merges every layer; it is timed with CUDA events, replayed from a CUDA
-//! graph (device time: what the kernels cost) and launched call by call (what a host loop
-//! adds), `--iters` passes per round, the median of `--rounds` interleaved rounds. The SDPA
-//! baseline (tools/bench_gpu_sdpa.py) is timed the same two ways.
+//! pass attends and merges every layer in one fused launch per layer (what
+//! `GpuWindow::attention` does); it is timed with CUDA events, replayed from a CUDA graph
+//! (device time: what the kernels cost) and launched call by call (what a host loop adds),
+//! `--iters` passes per round, the median of `--rounds` interleaved rounds. Beside it, the same
+//! pass as two launches per layer (attend, then merge: the overlapped path) and the attention
+//! launch alone, both graph-replayed. The SDPA baseline (tools/bench_gpu_sdpa.py) is timed the
+//! same two ways.
 
 use crate::bench::median;
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -83,11 +86,28 @@ fn datasheet_bandwidth(name: &str) -> Option<f64> {
         .map(|&(_, bytes_per_second)| bytes_per_second)
 }
 
-/// One pass: every layer's window attention, then its merge with the host partials.
-fn pass(layers: &mut [Layer], scale: f32) -> Result<(), GpuError> {
+/// How a pass launches each layer's work.
+#[derive(Clone, Copy)]
+enum Launches {
+    /// Attention and merge in one launch.
+    Fused,
+    /// The attention, then the merge.
+    Two,
+    /// The attention alone.
+    AttendOnly,
+}
+
+/// One pass: every layer's window attention and its merge with the host partials.
+fn pass(layers: &mut [Layer], scale: f32, launches: Launches) -> Result<(), GpuError> {
     for layer in layers {
-        layer.window.attend(&layer.q, scale)?;
-        layer.window.merge(Some(&layer.host), &mut layer.out)?;
+        match launches {
+            Launches::Fused => layer.window.attend_merged(&layer.q, scale, Some(&layer.host), &mut layer.out)?,
+            Launches::Two => {
+                layer.window.attend(&layer.q, scale)?;
+                layer.window.merge(Some(&layer.host), &mut layer.out)?;
+            }
+            Launches::AttendOnly => layer.window.attend(&layer.q, scale)?,
+        }
     }
     Ok(())
 }
@@ -135,9 +155,16 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
 
-    // One pass sizes the scratch buffers (before the capture) and gives layer 0's result.
-    pass(&mut layers, scale)?;
+    // One pass sizes the scratch buffers (before the capture) and gives layer 0's result, fused
+    // and in two launches.
+    pass(&mut layers, scale, Launches::Two)?;
+    let two = layers[0].out.download()?;
+    pass(&mut layers, scale, Launches::Fused)?;
     let got = layers[0].out.download()?;
+    ensure!(
+        got.iter().zip(&two).all(|(a, b)| a.m == b.m && a.l == b.l && a.o == b.o),
+        "the fused launch's result differs from the two launches'"
+    );
     let (keys, values, q, host) = reference.expect("at least one layer");
     let group = qh / kvh;
     let mut max_error = 0.0f64;
@@ -153,18 +180,28 @@ pub fn run(a: Args) -> Result<()> {
     }
     ensure!(max_error <= 1e-3, "the GPU result differs from the CPU reference: relative error {max_error:e}");
 
-    let graph = gpu.capture(|| pass(&mut layers, scale))?;
-    graph.launch()?;
+    let mut graphs = Vec::new();
+    for launches in [Launches::Fused, Launches::Two, Launches::AttendOnly] {
+        let graph = gpu.capture(|| pass(&mut layers, scale, launches))?;
+        graph.launch()?;
+        graphs.push(graph);
+    }
     gpu.synchronize()?;
     let per_layer = (a.iters * a.layers) as f64;
-    let (mut graphed, mut eager) = (Vec::new(), Vec::new());
+    let mut graphed = vec![Vec::new(); graphs.len()];
+    let mut eager = Vec::new();
     for _ in 0..a.rounds {
-        let t = gpu.time(|| (0..a.iters).try_for_each(|_| graph.launch()))?;
-        graphed.push(t.as_secs_f64() / per_layer);
-        let t = gpu.time(|| (0..a.iters).try_for_each(|_| pass(&mut layers, scale)))?;
+        for (graph, times) in graphs.iter().zip(&mut graphed) {
+            let t = gpu.time(|| (0..a.iters).try_for_each(|_| graph.launch()))?;
+            times.push(t.as_secs_f64() / per_layer);
+        }
+        let t = gpu.time(|| (0..a.iters).try_for_each(|_| pass(&mut layers, scale, Launches::Fused)))?;
         eager.push(t.as_secs_f64() / per_layer);
     }
-    let (layer_seconds, layer_seconds_eager) = (median(graphed), median(eager));
+    let mut graphed = graphed.into_iter().map(median);
+    let (layer_seconds, two_launches_seconds, attend_seconds) =
+        (graphed.next().unwrap_or(0.0), graphed.next().unwrap_or(0.0), graphed.next().unwrap_or(0.0));
+    let layer_seconds_eager = median(eager);
 
     // What one layer must move: the window's keys and values, the queries, the host partials
     // read and the merged partials written (the kernels' own scratch not counted).
@@ -205,6 +242,8 @@ pub fn run(a: Args) -> Result<()> {
                 "bytes_per_layer": bytes,
                 "layer_seconds": layer_seconds,
                 "layer_seconds_eager": layer_seconds_eager,
+                "layer_seconds_two_launches": two_launches_seconds,
+                "attend_only_seconds": attend_seconds,
                 "achieved_gbps": gbps(achieved),
                 "fraction_of_hbm": peak.map(|p| achieved / p),
                 "fraction_of_nominal": nominal.map(|p| achieved / p),
@@ -234,9 +273,14 @@ pub fn run(a: Args) -> Result<()> {
         a.layers
     );
     println!(
-        "window attention + merge per layer: {:.2} µs (graph replay), {:.2} µs (launch by launch); max relative error {max_error:.1e}",
+        "window attention + merge per layer, one fused launch: {:.2} µs (graph replay), {:.2} µs (launch by launch); max relative error {max_error:.1e}",
         layer_seconds * 1e6,
         layer_seconds_eager * 1e6
+    );
+    println!(
+        "  as two launches (attend, then merge): {:.2} µs; the attention launch alone: {:.2} µs",
+        two_launches_seconds * 1e6,
+        attend_seconds * 1e6
     );
     println!(
         "achieved {:.0} GB/s{}",

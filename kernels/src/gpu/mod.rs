@@ -80,8 +80,9 @@ impl From<DriverError> for GpuError {
 /// properties.
 struct Device {
     ctx: Arc<CudaContext>,
-    /// The window-attention kernel for each of [`HEAD_DIMS`], in that order.
-    attend: Vec<CudaFunction>,
+    /// The window-attention kernel for each of [`HEAD_DIMS`], in that order, and how many of its
+    /// blocks the device runs at once.
+    attend: Vec<(CudaFunction, usize)>,
     merge: CudaFunction,
     name: String,
     capability: (u32, u32),
@@ -246,8 +247,9 @@ impl Gpu {
         }
     }
 
-    /// The window-attention kernel for `head_dim`.
-    fn attend_kernel(&self, head_dim: usize) -> Result<&CudaFunction, GpuError> {
+    /// The window-attention kernel for `head_dim`, and how many of its blocks the device runs
+    /// at once.
+    fn attend_kernel(&self, head_dim: usize) -> Result<&(CudaFunction, usize), GpuError> {
         HEAD_DIMS.iter().position(|&d| d == head_dim).map(|i| &self.device.attend[i]).ok_or_else(|| {
             GpuError::Invalid(format!("head dim {head_dim} has no GPU kernel (supported: {HEAD_DIMS:?})"))
         })
@@ -308,7 +310,22 @@ impl Device {
         let function = |name: &str| {
             module.load_function(name).map_err(|e| GpuUnavailable::new(format!("kernel {name} missing: {e}")))
         };
-        let attend = HEAD_DIMS.iter().map(|d| function(&format!("attend_d{d}"))).collect::<Result<_, _>>()?;
+        // Asked here, where the context is current: cudarc's occupancy query does not make it so,
+        // and fails on a thread that has not used CUDA yet (a session's worker, say).
+        let resident = |kernel: &CudaFunction| {
+            let per_multiprocessor = kernel
+                .occupancy_max_active_blocks_per_multiprocessor(window::THREADS, 0, None)
+                .map_err(|e| GpuUnavailable::new(format!("the occupancy of the attention kernel: {e}")))?;
+            Ok::<_, GpuUnavailable>(multiprocessors * (per_multiprocessor as usize).max(1))
+        };
+        let attend = HEAD_DIMS
+            .iter()
+            .map(|d| {
+                let kernel = function(&format!("attend_d{d}"))?;
+                let blocks = resident(&kernel)?;
+                Ok((kernel, blocks))
+            })
+            .collect::<Result<_, GpuUnavailable>>()?;
         let merge = function("merge")?;
         Ok(Device { ctx, attend, merge, name, capability, multiprocessors, memory_bandwidth, nvrtc })
     }

@@ -8,8 +8,12 @@
 //! grid fills the device once (as many blocks as it runs at a time: three per multiprocessor
 //! at head dim 128, by the register count; a 640-token window of 8 kv heads gets 20 splits of
 //! one tile, 160 blocks), since a decode step's window is far too small to keep the memory
-//! system busy otherwise. Each split leaves a partial (o, m, l) per q head; the merge kernel,
-//! one block per q head, combines them with the host's partial by the log-sum-exp rule.
+//! system busy otherwise. Each split leaves a partial (o, m, l) per q head; the merge, one
+//! block per (kv head, chunk of q heads) as in the attention's grid, combines them with the
+//! host's partial by the log-sum-exp rule. It runs as a second kernel after
+//! [`GpuWindow::attend`] (so that the host computes its part meanwhile), or inside the
+//! attention launch, by the last block of each chunk to finish ([`GpuWindow::attend_merged`]):
+//! one launch, and no wait between two.
 
 use super::{Gpu, GpuError};
 use crate::Partial;
@@ -18,7 +22,7 @@ use half::f16;
 
 /// Threads per block, tokens per tile and q heads per block: `THREADS`, `TILE` and `GMAX` in
 /// kernels.cu.
-const THREADS: u32 = 128;
+pub(super) const THREADS: u32 = 128;
 const TILE: usize = 32;
 const GMAX: usize = 8;
 /// At most this many splits per q head (`MAX_PARTS` − 1 in kernels.cu).
@@ -138,6 +142,9 @@ pub struct GpuWindow {
     split_o: CudaSlice<f32>,
     split_ml: CudaSlice<f32>,
     split_capacity: usize,
+    /// Per (kv head, chunk of q heads): the blocks of a fused launch that finished, which the
+    /// last of them resets to 0 (`done` in kernels.cu).
+    done: CudaSlice<u32>,
     /// The split count of the last `attend` while the window has not changed since.
     attended: Option<usize>,
     staging: Option<Staging>,
@@ -156,9 +163,7 @@ impl GpuWindow {
         if !q_heads.is_multiple_of(kv_heads) {
             return Err(GpuError::Invalid(format!("{q_heads} q heads do not form groups of {kv_heads} kv heads")));
         }
-        let attend_kernel = gpu.attend_kernel(head_dim)?.clone();
-        let per_multiprocessor = attend_kernel.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)?;
-        let resident_blocks = gpu.multiprocessors() * (per_multiprocessor as usize).max(1);
+        let (attend_kernel, resident_blocks) = gpu.attend_kernel(head_dim)?.clone();
         let capacity = capacity.max(1);
         let row = kv_heads * head_dim;
         let split_capacity = 1;
@@ -176,6 +181,7 @@ impl GpuWindow {
             split_o: gpu.alloc(q_heads * split_capacity * head_dim)?,
             split_ml: gpu.alloc(q_heads * split_capacity * 2)?,
             split_capacity,
+            done: gpu.alloc(kv_heads * (q_heads / kv_heads).div_ceil(GMAX))?,
             attended: None,
             staging: None,
         })
@@ -293,6 +299,35 @@ impl GpuWindow {
     /// and q head, kept on the device for [`merge`](Self::merge). The window stays as it is
     /// until then, so the host can compute its own part meanwhile.
     pub fn attend(&mut self, q: &GpuQueries, scale: f32) -> Result<(), GpuError> {
+        self.launch_attend(q, scale, None)
+    }
+
+    /// [`attend`](Self::attend) and [`merge`](Self::merge) in one launch, for callers that have
+    /// the host partials before the window's attention starts: the last block of each kv head's
+    /// splits merges them. `out` gets what `merge` would give.
+    pub fn attend_merged(
+        &mut self,
+        q: &GpuQueries,
+        scale: f32,
+        host: Option<&GpuPartials>,
+        out: &mut GpuPartials,
+    ) -> Result<(), GpuError> {
+        self.check_merge_buffers(host, out)?;
+        self.launch_attend(q, scale, Some((host, out)))?;
+        if self.attended == Some(0) {
+            // An empty window launches no attention: the merge kernel passes the host's part on.
+            self.merge(host, out)?;
+        }
+        Ok(())
+    }
+
+    /// The attention launch; with `fused`, its last blocks merge into the output partials.
+    fn launch_attend(
+        &mut self,
+        q: &GpuQueries,
+        scale: f32,
+        fused: Option<(Option<&GpuPartials>, &mut GpuPartials)>,
+    ) -> Result<(), GpuError> {
         // Set again only once the launch is submitted: `merge` trusts it to fit the buffers.
         self.attended = None;
         self.gpu.check_same(&q.gpu, "the queries")?;
@@ -317,29 +352,49 @@ impl GpuWindow {
         };
         let (len, kv_heads, group, per_split) =
             (self.len as i32, self.kv_heads as i32, (self.q_heads / self.kv_heads) as i32, per_split as i32);
+        let is_fused = i32::from(fused.is_some());
+        let has_host = i32::from(fused.as_ref().is_some_and(|(host, _)| host.is_some()));
+        // Unfused, the kernel reads neither `host` nor `out`: any device pointers fill the slots.
+        // Shared borrows pass the pointers as well as exclusive ones would: event tracking is off
+        // (mod.rs), so an argument's mutability records nothing.
+        let (host_data, out_data) = match &fused {
+            Some((host, out)) => (host.map_or(&self.split_ml, |h| &h.data), &out.data),
+            None => (&self.split_ml, &self.split_ml),
+        };
         let mut launch = self.gpu.stream.launch_builder(&self.attend_kernel);
         launch
             .arg(&self.keys)
             .arg(&self.values)
             .arg(&q.data)
-            .arg(&mut self.split_o)
-            .arg(&mut self.split_ml)
+            .arg(&self.split_o)
+            .arg(&self.split_ml)
             .arg(&len)
             .arg(&kv_heads)
             .arg(&group)
             .arg(&per_split)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&is_fused)
+            .arg(host_data)
+            .arg(&has_host)
+            .arg(out_data)
+            .arg(&mut self.done);
         // SAFETY: the arguments match `attend_d{dim}(const Vec16* keys, const Vec16* values,
         // const float* q, float* split_o, float* split_ml, int len, int kv_heads, int group,
-        // int tiles_per_block, float scale)` in order and type, and the kernel was chosen for
-        // this window's head dim. Block (s, h, z) reads tokens [s·per_split·32, (s+1)·per_split·32)
+        // int tiles_per_block, float scale, int fused, const float* host, int has_host,
+        // float* out, unsigned* done)` in order and type, and the kernel was chosen for this
+        // window's head dim. Block (s, h, z) reads tokens [s·per_split·32, (s+1)·per_split·32)
         // ∩ [0, len) of kv head h < kv_heads: `keys` and `values` hold capacity ≥ len tokens of
         // kv_heads × dim f16 (16-byte aligned allocations, dim a multiple of 8); it reads the q
         // rows of q heads h·group + z·8 + [0, 8) ∩ group, within the q_heads × dim floats `q`
         // holds (checked above); it writes split s < splits of those heads, within the
         // q_heads × splits × dim and × 2 floats of `split_o` and `split_ml` (grown above).
         // grid.x = splits covers every tile once (splits · per_split ≥ tiles), and grid.z =
-        // chunks covers the group.
+        // chunks covers the group. Fused, it counts in done[h·chunks + z] (kv_heads × chunks
+        // zeroed u32 at `new`, each back to 0 when its last block has counted), and that last
+        // block reads those splits and host's q_heads × (dim + 2) floats when has_host is 1,
+        // and writes those q heads of out's q_heads × (dim + 2) floats (both shapes checked by
+        // `check_merge_buffers`); splits + 1 ≤ MAX_PARTS, its shared weights (MAX_SPLITS).
+        // Unfused it touches neither host, out nor done.
         unsafe { launch.launch(cfg) }?;
         self.attended = Some(splits);
         Ok(())
@@ -353,18 +408,17 @@ impl GpuWindow {
         let splits = self.attended.ok_or_else(|| {
             GpuError::Invalid("merge needs the window's attend first (again after load or append)".into())
         })?;
-        self.gpu.check_same(&out.gpu, "the output partials")?;
-        expect_shape((out.heads, out.dim), (self.q_heads, self.dim), "output partials")?;
-        if let Some(host) = host {
-            self.gpu.check_same(&host.gpu, "the host partials")?;
-            expect_shape((host.heads, host.dim), (self.q_heads, self.dim), "host partials")?;
-        }
-        let cfg =
-            LaunchConfig { grid_dim: (self.q_heads as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.check_merge_buffers(host, out)?;
+        let group = self.q_heads / self.kv_heads;
+        let cfg = LaunchConfig {
+            grid_dim: (self.kv_heads as u32, group.div_ceil(GMAX) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // Without host partials the kernel reads none; any device pointer fills the slot.
         let host_data = host.map_or(&self.split_ml, |h| &h.data);
-        let (splits_arg, has_host, q_heads, dim) =
-            (splits as i32, i32::from(host.is_some()), self.q_heads as i32, self.dim as i32);
+        let (splits_arg, has_host, q_heads, group, dim) =
+            (splits as i32, i32::from(host.is_some()), self.q_heads as i32, group as i32, self.dim as i32);
         let mut launch = self.gpu.stream.launch_builder(&self.gpu.device.merge);
         launch
             .arg(&self.split_o)
@@ -374,21 +428,34 @@ impl GpuWindow {
             .arg(&has_host)
             .arg(&mut out.data)
             .arg(&q_heads)
+            .arg(&group)
             .arg(&dim);
         // SAFETY: the arguments match `merge(const float* split_o, const float* split_ml, int
-        // splits, const float* host, int has_host, float* out, int q_heads, int dim)` in order
-        // and type. Block h < q_heads reads splits [0, splits) of q head h, which the last
-        // attend wrote (splits ≤ split_capacity, so within the q_heads × split_capacity × dim
-        // and × 2 floats of `split_o` and `split_ml`; with no splits it reads none); it reads
-        // `host` only when has_host is 1, and then within its q_heads × (dim + 2) floats
-        // (shape checked above); it writes head h of `out`, q_heads × (dim + 2) floats (checked
-        // above). splits + 1 ≤ MAX_PARTS, the kernel's shared array (MAX_SPLITS in `plan`).
+        // splits, const float* host, int has_host, float* out, int q_heads, int group, int dim)`
+        // in order and type. Block (h, z) reads splits [0, splits) of q heads h·group + z·8 +
+        // [0, 8) ∩ group, which the last attend wrote (splits ≤ split_capacity, so within the
+        // q_heads × split_capacity × dim and × 2 floats of `split_o` and `split_ml`; with no
+        // splits it reads none); it reads `host` only when has_host is 1, and then within its
+        // q_heads × (dim + 2) floats; it writes those heads of `out`, q_heads × (dim + 2)
+        // floats (shapes checked above). splits + 1 ≤ MAX_PARTS, the kernel's shared weights
+        // (MAX_SPLITS in `plan`).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
 
+    /// The merge's output and host partials: of this window's `Gpu`, with its shape.
+    fn check_merge_buffers(&self, host: Option<&GpuPartials>, out: &GpuPartials) -> Result<(), GpuError> {
+        self.gpu.check_same(&out.gpu, "the output partials")?;
+        expect_shape((out.heads, out.dim), (self.q_heads, self.dim), "output partials")?;
+        if let Some(host) = host {
+            self.gpu.check_same(&host.gpu, "the host partials")?;
+            expect_shape((host.heads, host.dim), (self.q_heads, self.dim), "host partials")?;
+        }
+        Ok(())
+    }
+
     /// Attention of `q` (`q_heads × head_dim`) over the window, merged with `host` (one partial
-    /// per q head) when given: uploads, both launches and the download in one call, for callers
+    /// per q head) when given: uploads, one fused launch and the download in one call, for callers
     /// that have the host partials before the window's attention starts. Returns one partial
     /// per q head; its [`Partial::lse`] is the log-sum-exp of everything merged.
     pub fn attention(&mut self, q: &[f32], scale: f32, host: Option<&[Partial]>) -> Result<Vec<Partial>, GpuError> {
@@ -413,11 +480,10 @@ impl GpuWindow {
         host: Option<&[Partial]>,
     ) -> Result<Vec<Partial>, GpuError> {
         staging.q.upload(q)?;
-        self.attend(&staging.q, scale)?;
         if let Some(host) = host {
             staging.host.upload(host)?;
         }
-        self.merge(host.map(|_| &staging.host), &mut staging.out)?;
+        self.attend_merged(&staging.q, scale, host.map(|_| &staging.host), &mut staging.out)?;
         staging.out.download()
     }
 }
