@@ -13,7 +13,7 @@ use crate::error::{input, Error, Result};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan};
 use crate::poison::lock;
-use ctxfs_buffer::{BlockClass, Prefetched};
+use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
@@ -604,13 +604,18 @@ impl Session {
             .zip(&files)
             .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
-        // A flat plan scores every key for each q head of the group: one pass over each
-        // segment's keys for all of them (its time is shared out as their search time).
+        // A flat plan scores every key for each q head of the group, and Quest every page's
+        // bound: one pass over each segment's keys or pages for all of them (its time is shared
+        // out as their search time).
         let scanning = Instant::now();
         let scans = match choice.plan {
             Plan::Full | Plan::Flat => {
                 readers.iter().map(|r| flat::scan_many(&r.index, qs, r.seg.usable)).collect::<Result<Vec<_>, _>>()?
             }
+            Plan::Quest => readers
+                .iter()
+                .map(|r| Ok(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?))
+                .collect::<Result<Vec<_>>>()?,
             _ => Vec::new(),
         };
         let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
@@ -748,27 +753,13 @@ impl Session {
             .then(|| self.db.inner.prefetcher.submit(reqs))
     }
 
-    /// A coarse plan's selection from one segment, with the exact scores of the tokens it
-    /// chose (their keys are read from the graph index's key blocks).
-    fn coarse(
-        &self,
-        r: &SegmentReader<'_>,
-        plan: Plan,
-        q: &[f32],
-        budget: usize,
-        stats: &mut SearchStats,
-    ) -> Result<SearchResult> {
-        let (index, file, seg) = (&r.index, r.file, &r.seg);
+    /// The run of a segment's coarse index of `kind`, which follows the graph index in the
+    /// index stream (each run self-describing).
+    fn coarse_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<&'r [BlockRequest]> {
+        let (file, seg) = (r.file, &r.seg);
         let pool = &self.db.inner.pool;
-        let kind = match plan {
-            Plan::Quest => CoarseKind::Quest,
-            Plan::Infllm => CoarseKind::Infllm,
-            _ => CoarseKind::Pq,
-        };
-        let corrupt = |e: String| Error::Corrupt(format!("context {} {}: {e}", seg.context, plan.name()));
-        // The coarse runs follow the graph index in the index stream, each self-describing.
-        let mut at = index.layout().index_blocks() as usize;
-        let run = loop {
+        let mut at = r.index.layout().index_blocks() as usize;
+        loop {
             if at >= file.index.len() {
                 return input(format!(
                     "context {} has no {} index (stored without it); choose another --mode",
@@ -777,19 +768,52 @@ impl Session {
                 ));
             }
             let meta = pool.get(&file.index[at])?;
-            let (k, blocks) = run_of(meta.payload()).map_err(corrupt)?;
+            let (k, blocks) = run_of(meta.payload()).map_err(|e| coarse_corrupt(seg, plan, e))?;
             if at + blocks > file.index.len() {
-                return Err(corrupt(format!("a run of {blocks} blocks at block {at} overruns the stream")));
+                let e = format!("a run of {blocks} blocks at block {at} overruns the stream");
+                return Err(coarse_corrupt(seg, plan, e));
             }
             if k == kind {
-                break &file.index[at..at + blocks];
+                return Ok(&file.index[at..at + blocks]);
             }
             at += blocks;
-        };
-        let selected = match kind {
-            CoarseKind::Quest => PagedQuest::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
-            CoarseKind::Infllm => PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
-            CoarseKind::Pq => PagedPq::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?,
+        }
+    }
+
+    /// A segment's Quest index.
+    fn open_quest<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedQuest<'a>> {
+        let run = self.coarse_run(r, CoarseKind::Quest, Plan::Quest)?;
+        PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
+    }
+
+    /// A coarse plan's selection from one segment, with the exact scores of the tokens it
+    /// chose (their keys are read from the graph index's key blocks). `scanned`: Quest's page
+    /// bounds of `q`, computed for its GQA group, and the work that did it.
+    fn coarse(
+        &self,
+        r: &SegmentReader<'_>,
+        plan: Plan,
+        q: &[f32],
+        scanned: Option<(&[f32], SearchStats)>,
+        budget: usize,
+        stats: &mut SearchStats,
+    ) -> Result<SearchResult> {
+        let (index, seg) = (&r.index, &r.seg);
+        let pool = &self.db.inner.pool;
+        let corrupt = |e: String| coarse_corrupt(seg, plan, e);
+        let selected = match plan {
+            Plan::Quest => match scanned {
+                Some((scores, work)) => self.open_quest(r)?.select_scored(scores, work, budget, seg.filter()),
+                None => self.open_quest(r)?.select(q, budget, seg.filter())?,
+            },
+            Plan::Infllm => {
+                let run = self.coarse_run(r, CoarseKind::Infllm, plan)?;
+                PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
+            }
+            _ => {
+                let run = self.coarse_run(r, CoarseKind::Pq, plan)?;
+                PagedPq::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
+            }
         };
         *stats += selected.stats;
         let mut scores = vec![0.0; selected.ids.len()];
@@ -849,7 +873,7 @@ impl Session {
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
                     let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
                     let budget = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
-                    self.coarse(r, plan, q, budget, stats)?
+                    self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
                 }
             };
             *stats += r.stats;
@@ -880,6 +904,11 @@ impl Session {
         found.sort_unstable_by_key(|f| (f.1, f.0));
         Ok(found)
     }
+}
+
+/// A coarse index that contradicts itself, named by context and plan.
+fn coarse_corrupt(seg: &Segment, plan: Plan, e: String) -> Error {
+    Error::Corrupt(format!("context {} {}: {e}", seg.context, plan.name()))
 }
 
 /// Retrieved (segment, token, score) triples best first: higher score, then the lower token.

@@ -23,6 +23,12 @@ pub struct GroupScan {
 }
 
 impl GroupScan {
+    /// `scores` of `m` queries over `keys` items each, query after query.
+    pub(crate) fn new(scores: Vec<f32>, keys: usize, stats: SearchStats) -> GroupScan {
+        debug_assert!(keys == 0 || scores.len().is_multiple_of(keys));
+        GroupScan { scores, keys, stats }
+    }
+
     /// Query `t`'s score of every key scanned.
     pub fn scores(&self, t: usize) -> &[f32] {
         &self.scores[t * self.keys..(t + 1) * self.keys]
@@ -40,7 +46,7 @@ pub fn scan_many<K: Keys>(keys: &K, queries: &[f32], limit: u32) -> Result<Group
     let mut scores = vec![0.0; m * n];
     let mut stats = SearchStats::default();
     keys.score_range_many(0, &queries[..m * d], &mut scores, n, n, &mut stats)?;
-    Ok(GroupScan { scores, keys: n, stats })
+    Ok(GroupScan::new(scores, n, stats))
 }
 
 /// The exact DIPR set: every key (below `prefix`, if given) whose inner product is within

@@ -376,6 +376,16 @@ fn paged_readers_answer_exactly_as_memory() {
     assert_eq!(pq48.meta().params, PqParams::M4B8);
     let pairs: [(&dyn Coarse, &dyn Coarse); 5] =
         [(&a.quest, &quest), (&a.quest1, &quest1), (&a.infllm, &infllm), (&a.pq26, &pq26), (&a.pq48, &pq48)];
+    // A GQA group's page bounds in one pass: each query's to the bit, and the same selection.
+    for (prefix, group) in [(None, &decode[..4 * 64]), (Some(1000), &decode[64..3 * 64])] {
+        let many = quest.page_scores_many(group, prefix).unwrap();
+        for (t, q) in group.chunks(64).enumerate() {
+            assert_eq!(many.scores(t), &quest.page_scores(q, prefix).unwrap()[..], "query {t} of the group");
+            let one = quest.select(q, 1024, prefix).unwrap();
+            let from_group = quest.select_scored(many.scores(t), many.stats, 1024, prefix);
+            assert_eq!((one.ids, one.metadata_bytes), (from_group.ids, from_group.metadata_bytes));
+        }
+    }
     for q in decode.chunks(64) {
         assert_eq!(a.quest.page_scores(q, None).unwrap(), quest.page_scores(q, None).unwrap());
         assert_eq!(a.infllm.block_scores(q, Some(1000)).unwrap(), infllm.block_scores(q, Some(1000)).unwrap());

@@ -239,7 +239,15 @@ pub fn run_of(meta: &[u8]) -> Result<(CoarseKind, usize), String> {
 /// ascending.
 fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> {
     let mut order: Vec<u32> = (0..scores.len() as u32).collect();
-    order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+    let best_first = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
+    // Every unit but the last holds `unit` tokens, so at most budget / unit + 1 are taken, and
+    // the one that stops the taking is among the next: only those need ordering.
+    let looked_at = (budget / unit.max(1) as usize).saturating_add(2);
+    if looked_at < order.len() {
+        order.select_nth_unstable_by(looked_at, best_first);
+        order.truncate(looked_at);
+    }
+    order.sort_unstable_by(best_first);
     let mut taken = Vec::new();
     let mut used = 0usize;
     for u in order {

@@ -28,6 +28,7 @@
 
 use super::{check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_units};
 use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
+use crate::flat::GroupScan;
 use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
@@ -135,7 +136,7 @@ impl Quest {
     /// The bound of every page below the prefix (the scores [`Coarse::select`] ranks).
     pub fn page_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
         let recs = MemRecords { bytes: bytemuck::cast_slice(&self.records), size: 4 * self.dim };
-        Ok(page_scores(&recs, self.dim, self.page_tokens, self.tokens, q, prefix)?.0)
+        Ok(page_scores(&recs, self.dim, self.page_tokens, self.tokens, q, prefix)?.scores(0).to_vec())
     }
 }
 
@@ -177,7 +178,29 @@ impl<'p> PagedQuest<'p> {
     /// The bound of every page below the prefix, as [`Quest::page_scores`].
     pub fn page_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
         let m = &self.meta;
-        Ok(page_scores(&self.records, m.dim as usize, m.page_tokens, m.tokens, q, prefix)?.0)
+        Ok(page_scores(&self.records, m.dim as usize, m.page_tokens, m.tokens, q, prefix)?.scores(0).to_vec())
+    }
+
+    /// The page bounds of each of `queries` (rows of the head dimension: a GQA group's q
+    /// heads) in one pass over the page records, each to the bit what it would get alone.
+    pub fn page_scores_many(&self, queries: &[f32], prefix: Option<u32>) -> Result<GroupScan, BufferError> {
+        let m = &self.meta;
+        page_scores(&self.records, m.dim as usize, m.page_tokens, m.tokens, queries, prefix)
+    }
+
+    /// [`Coarse::select`] given the query's page bounds (from [`page_scores_many`]) and the
+    /// work that computed them.
+    ///
+    /// [`page_scores_many`]: Self::page_scores_many
+    pub fn select_scored(
+        &self,
+        scores: &[f32],
+        stats: SearchStats,
+        budget_tokens: usize,
+        prefix: Option<u32>,
+    ) -> CoarseResult {
+        let m = &self.meta;
+        select_scored(m.dim as usize, m.page_tokens, m.tokens, scores, stats, budget_tokens, prefix)
     }
 }
 
@@ -194,29 +217,38 @@ impl Coarse for PagedQuest<'_> {
     }
 }
 
-/// The bounds of the pages holding tokens below the prefix (a page straddling the prefix
-/// keeps its whole-page bound: still an upper bound for its qualifying tokens).
+/// The bounds of the pages holding tokens below the prefix, for each of `queries` (rows of
+/// `dim`) in one pass over the records: a GQA group's q heads read each page once. A page
+/// straddling the prefix keeps its whole-page bound: still an upper bound for its qualifying
+/// tokens.
 fn page_scores(
     recs: &dyn Records,
     dim: usize,
     page_tokens: u32,
     tokens: u32,
-    q: &[f32],
+    queries: &[f32],
     prefix: Option<u32>,
-) -> Result<(Vec<f32>, SearchStats), BufferError> {
-    check_query(q, dim)?;
+) -> Result<GroupScan, BufferError> {
+    if queries.is_empty() {
+        check_query(queries, dim)?;
+    }
+    for q in queries.chunks(dim) {
+        check_query(q, dim)?;
+    }
     let pages = limit(tokens, prefix).div_ceil(page_tokens) as usize;
-    let split: Vec<f32> = q.iter().map(|&x| x.max(0.0)).chain(q.iter().map(|&x| x.min(0.0))).collect();
-    let mut out = vec![0.0f32; pages];
+    let split: Vec<f32> = queries
+        .chunks_exact(dim)
+        .flat_map(|q| q.iter().map(|&x| x.max(0.0)).chain(q.iter().map(|&x| x.min(0.0))))
+        .collect();
+    let mut out = vec![0.0f32; queries.len() / dim * pages];
     let mut stats = SearchStats::default();
     recs.visit(0..pages, &mut stats, &mut |first, bytes| {
         let rows: &[f16] = bytemuck::cast_slice(bytes);
-        let n = rows.len() / (2 * dim);
-        ctxfs_kernels::scores(rows, &split, 1.0, &mut out[first..first + n]);
+        ctxfs_kernels::scores_many(rows, &split, 2 * dim, &mut out[first..], pages);
         Ok(())
     })?;
     stats.keys_scored = pages as u64;
-    Ok((out, stats))
+    Ok(GroupScan::new(out, pages, stats))
 }
 
 fn select(
@@ -228,10 +260,23 @@ fn select(
     budget: usize,
     prefix: Option<u32>,
 ) -> Result<CoarseResult, BufferError> {
-    let (scores, stats) = page_scores(recs, dim, page_tokens, tokens, q, prefix)?;
-    Ok(CoarseResult {
-        ids: take_units(&scores, page_tokens, limit(tokens, prefix), budget),
+    let scan = page_scores(recs, dim, page_tokens, tokens, q, prefix)?;
+    Ok(select_scored(dim, page_tokens, tokens, scan.scores(0), scan.stats, budget, prefix))
+}
+
+/// The pages a query's bounds `scores` choose within `budget` tokens, whole.
+fn select_scored(
+    dim: usize,
+    page_tokens: u32,
+    tokens: u32,
+    scores: &[f32],
+    stats: SearchStats,
+    budget: usize,
+    prefix: Option<u32>,
+) -> CoarseResult {
+    CoarseResult {
+        ids: take_units(scores, page_tokens, limit(tokens, prefix), budget),
         metadata_bytes: (scores.len() * 4 * dim) as u64,
         stats,
-    })
+    }
 }
