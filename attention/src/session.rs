@@ -788,7 +788,8 @@ impl Session {
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it
     /// chose (their keys are read from the graph index's key blocks). `scanned`: Quest's page
-    /// bounds of `q`, computed for its GQA group, and the work that did it.
+    /// bounds of `q`, computed for its GQA group, and the work that did it (always given for
+    /// Quest).
     fn coarse(
         &self,
         r: &SegmentReader<'_>,
@@ -802,10 +803,10 @@ impl Session {
         let pool = &self.db.inner.pool;
         let corrupt = |e: String| coarse_corrupt(seg, plan, e);
         let selected = match plan {
-            Plan::Quest => match scanned {
-                Some((scores, work)) => self.open_quest(r)?.select_scored(scores, work, budget, seg.filter()),
-                None => self.open_quest(r)?.select(q, budget, seg.filter())?,
-            },
+            Plan::Quest => {
+                let (scores, work) = scanned.expect("search_group scores Quest's pages for the whole GQA group");
+                self.open_quest(r)?.select_scored(scores, work, budget, seg.filter())
+            }
             Plan::Infllm => {
                 let run = self.coarse_run(r, CoarseKind::Infllm, plan)?;
                 PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
