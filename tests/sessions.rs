@@ -403,6 +403,8 @@ fn a_decode_step_starts_from_the_last_steps_tokens() {
         }
         for (i, a) in answers.iter().enumerate() {
             for (qh, r) in a.heads.iter().enumerate() {
+                let t = r.timing;
+                assert!(t.value_wait <= t.values && t.search + t.values <= t.total, "{t:?}");
                 recall[i] += dipr_recall(&b, layer, qh, &q, beta, &r.selected);
                 hops[i] += r.stats.hops;
                 scored[i] += r.stats.keys_scored;

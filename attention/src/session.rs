@@ -128,6 +128,10 @@ pub struct HeadTiming {
     pub search: Duration,
     /// Reading the retrieved tokens' value blocks and summing their values.
     pub values: Duration,
+    /// Of `values`, the time spent blocked until the prefetch thread had read the value
+    /// blocks it was handed after the search (the I/O the searches did not hide). Blocks
+    /// missed on the way are read while summing and count in `values` only.
+    pub value_wait: Duration,
     /// The head's whole share: the above, the window's attention and the merge (and, for
     /// the first q head of a group, opening the kv head's files and window).
     pub total: Duration,
@@ -668,6 +672,7 @@ impl Session {
         for SearchedHead { mut win_z, mut fresh_z, found, prefetch, mut stats, search, elapsed } in heads {
             let reading = Instant::now();
             stats.blocks_read += prefetch.map_or(0, |p| p.wait()) as u64;
+            let value_wait = reading.elapsed();
             // The retrieved tokens' weights first; their values are then summed straight from
             // the pinned data blocks, one batch per segment, never copied.
             let mut ret_z: Vec<f32> = found.iter().map(|f| f.2 * scale).collect();
@@ -725,7 +730,7 @@ impl Session {
             } else {
                 Vec::new()
             };
-            let timing = HeadTiming { search, values, total: elapsed + reading.elapsed() };
+            let timing = HeadTiming { search, values, value_wait, total: elapsed + reading.elapsed() };
             let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats, timing };
             out.push((Parts { own, retrieved }, report));
         }

@@ -113,7 +113,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let mut layer_split = vec![Vec::new(); layers];
     let (mut ios, mut plans) = (Vec::new(), Vec::new());
     let before = db.pool_stats();
+    let disk = crate::disk_stat::Disk::of(&path);
+    let mut disk_from = None;
     for s in 0..steps {
+        if s == 1 {
+            disk_from = disk.as_ref().and_then(|d| d.read());
+        }
         let mut io = 0;
         for (l, secs) in layer_secs.iter_mut().enumerate() {
             let t = Instant::now();
@@ -129,16 +134,21 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         ios.push(io);
     }
     let after = db.pool_stats();
+    // The disk's side of the steady steps' reads (the counters are the whole device's).
+    let disk_steady = match (&disk, &disk_from) {
+        (Some(d), Some(from)) => d.since(from, (steps - 1) as f64),
+        _ => serde_json::Value::Null,
+    };
     let step = |s: usize| -> f64 { extrapolate(&layer_secs.iter().map(|v| v[s]).collect::<Vec<_>>()) };
     let cold = step(0);
     let steady = median((1..steps).map(step).collect());
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
     // The split of the cold step, then the medians of the steady steps'.
-    let cold_split = [0, 1, 2].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
-    let split = [0, 1, 2].map(|i| {
+    let cold_split = [0, 1, 2, 3].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
+    let split = [0, 1, 2, 3].map(|i| {
         extrapolate(&layer_split.iter().map(|v| median(v[1..].iter().map(|p| p[i]).collect())).collect::<Vec<_>>())
     });
-    let split_json = |[search, values, rest]: [f64; 3]| json!({"search": search, "value_read_and_sum": values, "window_and_merge": rest});
+    let split_json = |[search, wait, sum, rest]: [f64; 4]| json!({"search": search, "value_read_and_sum": wait + sum, "value_wait": wait, "value_sum": sum, "window_and_merge": rest});
 
     // Exact attention over the same store (one step, measured layers).
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
@@ -168,7 +178,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "layer_cold_seconds": layer_secs.iter().map(|v| v[0]).collect::<Vec<_>>(),
         "layer_steady_seconds": layer_secs.iter().map(|v| median(v[1..].to_vec())).collect::<Vec<_>>(),
         "ios_per_step": steady_ios, "bytes_per_step": steady_ios * 4096.0, "cold_step_ios": ios[0],
-        "hit_ratio": after.hit_ratio_since(&before),
+        "hit_ratio": after.hit_ratio_since(&before), "disk_per_steady_step": disk_steady,
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
         "step_split_seconds": split_json(split), "cold_step_split_seconds": split_json(cold_split),
         "db_open_seconds": db_open_s, "index_warm_seconds": warm_s, "index_warm_blocks": warmed.blocks, "index_held_blocks": warmed.held, "index_warm_extrapolated_seconds": per_layer(warm_s),
@@ -210,9 +220,20 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         plans.join(", ")
     );
     println!(
-        "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s, window and merge {:.4} s",
-        split[0], split[1], split[2]
+        "steady step split (32 layers, median): search {:.4} s, waiting for value reads {:.4} s, other value reads and sums {:.4} s, window and merge {:.4} s",
+        split[0], split[1], split[2], split[3]
     );
+    if let Some(d) = disk_steady.as_object() {
+        println!(
+            "disk {} per steady step ({} layers): {:.0} reads ({:.0} more merged into them), {:.2} ms per read, busy {:.0}% of the time",
+            d["device"].as_str().unwrap_or("?"),
+            layers,
+            d["reads"].as_f64().unwrap_or(0.0),
+            d["read_merges"].as_f64().unwrap_or(0.0),
+            d["read_latency_ms"].as_f64().unwrap_or(0.0),
+            d["busy_fraction"].as_f64().unwrap_or(0.0) * 100.0
+        );
+    }
     println!(
         "store_session of {} new tokens on top of the {n}-token book: {:.2} s, {} blocks written ({} layers)",
         stored.tokens, stored.seconds, stored.blocks, layers
@@ -264,17 +285,19 @@ fn extrapolate(per_layer: &[f64]) -> f64 {
     }
 }
 
-/// A layer's wall time split in the shares its heads' threads spent searching, reading and
-/// summing values, and on the rest (the window's attention, the merge): (search, values,
-/// rest) in seconds.
-fn split_of(a: &Attention, wall: f64) -> [f64; 3] {
+/// A layer's wall time split in the shares its heads' threads spent searching, waiting for
+/// the value blocks the prefetch thread was reading, reading the rest and summing values,
+/// and on the rest (the window's attention, the merge): (search, wait, values, rest) in
+/// seconds.
+fn split_of(a: &Attention, wall: f64) -> [f64; 4] {
     let sum = |f: fn(&HeadTiming) -> Duration| a.heads.iter().map(|h| f(&h.timing).as_secs_f64()).sum::<f64>();
-    let (search, values, total) = (sum(|t| t.search), sum(|t| t.values), sum(|t| t.total));
+    let (search, wait, values, total) = (sum(|t| t.search), sum(|t| t.value_wait), sum(|t| t.values), sum(|t| t.total));
     if total <= 0.0 {
-        return [0.0, 0.0, wall];
+        return [0.0, 0.0, 0.0, wall];
     }
-    let (s, v) = (wall * search / total, wall * values / total);
-    [s, v, (wall - s - v).max(0.0)]
+    let share = |x: f64| wall * x / total;
+    let (s, w, v) = (share(search), share(wait), share(values - wait));
+    [s, w, v, (wall - s - w - v).max(0.0)]
 }
 
 /// Reads every key and value of the measured layers from the store (sequential reads of the

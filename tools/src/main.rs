@@ -8,6 +8,7 @@ mod bench_io;
 mod bench_search;
 mod decode_queries;
 mod demo;
+mod disk_stat;
 mod fsck_cmd;
 mod gen;
 mod import;
