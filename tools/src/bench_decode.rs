@@ -148,7 +148,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let split = [0, 1, 2, 3].map(|i| {
         extrapolate(&layer_split.iter().map(|v| median(v[1..].iter().map(|p| p[i]).collect())).collect::<Vec<_>>())
     });
-    let split_json = |[search, wait, sum, rest]: [f64; 4]| json!({"search": search, "value_read_and_sum": wait + sum, "value_wait": wait, "value_sum": sum, "window_and_merge": rest});
+    let split_json = |[search, values, wait, rest]: [f64; 4]| json!({"search": search, "value_read_and_sum": values, "value_wait": wait, "window_and_merge": rest});
 
     // Exact attention over the same store (one step, measured layers).
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
@@ -220,7 +220,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         plans.join(", ")
     );
     println!(
-        "steady step split (32 layers, median): search {:.4} s, waiting for value reads {:.4} s, other value reads and sums {:.4} s, window and merge {:.4} s",
+        "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s (waiting for reads {:.4} s), window and merge {:.4} s",
         split[0], split[1], split[2], split[3]
     );
     if let Some(d) = disk_steady.as_object() {
@@ -285,9 +285,9 @@ fn extrapolate(per_layer: &[f64]) -> f64 {
     }
 }
 
-/// A layer's wall time split in the shares its heads' threads spent searching, waiting for
-/// the value blocks the prefetch thread was reading, reading the rest and summing values,
-/// and on the rest (the window's attention, the merge): (search, wait, values, rest) in
+/// A layer's wall time split in the shares its heads' threads spent searching, reading and
+/// summing values (of which waiting for the value blocks the prefetch thread was reading),
+/// and on the rest (the window's attention, the merge): (search, values, wait, rest) in
 /// seconds.
 fn split_of(a: &Attention, wall: f64) -> [f64; 4] {
     let sum = |f: fn(&HeadTiming) -> Duration| a.heads.iter().map(|h| f(&h.timing).as_secs_f64()).sum::<f64>();
@@ -296,8 +296,8 @@ fn split_of(a: &Attention, wall: f64) -> [f64; 4] {
         return [0.0, 0.0, 0.0, wall];
     }
     let share = |x: f64| wall * x / total;
-    let (s, w, v) = (share(search), share(wait), share(values - wait));
-    [s, w, v, (wall - s - w - v).max(0.0)]
+    let (s, v) = (share(search), share(values));
+    [s, v, share(wait), (wall - s - v).max(0.0)]
 }
 
 /// Reads every key and value of the measured layers from the store (sequential reads of the
