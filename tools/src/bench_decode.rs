@@ -38,6 +38,9 @@ pub struct Args {
     /// Data-block cache as a share of the data blocks.
     #[arg(long, default_value_t = 0.10)]
     data_cache: f64,
+    /// Block size of the bench store, in bytes (a store of another block size is rebuilt).
+    #[arg(long, default_value_t = 4096)]
+    block_size: usize,
     #[arg(long)]
     json: bool,
 }
@@ -53,6 +56,7 @@ const SCALE: f32 = 0.088_388_35;
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let (n, layers, steps) = (args.tokens, args.layers, args.steps);
     ensure!(n >= 4096 && (1..=MODEL_LAYERS).contains(&layers) && steps > 0, "--tokens ≥ 4096, --layers 1..=32");
+    ctxfs_vfs::device::check_block_size(args.block_size).map_err(|e| anyhow::anyhow!("--block-size: {e}"))?;
     std::fs::create_dir_all(&args.dir)?;
     let path = args.dir.join("store.ctxfs");
     let book = args.dir.join("book.safetensors");
@@ -61,11 +65,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         s.snapshot().context(NAME).is_ok_and(|c| {
             let sh = c.record().shape;
             c.token_count() == n as u64 && sh.layers as usize == layers && sh.kv_heads as usize == KV_HEADS
-        })
+        }) && s.device().block_size() == args.block_size
     }) && book.with_extension("queries.safetensors").exists();
     let mut import = None;
     if !reusable {
-        format_store(&path, Some(kv_bytes * 3 + (256 << 20)), 4096, true, choice)?;
+        format_store(&path, Some(kv_bytes * 3 + (256 << 20)), args.block_size, true, choice)?;
         gen::generate(&gen::Args {
             out: book.clone(),
             tokens: n,
@@ -177,7 +181,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "decode_step_seconds": steady, "cold_step_seconds": cold,
         "layer_cold_seconds": layer_secs.iter().map(|v| v[0]).collect::<Vec<_>>(),
         "layer_steady_seconds": layer_secs.iter().map(|v| median(v[1..].to_vec())).collect::<Vec<_>>(),
-        "ios_per_step": steady_ios, "bytes_per_step": steady_ios * 4096.0, "cold_step_ios": ios[0],
+        "ios_per_step": steady_ios, "bytes_per_step": steady_ios * args.block_size as f64, "cold_step_ios": ios[0],
         "hit_ratio": after.hit_ratio_since(&before), "disk_per_steady_step": disk_steady,
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
         "step_split_seconds": split_json(split), "cold_step_split_seconds": split_json(cold_split),
@@ -214,7 +218,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     println!(
         "I/O per steady step: {:.0} blocks ({:.1} MiB), cold step {} blocks; hit ratio {:.3}; plans {}",
         steady_ios,
-        steady_ios * 4096.0 / (1 << 20) as f64,
+        steady_ios * args.block_size as f64 / (1 << 20) as f64,
         ios[0],
         v["hit_ratio"].as_f64().unwrap_or(0.0),
         plans.join(", ")

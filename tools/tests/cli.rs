@@ -200,6 +200,28 @@ fn bench_io_reports_ratios_and_cleans_up() {
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
 
+#[test]
+fn bench_decode_builds_its_store_at_the_block_size_asked_for() {
+    let dir = tmp();
+    let bad = ctxfs(&["bench", "decode", "--dir", p(dir.path()), "--tokens", "4096", "--block-size", "12288"]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--block-size") && err.contains("power of two"), "{err}");
+    assert!(!dir.path().join("store.ctxfs").exists(), "a refused run formats nothing");
+
+    let args = ["bench", "decode", "--dir", p(dir.path()), "--tokens", "4096", "--layers", "1", "--steps", "2"];
+    let v = json(&[&args[..], &["--block-size", "8192", "--json"]].concat());
+    let store = dir.path().join("store.ctxfs");
+    assert_eq!(json(&["inspect", p(&store), "--json"])["superblock"]["block_size"].as_u64(), Some(8192));
+    let ios = v["ios_per_step"].as_f64().unwrap();
+    assert_eq!(v["bytes_per_step"].as_f64(), Some(ios * 8192.0));
+    assert!(v["decode_step_seconds"].as_f64().unwrap() > 0.0);
+    // The same context at another block size is rebuilt, not reused.
+    json(&[&args[..], &["--json"]].concat());
+    assert_eq!(json(&["inspect", p(&store), "--json"])["superblock"]["block_size"].as_u64(), Some(4096));
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+}
+
 /// Runs ctxfs in a child whose `io_uring_setup` calls fail with EPERM, as under Docker's
 /// default seccomp profile.
 #[cfg(target_arch = "x86_64")]
