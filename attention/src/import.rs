@@ -116,7 +116,7 @@ fn write_head(
             value_rows = Rows::Bf16(&bf_values);
         }
     }
-    let (_, mut index) = index_payloads_of(key_rows, h.dim, &graph, payload);
+    let (_, mut index) = index_payloads_of(key_rows, value_rows, h.dim, &graph, payload);
     if dtype == DType::F16 {
         // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
         let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));

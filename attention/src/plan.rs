@@ -65,11 +65,16 @@ pub struct Rules {
     /// score). A diffuse head's DIPR range can hold most of a long context; without a cap a
     /// decode step reads most of its values. Forced plans use only the caller's budget.
     pub dipr_budget: usize,
+    /// The same cap when the plan estimates the tail from the seed sample
+    /// (`AttentionOptions::tail`): the tokens left out are then estimated, not lost, so far
+    /// fewer need retrieving, and DIPRS narrows a diffuse range to about this many instead
+    /// of exploring what the cap would drop (README, "The tail estimate").
+    pub dipr_tail_budget: usize,
 }
 
 impl Default for Rules {
     fn default() -> Self {
-        Rules { short_context: 4096, dipr_budget: 4096 }
+        Rules { short_context: 4096, dipr_budget: 4096, dipr_tail_budget: 1024 }
     }
 }
 

@@ -6,7 +6,8 @@
 //! are attended exactly; the optimizer's plan retrieves the prefix tokens outside the window
 //! from each stored segment (filtered where only part of a segment is reused), their values
 //! are read through the buffer pool in one batch per segment, and the parts are merged with
-//! the log-sum-exp rule. The kv heads of a layer run in parallel.
+//! the log-sum-exp rule; a DIPR plan adds a third part, the tail estimate (the seeds it left
+//! out, each standing for its stride's tokens). The kv heads of a layer run in parallel.
 
 use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
@@ -19,8 +20,9 @@ use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
+use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
-use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats};
+use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats, SeedScores};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::DType;
@@ -91,6 +93,13 @@ pub struct AttentionOptions {
     /// from one decode step to the next. `false`: every search starts afresh, so a call's
     /// answer does not depend on the calls before it.
     pub warm_start: bool,
+    /// Estimate the softmax over the tokens a DIPR plan (DIPRS, flat) neither retrieved nor
+    /// holds in the window, from the seed sample its index stores (every 96th token's key
+    /// and value): each such seed stands for the 96 tokens of its stride. A diffuse head
+    /// holds most of its attention outside any range a search can retrieve; without this,
+    /// that mass is lost. `None`: the optimizer's plans estimate it, a forced plan gives the
+    /// bare DIPR answer. Indexes stored before layout 4 have no seed values: no estimate.
+    pub tail: Option<bool>,
 }
 
 impl Default for AttentionOptions {
@@ -105,6 +114,7 @@ impl Default for AttentionOptions {
             detail: false,
             cpu_only: false,
             warm_start: true,
+            tail: None,
         }
     }
 }
@@ -117,6 +127,11 @@ pub struct HeadReport {
     pub selected: Vec<u32>,
     /// Tokens retrieved beyond the window and the session's own tokens.
     pub retrieved: usize,
+    /// Seeds whose values entered the output as the tail estimate
+    /// ([`AttentionOptions::tail`]).
+    pub tail_seeds: usize,
+    /// Their token ids (with `detail`), ascending; they are in `selected` too.
+    pub tail: Vec<u32>,
     pub stats: SearchStats,
     pub timing: HeadTiming,
 }
@@ -189,6 +204,9 @@ struct Parts {
     retrieved: Partial,
 }
 
+/// Retrieved (segment, token, q · k).
+type Found = Vec<(usize, u32, f32)>;
+
 /// Each q head of a GQA group: its parts and report.
 type GroupOutput = Vec<(Parts, HeadReport)>;
 
@@ -209,6 +227,7 @@ struct SearchedHead {
     fresh_z: Vec<f32>,
     /// Retrieved (segment, token, q · k), by token.
     found: Vec<(usize, u32, f32)>,
+    tail: Option<Tail>,
     prefetch: Option<Prefetched>,
     stats: SearchStats,
     search: Duration,
@@ -596,6 +615,7 @@ impl Session {
     ) -> Result<GroupSearch> {
         let mut started = Instant::now();
         let d = self.shape.head_dim as usize;
+        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let isa = ctxfs_kernels::active();
         let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         let files = segments
@@ -638,13 +658,26 @@ impl Session {
             let warm = choice.plan == Plan::Diprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
             let previous = if warm { std::mem::take(&mut lock(&self.last_found)[slot]) } else { Vec::new() };
-            let found = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
+            let (found, seeds) = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
             if warm {
                 lock(&self.last_found)[slot] = best_found(&found, &readers);
             }
             let search = searching.elapsed() + scan_share;
+            let tail = match estimates_tail(choice, opts) {
+                true => self.tail(&readers, &seeds, &found, scale, &mut stats)?,
+                false => None,
+            };
             let prefetch = self.prefetch_values(&found, &readers);
-            heads.push(SearchedHead { win_z, fresh_z, found, prefetch, stats, search, elapsed: started.elapsed() });
+            heads.push(SearchedHead {
+                win_z,
+                fresh_z,
+                found,
+                tail,
+                prefetch,
+                stats,
+                search,
+                elapsed: started.elapsed(),
+            });
             started = Instant::now();
         }
         let layouts = readers.iter().map(|r| *r.index.layout()).collect();
@@ -669,7 +702,7 @@ impl Session {
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
         let mut out = Vec::with_capacity(heads.len());
-        for SearchedHead { mut win_z, mut fresh_z, found, prefetch, mut stats, search, elapsed } in heads {
+        for SearchedHead { mut win_z, mut fresh_z, found, tail, prefetch, mut stats, search, elapsed } in heads {
             let reading = Instant::now();
             stats.blocks_read += prefetch.map_or(0, |p| p.wait()) as u64;
             let value_wait = reading.elapsed();
@@ -709,7 +742,11 @@ impl Session {
                 }
                 Ok::<(), Error>(())
             })?;
-            let values = reading.elapsed();
+            let (retrieved, tail_ids, tail_time) = match tail {
+                Some(t) => (Partial::merge(&[retrieved, t.part]), t.seeds, t.spent),
+                None => (retrieved, Vec::new(), Duration::ZERO),
+            };
+            let values = reading.elapsed() + tail_time;
             // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
             let own = if own_on_cpu {
                 win_z.iter_mut().for_each(|z| *z *= scale);
@@ -724,14 +761,18 @@ impl Session {
             let selected = if opts.detail {
                 let mut ids: Vec<u32> = self.window_ids.clone();
                 ids.extend(found.iter().map(|f| f.1));
+                ids.extend(&tail_ids);
                 ids.extend((0..fresh.rows as u32).map(|i| prefix + i));
                 ids.sort_unstable();
                 ids
             } else {
                 Vec::new()
             };
+            let tail_seeds = tail_ids.len();
+            let tail = if opts.detail { tail_ids } else { Vec::new() };
             let timing = HeadTiming { search, values, value_wait, total: elapsed + reading.elapsed() };
-            let report = HeadReport { lse: f32::NAN, selected, retrieved: found.len(), stats, timing };
+            let report =
+                HeadReport { lse: f32::NAN, selected, retrieved: found.len(), tail_seeds, tail, stats, timing };
             out.push((Parts { own, retrieved }, report));
         }
         Ok(out)
@@ -831,7 +872,8 @@ impl Session {
         Ok(SearchResult::from_pairs(selected.ids.into_iter().zip(scores).collect(), SearchStats::default()))
     }
 
-    /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k).
+    /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
+    /// token, and each segment's seed scores (a DIPR plan's; empty for the others).
     /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work.
     #[allow(clippy::too_many_arguments)]
     fn retrieve(
@@ -844,10 +886,14 @@ impl Session {
         opts: &AttentionOptions,
         previous: &[(usize, u32)],
         stats: &mut SearchStats,
-    ) -> Result<Vec<(usize, u32, f32)>> {
+    ) -> Result<(Found, Vec<SeedScores>)> {
         let plan = choice.plan;
         let auto_dipr = !choice.forced && matches!(plan, Plan::Flat | Plan::Diprs);
-        let budget = opts.budget.or(auto_dipr.then_some(self.db.config().rules.dipr_budget));
+        let tail = estimates_tail(choice, opts);
+        let rules = &self.db.config().rules;
+        let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
+        let mut beta = opts.beta;
+        let mut seeds = Vec::with_capacity(readers.len());
         let prefix = self.prefix_tokens();
         let win = self.window;
         let in_window = self.window_ids.len() as u32;
@@ -867,6 +913,7 @@ impl Session {
                         window_max: best,
                         prefix: seg.filter(),
                         expand_limit: budget.map(|b| b * 2 + in_window as usize),
+                        range_target: budget.filter(|_| tail),
                         ..Default::default()
                     },
                     &previous.iter().filter(|p| p.0 == si).map(|p| p.1).collect::<Vec<_>>(),
@@ -886,6 +933,14 @@ impl Session {
             if let Some(&top) = r.scores.first() {
                 best = best.max(top);
             }
+            beta = beta.min(r.narrowed_beta.unwrap_or(beta));
+            seeds.push(match plan {
+                Plan::Flat => SeedScores {
+                    stride: SEED_STRIDE,
+                    scores: scanned[si].0.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                },
+                _ => r.seeds,
+            });
             found.extend(
                 r.ids
                     .iter()
@@ -895,8 +950,9 @@ impl Session {
             );
         }
         if matches!(plan, Plan::Flat | Plan::Diprs) {
-            // Each segment pruned against the best it knew of; the range is the global best's.
-            found.retain(|f| f.2 >= best - opts.beta);
+            // Each segment pruned against the best it knew of; the range is the global best's
+            // (narrowed where a search narrowed it).
+            found.retain(|f| f.2 >= best - beta);
         }
         let cap = match plan {
             Plan::Topk => Some(budget.map_or(opts.k, |b| b.min(opts.k))),
@@ -908,8 +964,75 @@ impl Session {
             keep_best(&mut found, cap);
         }
         found.sort_unstable_by_key(|f| (f.1, f.0));
-        Ok(found)
+        Ok((found, seeds))
     }
+
+    /// The tail estimate of one q head: attention over the seeds of `seeds` (each segment's,
+    /// from its search) that are neither in `found` (by token, then segment) nor in the
+    /// window, each weighted by its stride, their values read from the seed values. `None`
+    /// when a segment's index has no seed values (stored before layout 4): an estimate of
+    /// only some segments would be biased.
+    fn tail(
+        &self,
+        readers: &[SegmentReader<'_>],
+        seeds: &[SeedScores],
+        found: &[(usize, u32, f32)],
+        scale: f32,
+        stats: &mut SearchStats,
+    ) -> Result<Option<Tail>> {
+        let started = Instant::now();
+        let (prefix, win) = (self.prefix_tokens(), self.window);
+        let (mut z, mut ids, mut spans) = (Vec::new(), Vec::new(), Vec::with_capacity(readers.len()));
+        for (si, (r, s)) in readers.iter().zip(seeds).enumerate() {
+            let l = r.index.layout();
+            if !l.seed_values || s.stride != l.seed_stride {
+                return Ok(None);
+            }
+            let from = z.len();
+            // exp(z + ln s) = s · exp(z): a seed stands for its stride's tokens.
+            let log_stride = (s.stride as f32).ln();
+            for j in 0..l.seed_rows() {
+                let (local, sc) = (j * s.stride, s.scores.get(j as usize).copied().unwrap_or(f32::NEG_INFINITY));
+                let t = r.seg.base + local;
+                let left_out = local < r.seg.usable
+                    && sc > f32::NEG_INFINITY
+                    && !win.contains(prefix, t)
+                    && found.binary_search_by_key(&(t, si), |f| (f.1, f.0)).is_err();
+                if left_out {
+                    z.push(sc * scale + log_stride);
+                    ids.push(t);
+                } else {
+                    z.push(f32::NEG_INFINITY);
+                }
+            }
+            spans.push(from..z.len());
+        }
+        let d = self.shape.head_dim as usize;
+        let part = Partial::from_scores_summed(ctxfs_kernels::active(), &mut z, d, |weights, o| {
+            for (r, span) in readers.iter().zip(&spans) {
+                r.index
+                    .sum_seed_values(&weights[span.clone()], o, stats)
+                    .expect("checked above: it has seed values")?;
+            }
+            Ok::<(), Error>(())
+        })?;
+        Ok(Some(Tail { part, seeds: ids, spent: started.elapsed() }))
+    }
+}
+
+/// The tail estimate of one q head ([`AttentionOptions::tail`]).
+struct Tail {
+    part: Partial,
+    /// The seeds it attended, as token ids.
+    seeds: Vec<u32>,
+    /// Time spent estimating it (value work, reported with the values).
+    spent: Duration,
+}
+
+/// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
+/// optimizer chose them.
+fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
+    matches!(choice.plan, Plan::Diprs | Plan::Flat) && opts.tail.unwrap_or(!choice.forced)
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

@@ -26,4 +26,4 @@ pub use coarse::{Coarse, CoarseResult};
 pub use mem::{MemGraph, MemKeys, NO_NODE};
 pub use search::DiprsParams;
 pub use source::{Graph, Keys, Pair, SourceResult};
-pub use stats::{SearchResult, SearchStats};
+pub use stats::{SearchResult, SearchStats, SeedScores};

@@ -1,12 +1,14 @@
 //! How an index lives in a vector file, and searching it directly on buffered pages.
 //!
-//! Index stream (layout version 3, see docs/format.md §19):
+//! Index stream (layout version 4, see docs/format.md §19):
 //! * logical block 0: the meta block;
 //! * then the adjacency blocks: fixed-size records of `degree` u32 node ids (unused slots
 //!   hold `u32::MAX`), `records_per_block` per block, node `i` in block `1 + i / records`;
 //! * then the key blocks: `rows_per_block` key rows of `dim` 2-byte elements per block;
 //! * then the seed table: a copy of the key rows of tokens `0, s, 2s, …` (`s` the seed
-//!   stride), packed the same way, so DIPRS scores its seeds in one sequential scan.
+//!   stride), packed the same way, so DIPRS scores its seeds in one sequential scan;
+//! * then the seed values (layout 4): a copy of the same tokens' value rows, from which
+//!   attention estimates the part of the softmax that retrieval leaves out.
 //!
 //! Data stream: value rows, `rows_per_block` per block, token `t` in block `t / rows`.
 
@@ -20,8 +22,9 @@ use half::{bf16, f16};
 use std::cell::RefCell;
 
 /// Version 2 added the element type of the key rows (version 1: always f16); version 3 the
-/// seed table (versions 1 and 2 are read as having none).
-pub const LAYOUT_VERSION: u32 = 3;
+/// seed table (versions 1 and 2 are read as having none); version 4 the seed values
+/// (versions 1 to 3 are read as having none).
+pub const LAYOUT_VERSION: u32 = 4;
 const META_MAGIC: &[u8; 4] = b"CXIX";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +39,8 @@ pub struct Layout {
     pub dtype: DType,
     /// Every how many tokens the seed table holds a key row; 0: no seed table.
     pub seed_stride: u32,
+    /// The seed table's tokens' value rows follow it (layout 4).
+    pub seed_values: bool,
 }
 
 impl Layout {
@@ -49,6 +54,7 @@ impl Layout {
             records_per_block: (payload / (degree as usize * 4)).max(1) as u32,
             rows_per_block: (payload / (dim as usize * 2)).max(1) as u32,
             seed_stride: SEED_STRIDE,
+            seed_values: true,
         }
     }
     pub fn adjacency_blocks(&self) -> u32 {
@@ -68,9 +74,20 @@ impl Layout {
     pub fn seed_blocks(&self) -> u32 {
         self.seed_rows().div_ceil(self.rows_per_block)
     }
-    /// Blocks of the index stream: meta, adjacency, keys, seeds.
+    pub fn seed_value_blocks(&self) -> u32 {
+        if self.seed_values {
+            self.seed_blocks()
+        } else {
+            0
+        }
+    }
+    /// The first logical block of the seed table.
+    fn first_seed_block(&self) -> u32 {
+        1 + self.adjacency_blocks() + self.key_blocks()
+    }
+    /// Blocks of the index stream: meta, adjacency, keys, seeds, seed values.
     pub fn index_blocks(&self) -> u32 {
-        1 + self.adjacency_blocks() + self.key_blocks() + self.seed_blocks()
+        self.first_seed_block() + self.seed_blocks() + self.seed_value_blocks()
     }
     pub fn encode(&self) -> Vec<u8> {
         let mut out = META_MAGIC.to_vec();
@@ -99,10 +116,11 @@ impl Layout {
             2 => Ok(DType::Bf16),
             code => Err(format!("index meta block: unknown element type {code}")),
         };
-        let (dtype, seed_stride) = match f(0) {
-            1 => (DType::F16, 0),
-            2 if b.len() >= 36 => (element()?, 0),
-            3 if b.len() >= 40 => (element()?, f(8)),
+        let (dtype, seed_stride, seed_values) = match f(0) {
+            1 => (DType::F16, 0, false),
+            2 if b.len() >= 36 => (element()?, 0, false),
+            3 if b.len() >= 40 => (element()?, f(8), false),
+            4 if b.len() >= 40 => (element()?, f(8), f(8) > 0),
             v => return Err(format!("index layout version {v} (this build reads 1 to {LAYOUT_VERSION})")),
         };
         let l = Layout {
@@ -114,6 +132,7 @@ impl Layout {
             rows_per_block: f(6),
             dtype,
             seed_stride,
+            seed_values,
         };
         if l.dim == 0
             || l.degree == 0
@@ -166,9 +185,13 @@ impl Rows<'_> {
     }
     /// `acc += weight · row`, through the SIMD kernels.
     pub fn accumulate(&self, acc: &mut [f32], weight: f32) {
+        self.accumulate_rows(acc, &[weight]);
+    }
+    /// `acc += Σ weights[i] · row i`, one kernel call for the rows.
+    pub fn accumulate_rows(&self, acc: &mut [f32], weights: &[f32]) {
         match self {
-            Rows::F16(r) => ctxfs_kernels::weighted_sum(acc, &[weight], r),
-            Rows::Bf16(r) => ctxfs_kernels::weighted_sum(acc, &[weight], r),
+            Rows::F16(r) => ctxfs_kernels::weighted_sum(acc, weights, r),
+            Rows::Bf16(r) => ctxfs_kernels::weighted_sum(acc, weights, r),
         }
     }
     fn extend_f32(&self, out: &mut Vec<f32>) {
@@ -193,14 +216,23 @@ impl Rows<'_> {
     }
 }
 
-/// The payloads of an index stream for f16 keys, in logical order.
-pub fn index_payloads(keys: &MemKeys, graph: &MemGraph, payload: usize) -> (Layout, Vec<Vec<u8>>) {
-    index_payloads_of(Rows::F16(keys.data()), keys.dim(), graph, payload)
+/// The payloads of an index stream for f16 keys and values, in logical order.
+pub fn index_payloads(keys: &MemKeys, values: &[f16], graph: &MemGraph, payload: usize) -> (Layout, Vec<Vec<u8>>) {
+    index_payloads_of(Rows::F16(keys.data()), Rows::F16(values), keys.dim(), graph, payload)
 }
 
-/// The payloads of an index stream whose key rows are `keys` (the graph may have been built
-/// on a rescaled copy: inner-product order does not change with a positive scale).
-pub fn index_payloads_of(keys: Rows<'_>, dim: usize, graph: &MemGraph, payload: usize) -> (Layout, Vec<Vec<u8>>) {
+/// The payloads of an index stream whose key rows are `keys` and whose tokens' values are
+/// `values` (the graph may have been built on a rescaled copy of the keys: inner-product
+/// order does not change with a positive scale).
+pub fn index_payloads_of(
+    keys: Rows<'_>,
+    values: Rows<'_>,
+    dim: usize,
+    graph: &MemGraph,
+    payload: usize,
+) -> (Layout, Vec<Vec<u8>>) {
+    assert_eq!(keys.len(), values.len(), "as many values as keys");
+    assert_eq!(keys.dtype(), values.dtype(), "keys and values of one element type");
     let tokens = (keys.len() / dim.max(1)) as u32;
     let layout = Layout::new(tokens, dim as u32, graph.degree as u32, graph.entry, keys.dtype(), payload);
     let mut blocks = vec![layout.encode()];
@@ -210,9 +242,11 @@ pub fn index_payloads_of(keys: Rows<'_>, dim: usize, graph: &MemGraph, payload: 
     }
     blocks.extend(row_payloads(keys, dim, payload));
     let row_bytes = 2 * dim;
-    let seeds: Vec<u8> =
-        keys.bytes().chunks(row_bytes).step_by(layout.seed_stride as usize).flatten().copied().collect();
-    blocks.extend(packed(&seeds, row_bytes, payload));
+    for rows in [keys, values] {
+        let seeds: Vec<u8> =
+            rows.bytes().chunks(row_bytes).step_by(layout.seed_stride as usize).flatten().copied().collect();
+        blocks.extend(packed(&seeds, row_bytes, payload));
+    }
     debug_assert_eq!(blocks.len(), layout.index_blocks() as usize);
     (layout, blocks)
 }
@@ -402,6 +436,36 @@ impl<'p> PagedIndex<'p> {
         (1 + node / per, at..at + bytes)
     }
 
+    /// Adds `Σ weights[j] · value(token j · seed_stride)` into `acc`, from the seed values
+    /// (`weights`: one per seed row; blocks whose weights are all 0 are skipped). `None` when
+    /// the stream has no seed values (layouts 1 to 3).
+    pub fn sum_seed_values(&self, weights: &[f32], acc: &mut [f32], stats: &mut SearchStats) -> Option<SourceResult> {
+        let l = &self.layout;
+        if !l.seed_values {
+            return None;
+        }
+        assert_eq!(weights.len(), l.seed_rows() as usize, "one weight per seed row");
+        let (rows, dim) = (l.rows_per_block as usize, l.dim as usize);
+        let first = l.first_seed_block() + l.seed_blocks();
+        let wanted: Vec<(u32, usize)> = (0..l.seed_blocks())
+            .map(|i| (i, i as usize * rows))
+            .filter(|&(_, from)| weights[from..(from + rows).min(weights.len())].iter().any(|&w| w != 0.0))
+            .collect();
+        // At most PIN_BATCH blocks pinned at a time, as a scan.
+        Some(wanted.chunks(PIN_BATCH).try_for_each(|chunk| {
+            self.with_blocks(
+                || chunk.iter().map(|&(i, _)| first + i).collect(),
+                stats,
+                |block| {
+                    for &(i, from) in chunk {
+                        let w = &weights[from..(from + rows).min(weights.len())];
+                        Rows::of(l.dtype, block(first + i), 0, w.len(), dim).accumulate_rows(acc, w);
+                    }
+                },
+            )
+        }))
+    }
+
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
     /// Pins at most [`PIN_BATCH`] ids' blocks at a time (none when resident).
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
@@ -461,7 +525,7 @@ impl Keys for PagedIndex<'_> {
         }
         let len = limit.min(l.tokens).div_ceil(stride) as usize;
         out.resize(len, 0.0);
-        self.scan_rows(1 + l.adjacency_blocks() + l.key_blocks(), 0, q, Strided { out, stride: len, len }, stats)
+        self.scan_rows(l.first_seed_block(), 0, q, Strided { out, stride: len, len }, stats)
     }
 }
 

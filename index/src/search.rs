@@ -5,7 +5,7 @@
 
 use crate::mem::NO_NODE;
 use crate::source::{Graph, Keys, SourceResult};
-use crate::stats::{SearchResult, SearchStats};
+use crate::stats::{SearchResult, SearchStats, SeedScores};
 use ctxfs_buffer::BufferError;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -59,6 +59,14 @@ pub struct DiprsParams {
     /// [`SEED_CLIMB_WINDOW`]` · β` of the best: a passage whose seed scores below the reach
     /// is found through its best keys.
     pub seed_climbs: usize,
+    /// Narrow β for a diffuse range: when the seeds within β of the best say the range holds
+    /// more than this many tokens (each seed standing for `seed_stride`), β shrinks to the
+    /// score of the best `range_target / seed_stride` seeds, so the search explores and
+    /// returns about this many. For a caller that estimates the rest of the softmax from the
+    /// seeds (what sessions do): a diffuse head's range is mostly tail, and retrieving it
+    /// token by token costs a search, reads and sums for little of its mass. `None`: β as
+    /// given.
+    pub range_target: Option<usize>,
 }
 
 /// How far below the best a seed may score and still be climbed from, in units of β.
@@ -92,6 +100,7 @@ impl Default for DiprsParams {
             expand_limit: None,
             seed_stride: Some(SEED_STRIDE),
             seed_climbs: 8,
+            range_target: None,
         }
     }
 }
@@ -313,6 +322,10 @@ pub fn diprs_from<S: Keys + Graph>(
     // for it, so it runs whatever the previous tokens score.
     let exhaustive = p.l0 >= s.len() as usize;
     let beam_runs = warm.is_empty() || exhaustive || warm_best < seeds.best();
+    let beta = match (p.range_target, p.seed_stride) {
+        (Some(target), Some(stride)) => seeds.narrowed(p.beta, best, target / stride.max(1) as usize),
+        _ => p.beta,
+    };
     if beam_runs {
         let mut beam = Beam::new(p.l0, Scored(score[0], start));
         // Only the beam's width of best seeds can ever be expanded by it (a key enters the
@@ -350,7 +363,7 @@ pub fn diprs_from<S: Keys + Graph>(
     }
     // The beam fills with the best passage's keys; a seed in another passage the query
     // attends to may score below the reach until a climb finds that passage's best keys.
-    let floor = best - SEED_CLIMB_WINDOW * p.beta;
+    let floor = best - SEED_CLIMB_WINDOW * beta;
     let mut candidates: Vec<Scored> =
         seeds.pairs().filter(|&(_, sc)| sc >= floor).map(|(k, sc)| Scored(sc, k)).collect();
     // The beam expanded at most the `l0` seeds it held, so the first `seed_climbs` seeds
@@ -389,7 +402,7 @@ pub fn diprs_from<S: Keys + Graph>(
         }
         climbs.retain(|c| c.0 != NO_NODE);
     }
-    let reach = p.beta * p.reach.max(1.0);
+    let reach = beta * p.reach.max(1.0);
     // In the order the keys were scored: the start, the seeds, then the rest.
     let mut queue: Vec<(u32, f32)> = seen[..1]
         .iter()
@@ -415,7 +428,7 @@ pub fn diprs_from<S: Keys + Graph>(
                 continue;
             }
             taken += 1;
-            if sc < best - p.beta {
+            if sc < best - beta {
                 ex.expand_along_sequence(node, p.sequence_run, &mut batch.fresh, &mut stats);
             } else {
                 ex.expand(s, node, &mut batch.fresh, &mut stats)?;
@@ -431,8 +444,11 @@ pub fn diprs_from<S: Keys + Graph>(
             }
         }
     }
-    let pairs = seen.into_iter().chain(seeds.pairs()).filter(|&(_, sc)| sc >= best - p.beta).collect();
-    Ok(SearchResult::from_pairs(pairs, stats))
+    let pairs = seen.into_iter().chain(seeds.pairs()).filter(|&(_, sc)| sc >= best - beta).collect();
+    let mut result = SearchResult::from_pairs(pairs, stats);
+    result.narrowed_beta = (beta < p.beta).then_some(beta);
+    result.seeds = seeds.into_scores(start, score[0]);
+    Ok(result)
 }
 
 /// Leaves the `n` best of `keys`, best first.
@@ -483,6 +499,28 @@ impl Seeds {
 
     fn best(&self) -> f32 {
         self.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `beta`, or less when more than `keep` seeds (at least 1) score within it of `best`:
+    /// then the β that keeps the best `keep` of them.
+    fn narrowed(&self, beta: f32, best: f32, keep: usize) -> f32 {
+        let keep = keep.max(1);
+        let mut within: Vec<f32> = self.pairs().map(|(_, sc)| sc).filter(|&sc| sc >= best - beta).collect();
+        if within.len() <= keep {
+            return beta;
+        }
+        let (_, &mut kth, _) = within.select_nth_unstable_by(keep - 1, |a, b| b.total_cmp(a));
+        (best - kth).min(beta)
+    }
+
+    /// The scores as the search reports them, the start node's (scored first) put back.
+    fn into_scores(mut self, start: u32, start_score: f32) -> SeedScores {
+        if self.stride > 0 && start.is_multiple_of(self.stride) {
+            if let Some(s) = self.scores.get_mut((start / self.stride) as usize) {
+                *s = start_score;
+            }
+        }
+        SeedScores { stride: self.stride, scores: self.scores }
     }
 
     /// (token, score) of every seed.

@@ -27,6 +27,19 @@ pub struct SearchResult {
     pub ids: Vec<u32>,
     pub scores: Vec<f32>,
     pub stats: SearchStats,
+    /// The scores of the seeds a DIPRS search scored (empty for other searches): a sample of
+    /// the keys, every `stride`-th, from which attention estimates what it did not retrieve.
+    pub seeds: SeedScores,
+    /// The β the range was cut at, when DIPRS narrowed the caller's for a diffuse range
+    /// ([`crate::search::DiprsParams::range_target`]).
+    pub narrowed_beta: Option<f32>,
+}
+
+/// Scores of every `stride`-th qualifying token: `scores[j]` is token `j · stride`'s.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SeedScores {
+    pub stride: u32,
+    pub scores: Vec<f32>,
 }
 
 impl SearchResult {
@@ -41,7 +54,7 @@ impl SearchResult {
         keys.sort_unstable();
         let ids = keys.iter().map(|&k| k as u32).collect();
         let scores = keys.iter().map(|&k| from_total_order_bits(!((k >> 32) as u32))).collect();
-        SearchResult { ids, scores, stats }
+        SearchResult { ids, scores, stats, ..Default::default() }
     }
 }
 

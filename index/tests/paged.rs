@@ -9,11 +9,12 @@ use ctxfs_index::Pair;
 use ctxfs_index::{build, flat, BuildParams, DiprsParams, Keys, MemGraph, MemKeys};
 use ctxfs_vfs::device::{FaultPlan, MemDevice};
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
+use half::f16;
 use std::sync::Arc;
 
 /// The payloads of `keys`' and `graph`'s index stream at 4 KiB blocks.
-fn payloads(keys: &MemKeys, graph: &MemGraph) -> Vec<Vec<u8>> {
-    index_payloads(keys, graph, max_payload(4096)).1
+fn payloads(keys: &MemKeys, values: &[f16], graph: &MemGraph) -> Vec<Vec<u8>> {
+    index_payloads(keys, values, graph, max_payload(4096)).1
 }
 
 fn store_index(dev: Arc<dyn BlockDevice>, dim: usize, blocks: &[Vec<u8>]) -> (Store, Vec<BlockRequest>) {
@@ -42,19 +43,19 @@ fn uring_index(dim: usize, blocks: &[Vec<u8>]) -> (tempfile::TempDir, Store, Vec
     (dir, store, reqs)
 }
 
-fn data() -> (MemKeys, MemGraph, Vec<f32>) {
+fn data() -> (MemKeys, MemGraph, Vec<f32>, Vec<f16>) {
     let p = SynthParams { tokens: 3000, head_dim: 64, group: 2, seed: 9 };
     let h = head(&p, 1, 0, 1500, 8);
     let keys = MemKeys::new(64, h.keys.clone());
     let (graph, _) =
         build(&keys, &h.prefill.concat(), &BuildParams { degree: 16, extra_degree: 8, ..Default::default() });
-    (keys, graph, h.decode.concat())
+    (keys, graph, h.decode.concat(), h.values)
 }
 
 #[test]
 fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
-    let (keys, graph, queries) = data();
-    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
+    let (keys, graph, queries, values) = data();
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &values, &graph));
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);
     let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
@@ -99,8 +100,8 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
 
 #[test]
 fn a_resident_index_answers_exactly_as_the_pinned_one_without_pins() {
-    let (keys, graph, queries) = data();
-    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
+    let (keys, graph, queries, values) = data();
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &values, &graph));
     let pool =
         Arc::new(BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap());
     let hints = hints_for(&reqs);
@@ -135,30 +136,66 @@ fn a_resident_index_answers_exactly_as_the_pinned_one_without_pins() {
 }
 
 #[test]
-fn a_layout_2_index_without_a_seed_table_answers_the_same() {
-    let (keys, graph, queries) = data();
-    let (layout, mut blocks) = index_payloads(&keys, &graph, max_payload(4096));
-    assert_eq!(layout.seed_stride, SEED_STRIDE);
-    // What a layout 2 writer stored: no seed table after the keys, a 36-byte meta block.
-    blocks.truncate((layout.index_blocks() - layout.seed_blocks()) as usize);
-    blocks[0].truncate(36);
-    blocks[0][4..8].copy_from_slice(&2u32.to_le_bytes());
+fn the_seed_values_are_the_seed_tokens_values() {
+    let (keys, graph, queries, values) = data();
+    let (layout, blocks) = index_payloads(&keys, &values, &graph, max_payload(4096));
+    assert!(layout.seed_values && layout.seed_value_blocks() == layout.seed_blocks() && layout.seed_blocks() > 1);
     let (_dir, store, reqs) = uring_index(64, &blocks);
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);
-    let old = PagedIndex::open(&pool, &reqs, &hints).unwrap();
-    assert_eq!((old.layout().seed_stride, old.layout().index_blocks()), (0, reqs.len() as u32));
+    let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+    let rows = layout.seed_rows() as usize;
+    // Weights that skip whole blocks (0) and differ row by row elsewhere.
+    let weights: Vec<f32> = (0..rows).map(|j| if (j / 15) % 3 == 1 { 0.0 } else { queries[j] }).collect();
+    let mut got = vec![0.0f32; 64];
+    paged.sum_seed_values(&weights, &mut got, &mut Default::default()).unwrap().unwrap();
+    let mut want = vec![0.0f32; 64];
+    for (j, w) in weights.iter().enumerate() {
+        let t = j * SEED_STRIDE as usize;
+        for (a, v) in want.iter_mut().zip(&values[t * 64..(t + 1) * 64]) {
+            *a += w * v.to_f32();
+        }
+    }
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(err <= 1e-3 * want.iter().map(|x| x.abs()).fold(1.0, f32::max), "{got:?} against {want:?}");
+}
+
+#[test]
+fn older_layouts_without_seed_values_or_a_seed_table_answer_the_same() {
+    let (keys, graph, queries, values) = data();
+    let (layout, blocks) = index_payloads(&keys, &values, &graph, max_payload(4096));
+    assert_eq!(layout.seed_stride, SEED_STRIDE);
     let mem = Pair { keys: &keys, graph: &graph };
-    for q in queries.chunks(64) {
-        let params = DiprsParams { beta: 40.0, l0: 64, ..Default::default() };
-        // The seeds are scored from their scattered key rows instead: the same keys.
-        let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&old, q, &params).unwrap());
-        assert_eq!((a.ids, a.scores, a.stats.keys_scored), (b.ids, b.scores, b.stats.keys_scored));
+    let params = DiprsParams { beta: 40.0, l0: 64, ..Default::default() };
+    // What a layout 3 writer stored (no seed values), and a layout 2 writer (no seed table
+    // either, a 36-byte meta block).
+    let layout3 = (3u32, (layout.index_blocks() - layout.seed_value_blocks()) as usize, 40);
+    let layout2 = (2u32, (layout.index_blocks() - 2 * layout.seed_blocks()) as usize, 36);
+    for (version, len, meta) in [layout3, layout2] {
+        let mut blocks = blocks.clone();
+        blocks.truncate(len);
+        blocks[0].truncate(meta);
+        blocks[0][4..8].copy_from_slice(&version.to_le_bytes());
+        let (_dir, store, reqs) = uring_index(64, &blocks);
+        let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+        let hints = hints_for(&reqs);
+        let old = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+        assert_eq!(old.layout().index_blocks(), reqs.len() as u32, "layout {version}");
+        assert!(!old.layout().seed_values);
+        assert_eq!(old.layout().seed_stride, if version == 3 { SEED_STRIDE } else { 0 });
+        let weights = vec![1.0; old.layout().seed_rows() as usize];
+        assert!(old.sum_seed_values(&weights, &mut [0.0; 64], &mut Default::default()).is_none());
+        for q in queries.chunks(64) {
+            // Layout 2 scores the seeds from their scattered key rows instead: the same keys.
+            let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&old, q, &params).unwrap());
+            assert_eq!((a.ids, a.scores, a.stats.keys_scored), (b.ids, b.scores, b.stats.keys_scored));
+        }
     }
     // A newer layout is refused by name.
-    blocks[0][4..8].copy_from_slice(&4u32.to_le_bytes());
-    let err = ctxfs_index::paged::Layout::decode(&blocks[0]).unwrap_err();
-    assert!(err.contains("layout version 4 (this build reads 1 to 3)"), "{err}");
+    let mut meta = blocks[0].clone();
+    meta[4..8].copy_from_slice(&5u32.to_le_bytes());
+    let err = ctxfs_index::paged::Layout::decode(&meta).unwrap_err();
+    assert!(err.contains("layout version 5 (this build reads 1 to 4)"), "{err}");
 }
 
 fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {
@@ -167,8 +204,8 @@ fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {
 
 #[test]
 fn a_pool_smaller_than_the_index_gives_the_same_answers() {
-    let (keys, graph, queries) = data();
-    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &graph));
+    let (keys, graph, queries, values) = data();
+    let (_dir, store, reqs) = uring_index(64, &payloads(&keys, &values, &graph));
     // 48 index frames for an index of more blocks: searches evict as they go, so the
     // per-index pins stop at their cap and frame hints go stale.
     let config = PoolConfig { budget_bytes: 64 * 4096, data_fraction: 0.25, ..Default::default() };
@@ -188,9 +225,9 @@ fn a_pool_smaller_than_the_index_gives_the_same_answers() {
 
 #[test]
 fn an_unreadable_index_block_is_an_error_not_a_panic() {
-    let (keys, graph, queries) = data();
+    let (keys, graph, queries, values) = data();
     let mem = Arc::new(MemDevice::new(4096, 2048));
-    let (store, reqs) = store_index(mem.clone(), 64, &payloads(&keys, &graph));
+    let (store, reqs) = store_index(mem.clone(), 64, &payloads(&keys, &values, &graph));
     let bad = reqs[reqs.len() / 2].block; // a key block
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);

@@ -247,3 +247,48 @@ const RECALL_FLOOR: [f64; 2] = [0.93, 0.87];
 /// Keys scored over the size of the DIPR set: 7.1× measured with width 64 and reach 1.25,
 /// plus 10% (6.6× now).
 const MAX_EXCESS: f64 = 7.8;
+
+/// A range target narrows β to the score of the best `target / stride` seeds when more seeds
+/// than that lie within β, and only then: an exhaustive search then returns exactly the flat
+/// DIPR set at the narrowed β. The seed scores it reports are every stride-th key's.
+#[test]
+fn diprs_narrows_a_wide_range_to_its_target_from_the_seeds() {
+    let (keys, queries, graph) = built(600, 16, 5);
+    let idx = Pair { keys: &keys, graph: &graph };
+    let stride = 8;
+    let mut narrowed = 0;
+    for q in queries.chunks(16).take(20) {
+        let all = flat::scan(&keys, q, 600, &mut Default::default()).unwrap();
+        for beta in [2.0, 8.0, 1e9] {
+            let p =
+                DiprsParams { beta, l0: 600, seed_stride: Some(stride), range_target: Some(80), ..Default::default() };
+            let got = diprs(&idx, q, &p).unwrap();
+            let seeds: Vec<f32> = all.iter().step_by(stride as usize).copied().collect();
+            assert_eq!((got.seeds.stride, &got.seeds.scores), (stride, &seeds));
+            let best = all.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let within = seeds.iter().filter(|&&s| s >= best - beta).count();
+            let plain = diprs(&idx, q, &DiprsParams { range_target: None, ..p }).unwrap();
+            match got.narrowed_beta {
+                None => {
+                    assert!(within <= 10, "{within} seeds within β {beta}, not narrowed");
+                    assert_eq!(got.ids, plain.ids);
+                }
+                Some(b) => {
+                    narrowed += 1;
+                    // The 10th best seed bounds the range, below the best known when the
+                    // seeds were scored: at least the best seed, at most the best key. (The
+                    // start node, scored first, does not count as a seed there.)
+                    let mut sorted: Vec<f32> =
+                        (0..seeds.len()).filter(|&j| j as u32 * stride != graph.entry).map(|j| seeds[j]).collect();
+                    sorted.sort_by(|a, b| b.total_cmp(a));
+                    let (low, high) = (sorted[0] - sorted[9], best - sorted[9]);
+                    assert!(b < beta && low <= b && b <= high, "β {beta} narrowed to {b}, not in [{low}, {high}]");
+                    let want = flat::dipr(&keys, q, b, f32::NEG_INFINITY, None).unwrap();
+                    assert_eq!(got.ids, want.ids, "β {beta} narrowed to {b}");
+                    assert!(got.ids.len() <= plain.ids.len());
+                }
+            }
+        }
+    }
+    assert!(narrowed >= 20, "only {narrowed} searches narrowed");
+}

@@ -195,7 +195,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                     s.iter().copied().filter(|&t| (t as usize) < p && !window.contains(&t)).collect()
                 };
                 let want = retrieved(&dipr.heads[h].selected);
-                let have = retrieved(&r.selected);
+                // Retrieval's recall: the seeds of the tail estimate entered the output, but
+                // as a sample, not retrieved.
+                let mut have = retrieved(&r.selected);
+                r.tail.iter().for_each(|t| _ = have.remove(t));
                 quality.recall +=
                     if want.is_empty() { 1.0 } else { want.intersection(&have).count() as f64 / want.len() as f64 };
                 quality.recovery += ((r.lse - truth.heads[h].lse) as f64).exp();

@@ -3,7 +3,9 @@
 //!
 //! Every plan attends the window (the first `INIT` and last `RECENT` tokens of the reused
 //! prefix) exactly, plus the tokens it retrieves; the DIPR plans take the window's best score
-//! as their starting maximum. `--mode auto` is the optimizer's choice.
+//! as their starting maximum. `--mode auto` is the optimizer's choice; its DIPR plans also
+//! estimate the softmax over what they left out from the index's seed sample (`--tail`), and
+//! the seeds that estimate used are in `selected` (their values entered the output).
 
 use crate::decode_queries::step_of;
 use anyhow::{bail, ensure, Context, Result};
@@ -59,11 +61,23 @@ pub struct Args {
     /// Softmax scale (default 1/sqrt(head_dim)).
     #[arg(long)]
     scale: Option<f32>,
+    /// on|off: estimate the softmax over the tokens a DIPR plan left out from the index's
+    /// seed sample (default: on for `--mode auto`, off for a forced mode).
+    #[arg(long, value_parser = parse_on_off)]
+    tail: Option<bool>,
     /// Buffer pool budget.
     #[arg(long, default_value = "256M", value_parser = crate::units::parse_size)]
     pool: u64,
     #[arg(long)]
     json: bool,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
 }
 
 fn parse_window(s: &str) -> Result<(u32, u32), String> {
@@ -100,10 +114,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         k: args.k,
         budget: args.budget,
         scale: args.scale,
+        tail: args.tail,
         detail: true,
         ..Default::default()
     };
-    let window = session.window_tokens().len();
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
     for &l in &layers {
@@ -127,7 +141,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                 let v = json!({
                     "layer": l, "head": h, "query": qi, "selected": r.selected, "output": &a.output[h * d..(h + 1) * d],
                     "lse": r.lse, "keys_scored": r.stats.keys_scored, "blocks_read": r.stats.blocks_read,
-                    "micros": a.micros, "plan": plan,
+                    "micros": a.micros, "plan": plan, "tail_seeds": r.tail_seeds,
                 });
                 if args.json {
                     serde_json::to_writer(&mut out, &v)?;
@@ -136,9 +150,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                     std::io::Write::write_fmt(
                         &mut out,
                         format_args!(
-                            "layer {l} head {h} query {qi}: {} selected ({} retrieved), lse {:.3}, {} keys scored, {} blocks read, {} µs, plan {plan}\n",
+                            "layer {l} head {h} query {qi}: {} selected ({} retrieved, {} tail seeds), lse {:.3}, {} keys scored, {} blocks read, {} µs, plan {plan}\n",
                             r.selected.len(),
-                            r.selected.len().saturating_sub(window),
+                            r.retrieved,
+                            r.tail_seeds,
                             r.lse,
                             r.stats.keys_scored,
                             r.stats.blocks_read,

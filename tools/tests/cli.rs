@@ -470,8 +470,19 @@ fn import_then_query_matches_exact_attention() {
     let full = run(&["--mode", "full"]);
     assert_eq!(full.len(), 4 * 3, "one line per (q head, query)");
     for r in &full {
-        for f in ["layer", "head", "query", "selected", "output", "lse", "keys_scored", "blocks_read", "micros", "plan"]
-        {
+        for f in [
+            "layer",
+            "head",
+            "query",
+            "selected",
+            "output",
+            "lse",
+            "keys_scored",
+            "blocks_read",
+            "micros",
+            "plan",
+            "tail_seeds",
+        ] {
             assert!(!r[f].is_null(), "field {f} missing: {r}");
         }
         let (qh, qi) = (r["head"].as_u64().unwrap() as usize, r["query"].as_u64().unwrap() as usize);
@@ -502,6 +513,17 @@ fn import_then_query_matches_exact_attention() {
         sparse.iter().any(|r| r["selected"].as_array().unwrap().len() < 1500),
         "DIPRS selected everything everywhere"
     );
+    // --tail on: the seeds the range left out estimate the rest of the softmax; their values
+    // entered the output, so they are in `selected` too. A forced mode has none by default.
+    let tailed = run(&["--mode", "diprs", "--beta", "16", "--tail", "on"]);
+    let count = |r: &Value, f: &str| r[f].as_array().map_or(0, Vec::len) as u64;
+    for (t, s) in tailed.iter().zip(&sparse) {
+        assert_eq!(s["tail_seeds"].as_u64(), Some(0), "{s}");
+        assert_eq!(count(t, "selected") - count(s, "selected"), t["tail_seeds"].as_u64().unwrap());
+    }
+    assert!(tailed.iter().all(|r| r["tail_seeds"].as_u64().unwrap() > 0), "a range left no seed out");
+    let bad_tail = ctxfs(&[&base[..], &["--tail", "maybe"]].concat());
+    assert!(String::from_utf8_lossy(&bad_tail.stderr).contains("expected on or off"));
     // A reused prefix: only tokens below it, and the window is that of the prefix.
     for r in run(&["--mode", "diprs", "--prefix", "1000"]) {
         let sel: Vec<u64> = r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
