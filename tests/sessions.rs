@@ -12,6 +12,13 @@ fn open(store: &Path) -> Db {
     Db::open(store, DeviceChoice::Auto, DbConfig { pool_bytes: 64 << 20, ..Default::default() }).expect("open the db")
 }
 
+/// A DB whose data area is far smaller than the context's values: the optimizer does not
+/// take the coarse plans' ample-memory rule, so it picks DIPRS beyond layer 0.
+fn lean(store: &Path) -> Db {
+    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
+    Db::open(store, DeviceChoice::Auto, small).expect("open the db")
+}
+
 /// A book imported into a fresh store.
 fn imported(dir: &Path) -> (Book, std::path::PathBuf) {
     let b = book(dir, N, 2, 4, 2, 11);
@@ -75,9 +82,7 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     let all: Vec<u32> = (0..N as u32).collect();
     let d = b.shape.head_dim as usize;
     let beta = 5.0 * (d as f32).sqrt();
-    // A DB whose data area is far smaller than the context's values.
-    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
-    let lean_db = Db::open(&store, DeviceChoice::Auto, small).unwrap();
+    let lean_db = lean(&store);
     let lean = lean_db.open_session("book", None).unwrap();
     let (mut recall, mut queries, mut scored) = (0.0, 0, 0u64);
     for layer in 0..2 {
@@ -435,9 +440,7 @@ fn the_tail_estimate_brings_dipr_answers_closer_to_exact_attention() {
     let d = b.shape.head_dim as usize;
     // A narrow range, as a diffuse head's budget leaves: most of the mass is outside it.
     let beta = 2.0 * (d as f32).sqrt();
-    // A DB whose data area is small, so the optimizer picks DIPRS for layer 1.
-    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
-    let lean_db = Db::open(&store, DeviceChoice::Auto, small).unwrap();
+    let lean_db = lean(&store);
     let lean = lean_db.open_session("book", None).unwrap();
     let (mut bare_err, mut tail_err, mut heads) = (0.0, 0.0, 0);
     for layer in 0..2 {
