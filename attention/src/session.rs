@@ -225,8 +225,8 @@ struct SearchedHead {
     /// q · k of the window's and of the session's own tokens.
     win_z: Vec<f32>,
     fresh_z: Vec<f32>,
-    /// Retrieved (segment, token, q · k), by token.
-    found: Vec<(usize, u32, f32)>,
+    /// Retrieved, by token.
+    found: Found,
     tail: Option<Tail>,
     prefetch: Option<Prefetched>,
     stats: SearchStats,
@@ -663,9 +663,10 @@ impl Session {
                 lock(&self.last_found)[slot] = best_found(&found, &readers);
             }
             let search = searching.elapsed() + scan_share;
-            let tail = match estimates_tail(choice, opts) {
-                true => self.tail(&readers, &seeds, &found, scale, &mut stats)?,
-                false => None,
+            let tail = if estimates_tail(choice, opts) {
+                self.tail(&readers, &seeds, &found, scale, &mut stats)?
+            } else {
+                None
             };
             let prefetch = self.prefetch_values(&found, &readers);
             heads.push(SearchedHead {
@@ -873,7 +874,7 @@ impl Session {
     }
 
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
-    /// token, and each segment's seed scores (a DIPR plan's; empty for the others).
+    /// token, and, when the plan estimates the tail, each segment's seed scores.
     /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work.
     #[allow(clippy::too_many_arguments)]
     fn retrieve(
@@ -893,7 +894,7 @@ impl Session {
         let rules = &self.db.config().rules;
         let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
         let mut beta = opts.beta;
-        let mut seeds = Vec::with_capacity(readers.len());
+        let mut seeds = Vec::with_capacity(if tail { readers.len() } else { 0 });
         let prefix = self.prefix_tokens();
         let win = self.window;
         let in_window = self.window_ids.len() as u32;
@@ -934,13 +935,15 @@ impl Session {
                 best = best.max(top);
             }
             beta = beta.min(r.narrowed_beta.unwrap_or(beta));
-            seeds.push(match plan {
-                Plan::Flat => SeedScores {
-                    stride: SEED_STRIDE,
-                    scores: scanned[si].0.iter().step_by(SEED_STRIDE as usize).copied().collect(),
-                },
-                _ => r.seeds,
-            });
+            if tail {
+                seeds.push(match plan {
+                    Plan::Flat => SeedScores {
+                        stride: SEED_STRIDE,
+                        scores: scanned[si].0.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                    },
+                    _ => r.seeds,
+                });
+            }
             found.extend(
                 r.ids
                     .iter()
