@@ -23,4 +23,4 @@ pub use error::{Error, Result};
 pub use import::WriteReport;
 pub use kv::{KvSource, SafetensorsKv};
 pub use plan::{Choice, Plan, Rules};
-pub use session::{Attention, AttentionOptions, Device, HeadReport, HeadTiming, Session};
+pub use session::{Attention, AttentionOptions, Device, HeadReport, HeadTiming, Session, WARM_START_TOKENS};

@@ -1059,7 +1059,7 @@ fn keep_best(found: &mut Vec<(usize, u32, f32)>, n: usize) {
 }
 
 /// How many of a search's best tokens the next search of the same q head starts from.
-const WARM_START_TOKENS: usize = 64;
+pub const WARM_START_TOKENS: usize = 64;
 
 /// The [`WARM_START_TOKENS`] best of `found` (segment, token, score), as (segment, token in
 /// the segment).

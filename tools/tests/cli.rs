@@ -598,7 +598,16 @@ fn bench_search_reports_every_method_against_exact_attention() {
         json(&["bench", "search", "--tokens", "3000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--json"]);
     let rows = v["rows"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
-    for m in ["flat", "topk k=100", "topk k=2000", "diprs beta=5·√d", "diprs filtered 20%", "diprs filtered 100%"] {
+    let methods = [
+        "flat",
+        "topk k=100",
+        "topk k=2000",
+        "diprs beta=5·√d",
+        "diprs beta=5·√d warm",
+        "diprs filtered 20%",
+        "diprs filtered 100%",
+    ];
+    for m in methods {
         assert!(names.contains(&m), "{m} missing from {names:?}");
     }
     let flat = &rows[0];
@@ -610,6 +619,7 @@ fn bench_search_reports_every_method_against_exact_attention() {
         assert!(r["dipr_recall"].as_f64().unwrap() <= 1.0);
     }
     assert!(v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
+    assert!(v["ratios"]["diprs_warm_vs_flat_speedup"].as_f64().unwrap() > 0.0);
     assert!(v["ratios"]["filtered20_vs_unfiltered_latency"].as_f64().unwrap() > 0.0);
     assert_eq!(v["build"].as_array().unwrap().len(), 1);
 }
