@@ -237,11 +237,14 @@ pub fn run(a: Args) -> Result<()> {
                     }
                     Method::Diprs { beta, prefix, warm } => {
                         let params = DiprsParams { beta, window_max: win_max, prefix, ..Default::default() };
-                        let f = if warm { diprs_from(&idx, q, &params, &last_step)? } else { diprs(&idx, q, &params)? };
-                        if warm {
+                        let f = if warm {
+                            let f = diprs_from(&idx, q, &params, &last_step)?;
                             // A search's tokens come best first.
                             last_step = f.ids.iter().copied().take(WARM_START_TOKENS).collect();
-                        }
+                            f
+                        } else {
+                            diprs(&idx, q, &params)?
+                        };
                         let meta = f.stats.keys_scored * 2 * d as u64 + f.stats.hops * 4 * graph.degree as u64;
                         (f.ids, f.stats.keys_scored, meta, graph_per_token)
                     }
