@@ -13,6 +13,9 @@
 //! rows, the key rows scored and the adjacency records expanded); `data` is 4 KiB per
 //! distinct value block of the retrieved tokens outside the window, and for coarse methods
 //! per key block too, since only their exact scores (from the keys) weigh the values.
+//!
+//! Beside the rows, a probe times scattered key rows against the flat scan's rows (see
+//! [`PROBE_ROWS`]): how far a graph search can be faster than the scan depends on it.
 
 use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
@@ -21,9 +24,9 @@ use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
 use ctxfs_index::search::{diprs, diprs_from, topk};
-use ctxfs_index::synth::{head, SynthParams};
-use ctxfs_index::Pair;
+use ctxfs_index::synth::{head, Rng, SynthParams};
 use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemKeys};
+use ctxfs_index::{Keys, Pair, SearchStats};
 use ctxfs_kernels::Partial;
 use half::f16;
 use serde_json::json;
@@ -118,6 +121,12 @@ fn methods(n: usize, sqrt_d: f32) -> Vec<(String, Method)> {
 /// The row of DIPRS started from the last decode step's best tokens.
 const WARM_ROW: &str = "diprs beta=5·√d warm";
 
+/// Key rows of the scattered-read probe: uniformly random rows of the head, scored from cold
+/// caches through the same path DIPRS scores its neighbours by. What one costs, against a
+/// row of the flat scan, bounds how many scattered rows a search can read and still be a
+/// given factor faster than the scan.
+const PROBE_ROWS: usize = 1024;
+
 /// Bytes written before each timed search: twice this VM's 32 MiB L3.
 const CACHE_FLUSH_BYTES: usize = 64 << 20;
 
@@ -168,6 +177,8 @@ pub fn run(a: Args) -> Result<()> {
     let mut builds = Vec::new();
     let bar = crate::progress::bar((a.heads * n) as u64, "bench search");
     let mut flush = vec![0u64; CACHE_FLUSH_BYTES / 8];
+    // Nanoseconds per row of each probe.
+    let mut scattered_row_ns = Vec::new();
     for kv in 0..a.heads {
         let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed: a.seed };
         let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
@@ -201,6 +212,9 @@ pub fn run(a: Args) -> Result<()> {
         let rows_per_block = ctxfs_vfs::max_payload(BLOCK) / (2 * d);
         // The warm row's start: the best tokens of this q head's last decode step.
         let mut last_step: Vec<u32> = Vec::new();
+        let mut rng = Rng::new(a.seed ^ kv as u64);
+        let probe: Vec<u32> = (0..PROBE_ROWS).map(|_| rng.below(n) as u32).collect();
+        let mut probe_scores = vec![0.0f32; PROBE_ROWS];
         for (step, q) in h.decode.concat().chunks(d).enumerate() {
             if step % a.queries == 0 {
                 last_step.clear();
@@ -210,6 +224,10 @@ pub fn run(a: Args) -> Result<()> {
             let all_ids: Vec<u32> = (0..n as u32).collect();
             let exact = attend(&all_ids, &all, &h.values, d, scale);
             let lse_full = exact.lse() as f64;
+            evict_caches(&mut flush);
+            let t = Instant::now();
+            keys.score(&probe, q, &mut probe_scores, &mut SearchStats::default())?;
+            scattered_row_ns.push(t.elapsed().as_secs_f64() * 1e9 / PROBE_ROWS as f64);
             for (mi, (name, method)) in methods(n, sqrt_d).iter().enumerate() {
                 let (beta, prefix) = match *method {
                     Method::Diprs { beta, prefix, .. } => (beta, prefix),
@@ -321,15 +339,18 @@ pub fn run(a: Args) -> Result<()> {
             })
         })
         .collect();
+    let (flat_row_ns, scattered_row_ns) = (flat_lat * 1e3 / n as f64, median(scattered_row_ns));
     let ratios = json!({
         "diprs_vs_flat_speedup": ratio(flat_lat, lat("diprs beta=5·√d")),
         "diprs_warm_vs_flat_speedup": ratio(flat_lat, lat(WARM_ROW)),
         "filtered20_vs_unfiltered_latency": ratio(lat("diprs filtered 20%"), lat("diprs filtered 100%")),
+        "scattered_vs_flat_row_cost": ratio(scattered_row_ns, flat_row_ns),
     });
+    let row_costs = json!({"flat_row_ns": flat_row_ns, "scattered_row_ns": scattered_row_ns, "probe_rows": PROBE_ROWS});
     if a.json {
         println!(
             "{}",
-            json!({"tokens": n, "head_dim": d, "heads": a.heads, "queries_per_head": GROUP * a.queries, "ratios": ratios, "rows": out_rows, "build": builds})
+            json!({"tokens": n, "head_dim": d, "heads": a.heads, "queries_per_head": GROUP * a.queries, "ratios": ratios, "row_costs": row_costs, "rows": out_rows, "build": builds})
         );
         return Ok(());
     }
@@ -394,6 +415,10 @@ pub fn run(a: Args) -> Result<()> {
         ratios["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0),
         ratios["diprs_warm_vs_flat_speedup"].as_f64().unwrap_or(0.0),
         ratios["filtered20_vs_unfiltered_latency"].as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "a key row from cold caches: {flat_row_ns:.1} ns in the flat scan, {scattered_row_ns:.0} ns read alone ({PROBE_ROWS} uniformly random rows): {:.1}× a flat row",
+        ratios["scattered_vs_flat_row_cost"].as_f64().unwrap_or(0.0)
     );
     Ok(())
 }

@@ -621,6 +621,12 @@ fn bench_search_reports_every_method_against_exact_attention() {
     assert!(v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
     assert!(v["ratios"]["diprs_warm_vs_flat_speedup"].as_f64().unwrap() > 0.0);
     assert!(v["ratios"]["filtered20_vs_unfiltered_latency"].as_f64().unwrap() > 0.0);
+    let costs = &v["row_costs"];
+    let (flat_ns, scattered_ns) = (costs["flat_row_ns"].as_f64().unwrap(), costs["scattered_row_ns"].as_f64().unwrap());
+    assert!(flat_ns > 0.0 && scattered_ns > 0.0, "{costs}");
+    let cost_ratio = v["ratios"]["scattered_vs_flat_row_cost"].as_f64().unwrap();
+    assert!((cost_ratio - scattered_ns / flat_ns).abs() <= 1e-6 * cost_ratio, "{cost_ratio} against {costs}");
+    assert_eq!(costs["probe_rows"].as_u64(), Some(1024));
     assert_eq!(v["build"].as_array().unwrap().len(), 1);
 }
 
