@@ -178,7 +178,7 @@ pub fn run(a: Args) -> Result<()> {
     let bar = crate::progress::bar((a.heads * n) as u64, "bench search");
     let mut flush = vec![0u64; CACHE_FLUSH_BYTES / 8];
     // Nanoseconds per row of each probe.
-    let mut scattered_row_ns = Vec::new();
+    let mut probe_row_ns = Vec::new();
     for kv in 0..a.heads {
         let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed: a.seed };
         let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
@@ -227,7 +227,7 @@ pub fn run(a: Args) -> Result<()> {
             evict_caches(&mut flush);
             let t = Instant::now();
             keys.score(&probe, q, &mut probe_scores, &mut SearchStats::default())?;
-            scattered_row_ns.push(t.elapsed().as_secs_f64() * 1e9 / PROBE_ROWS as f64);
+            probe_row_ns.push(t.elapsed().as_secs_f64() * 1e9 / PROBE_ROWS as f64);
             for (mi, (name, method)) in methods(n, sqrt_d).iter().enumerate() {
                 let (beta, prefix) = match *method {
                     Method::Diprs { beta, prefix, .. } => (beta, prefix),
@@ -339,7 +339,7 @@ pub fn run(a: Args) -> Result<()> {
             })
         })
         .collect();
-    let (flat_row_ns, scattered_row_ns) = (flat_lat * 1e3 / n as f64, median(scattered_row_ns));
+    let (flat_row_ns, scattered_row_ns) = (flat_lat * 1e3 / n as f64, median(probe_row_ns));
     let ratios = json!({
         "diprs_vs_flat_speedup": ratio(flat_lat, lat("diprs beta=5·√d")),
         "diprs_warm_vs_flat_speedup": ratio(flat_lat, lat(WARM_ROW)),
