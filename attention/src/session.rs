@@ -76,7 +76,8 @@ pub struct AttentionOptions {
     pub plan: Option<Plan>,
     /// DIPR range below the best inner product, in inner-product units.
     pub beta: f32,
-    /// DIPRS explores without pruning until its candidate list holds this many keys.
+    /// The width of DIPRS's optional best-first climb through the graph before its range
+    /// phase ([`DiprsParams::l0`]; 0, the default: none).
     pub l0: usize,
     /// Tokens top-k retrieves beyond the window.
     pub k: usize,
