@@ -215,20 +215,20 @@ impl Expander {
     /// interleaved, those first reads are in flight together instead of one after another.
     fn seed_runs(&mut self, seeds: &[Scored], run: u32, batch: &mut Batch, stats: &mut SearchStats) {
         batch.fresh.clear();
-        batch.ends.clear();
+        // Each run's fresh tokens, as a span of `batch.fresh`.
+        let mut spans = Vec::with_capacity(seeds.len());
         for &Scored(_, seed) in seeds {
             let to = seed.saturating_add(run).saturating_add(1).min(self.limit);
+            let from = batch.fresh.len();
             self.visited.insert_range(seed.saturating_sub(run), to, &mut batch.fresh);
-            batch.ends.push(batch.fresh.len());
+            spans.push(from..batch.fresh.len());
             stats.hops += 1;
         }
-        let mut from = 0;
-        let starts: Vec<usize> = batch.ends.iter().map(|&end| std::mem::replace(&mut from, end)).collect();
-        let longest = starts.iter().zip(&batch.ends).map(|(a, b)| b - a).max().unwrap_or(0);
+        let longest = spans.iter().map(|span| span.len()).max().unwrap_or(0);
         for i in 0..longest {
-            for (&start, &end) in starts.iter().zip(&batch.ends) {
-                if start + i < end {
-                    batch.keys.push(batch.fresh[start + i]);
+            for span in &spans {
+                if i < span.len() {
+                    batch.keys.push(batch.fresh[span.start + i]);
                 }
             }
         }
