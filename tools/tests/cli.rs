@@ -603,6 +603,7 @@ fn bench_search_reports_every_method_against_exact_attention() {
         "topk k=100",
         "topk k=2000",
         "diprs beta=5·√d",
+        "diprs beta=5·√d all-cold",
         "diprs beta=5·√d warm",
         "diprs filtered 20%",
         "diprs filtered 100%",
@@ -620,6 +621,12 @@ fn bench_search_reports_every_method_against_exact_attention() {
     }
     assert!(v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
     assert!(v["ratios"]["diprs_warm_vs_flat_speedup"].as_f64().unwrap() > 0.0);
+    assert!(v["ratios"]["diprs_all_cold_vs_flat_speedup"].as_f64().unwrap() > 0.0);
+    // The all-cold row is the same search, timed without the warm-up: the same answers.
+    let row = |name: &str| rows.iter().find(|r| r["method"] == name).unwrap();
+    for field in ["dipr_recall", "keys_scored_fraction", "output_error", "selected_tokens"] {
+        assert_eq!(row("diprs beta=5·√d")[field], row("diprs beta=5·√d all-cold")[field], "{field}");
+    }
     assert!(v["ratios"]["filtered20_vs_unfiltered_latency"].as_f64().unwrap() > 0.0);
     let costs = &v["row_costs"];
     let (flat_ns, scattered_ns) = (costs["flat_row_ns"].as_f64().unwrap(), costs["scattered_row_ns"].as_f64().unwrap());
