@@ -164,13 +164,12 @@ struct HeadIndexes {
 }
 
 impl HeadIndexes {
-    /// `keys` and `graph` with the coarse indexes built over `keys`, and the seconds each
-    /// coarse index took to build.
-    fn build(
-        keys: MemKeys,
-        graph: MemGraph,
-        prefill: &[f32],
-    ) -> Result<(HeadIndexes, serde_json::Map<String, serde_json::Value>)> {
+    /// The graph (trained on `prefill`) and the coarse indexes of `keys`, and how long each
+    /// build took (the graph's by phase).
+    fn build(keys: MemKeys, prefill: &[f32]) -> Result<(HeadIndexes, serde_json::Value)> {
+        let started = Instant::now();
+        let (graph, report) = build(&keys, prefill, &BuildParams::default());
+        let graph_seconds = started.elapsed().as_secs_f64();
         let mut coarse: Vec<Box<dyn Coarse>> = Vec::new();
         let mut seconds = serde_json::Map::new();
         for name in COARSE {
@@ -185,7 +184,13 @@ impl HeadIndexes {
             });
             seconds.insert(name.into(), json!(started.elapsed().as_secs_f64()));
         }
-        Ok((HeadIndexes { keys, graph, coarse }, seconds))
+        let timing = json!({
+            "seconds": graph_seconds, "knn_seconds": report.knn.as_secs_f64(),
+            "projection_seconds": report.projection.as_secs_f64(),
+            "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
+            "coarse_seconds": seconds,
+        });
+        Ok((HeadIndexes { keys, graph, coarse }, timing))
     }
 }
 
@@ -292,10 +297,7 @@ pub fn run(a: Args) -> Result<()> {
     let warm_up = {
         let p = SynthParams { tokens: WARM_UP_TOKENS, head_dim: d, group: GROUP, seed: a.seed.wrapping_add(1) };
         let h = head(&p, 1, 0, WARM_UP_TOKENS / 4 / GROUP, 1);
-        let keys = MemKeys::new(d, h.keys);
-        let prefill = h.prefill.concat();
-        let (graph, _) = build(&keys, &prefill, &BuildParams::default());
-        (HeadIndexes::build(keys, graph, &prefill)?.0, h.decode[0][..d].to_vec())
+        (HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?.0, h.decode[0][..d].to_vec())
     };
     let warm_up_window =
         ctxfs_attention::Window { init: WINDOW.0 as u32, recent: WINDOW.1 as u32 }.tokens(WARM_UP_TOKENS as u32).len();
@@ -305,18 +307,9 @@ pub fn run(a: Args) -> Result<()> {
     for kv in 0..a.heads {
         let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed: a.seed };
         let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
-        let prefill = h.prefill.concat();
-        let keys = MemKeys::new(d, h.keys.clone());
-        let started = Instant::now();
-        let (graph, report) = build(&keys, &prefill, &BuildParams::default());
-        let seconds = started.elapsed().as_secs_f64();
-        let (ix, coarse_seconds) = HeadIndexes::build(keys, graph, &prefill)?;
-        builds.push(json!({
-            "kv_head": kv, "sharpness": h.sharpness, "seconds": seconds,
-            "knn_seconds": report.knn.as_secs_f64(), "projection_seconds": report.projection.as_secs_f64(),
-            "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
-            "coarse_seconds": coarse_seconds,
-        }));
+        let (ix, mut timing) = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?;
+        (timing["kv_head"], timing["sharpness"]) = (json!(kv), json!(h.sharpness));
+        builds.push(timing);
         let keys = &ix.keys;
         let rows_per_block = ctxfs_vfs::max_payload(BLOCK) / (2 * d);
         // The warm row's start: the best tokens of this q head's last decode step.
