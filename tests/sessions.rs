@@ -13,10 +13,11 @@ fn open(store: &Path) -> Db {
 }
 
 /// A DB whose data area is far smaller than the context's values: the optimizer does not
-/// take the coarse plans' ample-memory rule, so it picks DIPRS beyond layer 0.
+/// take the coarse plans' ample-memory rule, so it picks DIPRS beyond layer 0. It opens
+/// read-only, as a second server beside the writer would.
 fn lean(store: &Path) -> Db {
     let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
-    Db::open(store, DeviceChoice::Auto, small).expect("open the db")
+    Db::open_read_only(store, DeviceChoice::Auto, small).expect("open the db")
 }
 
 /// A book imported into a fresh store.
@@ -121,9 +122,9 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     let recall = recall / queries as f64;
     let scored = scored as f64 / queries as f64 / N as f64;
     println!("DIPRS: DIPR recall {recall:.3}, keys scored {:.1}%", scored * 100.0);
-    // Measured 0.944 at 10.5% scored on this 8K book (the generator calibrated on AlayaDB
-    // Fig. 5; the search with seeds, climbs and a sequence band): a regression floor. The 0.95 goal
-    // is measured at 128K by `ctxfs bench search`.
+    // A regression floor below what this 8K book measures (the test prints it; 0.944 at
+    // 10.5% scored with a graph climb of 16 from the seeds; the generator is calibrated on
+    // AlayaDB Fig. 5). The 0.95 goal is measured at 128K by `ctxfs bench search`.
     assert!(recall >= 0.90, "DIPR recall {recall}");
 }
 
@@ -301,7 +302,8 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     assert_eq!(db.pool_stats().index.misses, st.index.misses);
     // An index area too small for the whole index holds what fits; the rest is searched
     // through pins, with the same answers.
-    let small = Db::open(&store, DeviceChoice::Auto, DbConfig { pool_bytes: 8 << 20, ..Default::default() }).unwrap();
+    let small_pool = DbConfig { pool_bytes: 8 << 20, ..Default::default() };
+    let small = Db::open_read_only(&store, DeviceChoice::Auto, small_pool).unwrap();
     let warm = small.warm("book").unwrap();
     assert!(warm.held > 0 && warm.held < warm.blocks, "{warm:?}");
     // The plan is fixed: the optimizer's depends on the pool (a data area holding every

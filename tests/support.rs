@@ -1,6 +1,7 @@
 //! What the integration tests share: a generated context written as a real safetensors
 //! file, a store on a real file (io_uring, O_DIRECT), and exact attention computed the
-//! obvious way, independent of the code under test.
+//! obvious way, independent of the code under test. The crates they exercise together are
+//! described in `docs/architecture.md`.
 
 use ctxfs_index::synth::{head, HeadData, SynthParams};
 use ctxfs_vfs::{device, DType, DeviceChoice, ModelShape};

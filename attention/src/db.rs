@@ -153,8 +153,16 @@ pub struct Db {
 }
 
 impl Db {
+    /// Opens a store as its one writer: imports, deletes and stored sessions commit. A second
+    /// writer, in this process or another, is refused (`Error::Locked` in the vfs error).
     pub fn open(path: &Path, choice: DeviceChoice, config: DbConfig) -> Result<Db> {
         Db::with_store(Store::open_path(path, choice)?, config)
+    }
+
+    /// Opens a store to serve sessions beside a writer in another process, on the state
+    /// committed at open; storing a session or importing fails with `Error::ReadOnly`.
+    pub fn open_read_only(path: &Path, choice: DeviceChoice, config: DbConfig) -> Result<Db> {
+        Db::with_store(Store::open_path_read_only(path, choice)?, config)
     }
 
     pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {

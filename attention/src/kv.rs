@@ -68,9 +68,24 @@ impl SafetensorsKv {
         file.read_exact_at(&mut header, 8).map_err(|e| bad(e.to_string()))?;
         let meta: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
         let data_len = len - 8 - n;
+        // The header is parsed without safetensors' own checks (they need the whole file in
+        // memory): every tensor must lie within the data and hold exactly what its shape and
+        // dtype say, so that no read or allocation below trusts a size the data does not back.
         for (name, info) in meta.tensors() {
-            if info.data_offsets.1 as u64 > data_len {
-                return Err(bad(format!("tensor {name} lies beyond the end of the file")));
+            let (from, to) = info.data_offsets;
+            if from > to || to as u64 > data_len {
+                return Err(bad(format!(
+                    "tensor {name} has data offsets {from}..{to} outside the file's {data_len} data bytes"
+                )));
+            }
+            let bytes = info.shape.iter().try_fold(info.dtype.size(), |n, &s| n.checked_mul(s));
+            if bytes != Some(to - from) {
+                return Err(bad(format!(
+                    "tensor {name} of shape {:?} and dtype {:?} holds {} bytes",
+                    info.shape,
+                    info.dtype,
+                    to - from
+                )));
             }
         }
         let mut kv = SafetensorsKv {
@@ -241,7 +256,7 @@ pub fn f32s(st: &SafeTensors<'_>, name: &str, range: std::ops::Range<usize>) -> 
     let t = st.tensor(name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
     let size = element_size(name, t.dtype())?;
     let data = t.data();
-    if range.end * size > data.len() {
+    if range.start > range.end || range.end.checked_mul(size).is_none_or(|end| end > data.len()) {
         return input(format!("tensor {name} is shorter than its shape says"));
     }
     decode(name, t.dtype(), &data[range.start * size..range.end * size], range.start)

@@ -7,6 +7,9 @@
 //! * [`Session`]: [`Session::update`] appends tokens, [`Session::attention`] answers all q
 //!   heads of a layer: the window exactly, the rest through the optimizer's plan
 //!   ([`plan`]), merged with the log-sum-exp rule.
+//!
+//! `docs/architecture.md` in the repository follows one decode query from
+//! [`Session::attention`] through the index and the buffer pool to the disk and back.
 
 mod db;
 mod error;
@@ -15,6 +18,7 @@ pub mod kv;
 pub mod layout;
 pub mod plan;
 mod poison;
+pub mod queries;
 mod session;
 pub mod trie;
 

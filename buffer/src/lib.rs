@@ -18,6 +18,8 @@
 //! first used (or all at once, [`PoolConfig::populate`]), so they never exceed it; beyond it
 //! the pool holds frame descriptors and table entries ([`PoolStats::overhead`]) and the
 //! device source's fixed staging buffers.
+//!
+//! Where the pool sits in a decode query's path: `docs/architecture.md` in the repository.
 
 mod arena;
 mod frame;

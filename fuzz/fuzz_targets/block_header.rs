@@ -5,6 +5,9 @@ use ctxfs_vfs::format::header::{payload, seal, unseal, verify};
 use ctxfs_vfs::format::{BlockKind, Expect, Owner, StreamTag};
 use libfuzzer_sys::fuzz_target;
 
+#[global_allocator]
+static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
+
 fn roundtrip(block: &[u8]) {
     if let Ok((h, _crc)) = unseal(block) {
         let mut fresh = vec![0u8; block.len()];

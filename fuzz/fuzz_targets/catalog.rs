@@ -1,11 +1,12 @@
 //! Catalog, context record, allocator directory and extent block decoders never panic, and decode(encode(x)) == x.
 #![no_main]
 
-use ctxfs_vfs::format::records::{
-    decode_alloc_dir, decode_catalog, encode_alloc_dir, encode_catalog, ExtentBlock,
-};
+use ctxfs_vfs::format::records::{decode_alloc_dir, decode_catalog, encode_alloc_dir, encode_catalog, ExtentBlock};
 use ctxfs_vfs::ContextRecord;
 use libfuzzer_sys::fuzz_target;
+
+#[global_allocator]
+static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(entries) = decode_catalog(data) {

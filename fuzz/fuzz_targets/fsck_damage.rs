@@ -8,6 +8,9 @@ use ctxfs_vfs::{fsck, BlockDevice, DType, FileStream, ModelShape, Store};
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
 
+#[global_allocator]
+static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
+
 const BS: usize = 4096;
 
 fn pristine() -> &'static [u8] {

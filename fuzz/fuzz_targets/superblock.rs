@@ -4,6 +4,9 @@
 use ctxfs_vfs::format::Superblock;
 use libfuzzer_sys::fuzz_target;
 
+#[global_allocator]
+static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
+
 const BS: usize = 4096;
 
 fn check(block: &[u8]) {

@@ -10,6 +10,8 @@
 //! Searches are written once against the [`Keys`] and [`Graph`] traits, so they run over the
 //! in-memory arrays of [`mem`] at build time and over buffered pages at query time. Every
 //! search reports keys scored, hops and blocks touched.
+//!
+//! The search's steps and the crates around it: `docs/architecture.md` in the repository.
 
 pub mod build;
 pub mod coarse;

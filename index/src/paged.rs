@@ -17,9 +17,10 @@ use crate::search::SEED_STRIDE;
 use crate::source::{score_strided_rows, Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
 use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard, ResidentBlocks};
-use ctxfs_vfs::DType;
+use ctxfs_vfs::{BlockFault, DType};
 use half::{bf16, f16};
 use std::cell::RefCell;
+use std::sync::Arc;
 
 /// Version 2 added the element type of the key rows (version 1: always f16); version 3 the
 /// seed table (versions 1 and 2 are read as having none); version 4 the seed values
@@ -142,7 +143,31 @@ impl Layout {
         {
             return Err(format!("index meta block: inconsistent layout {l:?}"));
         }
+        // The stream's block count (computed in u32 by the accessors) must fit a u32.
+        let (tokens, seed_rows) = (l.tokens as u64, l.seed_rows() as u64);
+        let blocks = 1
+            + tokens.div_ceil(l.records_per_block as u64)
+            + tokens.div_ceil(l.rows_per_block as u64)
+            + (1 + l.seed_values as u64) * seed_rows.div_ceil(l.rows_per_block as u64);
+        if blocks > u32::MAX as u64 {
+            return Err(format!("index meta block: a layout of {blocks} blocks {l:?}"));
+        }
         Ok(l)
+    }
+
+    /// Checks that an adjacency record and a key row fit a block payload of `payload` bytes
+    /// as many times as the layout packs them into one, so that no record or row offset the
+    /// meta block implies lies beyond a block (or overflows).
+    pub fn check_fits(&self, payload: usize) -> Result<(), String> {
+        let record = (self.records_per_block as u64 * self.degree as u64).saturating_mul(4);
+        let rows = (self.rows_per_block as u64 * self.dim as u64).saturating_mul(2);
+        if record > payload as u64 || rows > payload as u64 {
+            return Err(format!(
+                "index meta block: {} records of degree {} or {} rows of dimension {} do not fit a block payload of {payload} bytes",
+                self.records_per_block, self.degree, self.rows_per_block, self.dim
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -206,13 +231,19 @@ impl Rows<'_> {
             Rows::Bf16(r) => bytemuck::cast_slice(r),
         }
     }
-    /// Rows `from .. to` of a block payload of packed rows of `dim` elements of `dtype`.
-    fn of(dtype: DType, payload: &[u8], from: usize, to: usize, dim: usize) -> Rows<'_> {
-        let bytes = &payload[from * dim * 2..to * dim * 2];
-        match dtype {
+    /// Rows `from .. to` of a block payload of packed rows of `dim` elements of `dtype`, or
+    /// why the payload does not hold them (a block shorter than its layout says).
+    fn of(dtype: DType, payload: &[u8], from: usize, to: usize, dim: usize) -> Result<Rows<'_>, String> {
+        let Some(bytes) = payload.get(from * dim * 2..to * dim * 2) else {
+            return Err(format!(
+                "a block of {} payload bytes lacks rows {from}..{to} of dimension {dim}",
+                payload.len()
+            ));
+        };
+        Ok(match dtype {
             DType::F16 => Rows::F16(bytemuck::cast_slice(bytes)),
             DType::Bf16 => Rows::Bf16(bytemuck::cast_slice(bytes)),
-        }
+        })
     }
 }
 
@@ -359,6 +390,20 @@ fn wrap(e: BufferError) -> String {
     e.to_string()
 }
 
+/// A block whose contents contradict the index's meta block, as a storage error naming it.
+fn malformed(req: &BlockRequest, why: String) -> BufferError {
+    BufferError::Block(Arc::new(ctxfs_vfs::Error::mismatch(req.block, &req.expect, BlockFault::Malformed(why))))
+}
+
+/// A request the index cannot answer (a token beyond it), as an error rather than a panic.
+fn invalid(why: String) -> BufferError {
+    BufferError::Block(Arc::new(ctxfs_vfs::Error::InvalidArgument(why)))
+}
+
+/// A block the closure of [`PagedIndex::with_blocks`] found malformed: its logical block in
+/// the stream (or the position of its request), and why.
+type Bad = (u32, String);
+
 impl<'p> PagedIndex<'p> {
     /// Opens an index stream given the location of each of its logical blocks and a frame
     /// hint for each (kept by the caller across opens: see [`FrameHint`]).
@@ -373,6 +418,7 @@ impl<'p> PagedIndex<'p> {
         let meta = pool.get(blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
         let layout = Layout::decode(meta.payload())?;
         drop(meta);
+        layout.check_fits(ctxfs_vfs::max_payload(pool.block_size()))?;
         // Coarse indexes (quest, infllm, pq runs) may follow the graph index in the stream.
         if blocks.len() < layout.index_blocks() as usize {
             return Err(format!(
@@ -398,25 +444,37 @@ impl<'p> PagedIndex<'p> {
     }
 
     /// Calls `f` with a lookup from logical block to payload for the blocks `wanted()`
-    /// (logical, sorted, distinct), pinning them first unless the index is resident.
+    /// (logical, sorted, distinct, below the stream's length), pinning them first unless the
+    /// index is resident. An `Err((block, why))` from `f` (a malformed block) comes back as an
+    /// error naming that block.
     fn with_blocks<R>(
         &self,
         wanted: impl FnOnce() -> Vec<u32>,
         stats: &mut SearchStats,
-        f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a [u8]) -> R,
+        f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a [u8]) -> Result<R, Bad>,
     ) -> Result<R, BufferError> {
+        let named = |(b, why): Bad| malformed(&self.blocks[b as usize], format!("index block {b}: {why}"));
         if let Some(resident) = self.resident {
-            return Ok(f(&|b| resident.payload(b as usize)));
+            return f(&|b| resident.payload(b as usize)).map_err(named);
         }
         let mut pins = self.pins.borrow_mut();
         let spill = pins.pin(self.pool, (self.blocks, self.hints), &wanted(), stats)?;
         let pins = &*pins;
         let spill = &spill;
-        Ok(f(&|b| {
+        f(&|b| {
             pins.get(b)
                 .unwrap_or_else(|| &spill[spill.binary_search_by_key(&b, |s| s.0).expect("pinned above")].1)
                 .payload()
-        }))
+        })
+        .map_err(named)
+    }
+
+    /// Refuses token ids beyond the index (a caller's, or another index's that disagrees).
+    fn check_ids(&self, ids: &[u32]) -> Result<(), BufferError> {
+        match ids.iter().find(|&&t| t >= self.layout.tokens) {
+            Some(t) => Err(invalid(format!("token {t} of an index of {} tokens", self.layout.tokens))),
+            None => Ok(()),
+        }
     }
 
     pub fn layout(&self) -> &Layout {
@@ -425,6 +483,7 @@ impl<'p> PagedIndex<'p> {
 
     /// The key rows of `ids`, in their order, as f32 (the window cache's keys).
     pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f32>, BatchIo), BufferError> {
+        self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks() as usize;
         gather_rows(self.pool, &self.blocks[first..], &self.layout, ids)
     }
@@ -459,8 +518,10 @@ impl<'p> PagedIndex<'p> {
                 |block| {
                     for &(i, from) in chunk {
                         let w = &weights[from..(from + rows).min(weights.len())];
-                        Rows::of(l.dtype, block(first + i), 0, w.len(), dim).accumulate_rows(acc, w);
+                        let b = first + i;
+                        Rows::of(l.dtype, block(b), 0, w.len(), dim).map_err(|e| (b, e))?.accumulate_rows(acc, w);
                     }
+                    Ok(())
                 },
             )
         }))
@@ -469,6 +530,7 @@ impl<'p> PagedIndex<'p> {
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
     /// Pins at most [`PIN_BATCH`] ids' blocks at a time (none when resident).
     fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
+        self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks();
         let rows = self.layout.rows_per_block;
         let batch = if self.resident.is_some() { ids.len().max(1) } else { PIN_BATCH };
@@ -476,6 +538,7 @@ impl<'p> PagedIndex<'p> {
             let wanted = || blocks_holding(&self.layout, ids, first);
             self.with_blocks(wanted, stats, |block| {
                 visit_rows(&self.layout, ids, |t| block(first + t / rows), |i, row| f(c * batch + i, row))
+                    .map_err(|(t, why)| (first + t / rows, why))
             })?;
         }
         Ok(())
@@ -497,7 +560,8 @@ impl Keys for PagedIndex<'_> {
     /// Scores each key block's rows in one streaming kernel call (a flat scan's path).
     fn score_range(&self, first: u32, q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
         let len = out.len();
-        self.scan_rows(1 + self.layout.adjacency_blocks(), first, q, Strided { out, stride: len, len }, stats)
+        let (keys, tokens) = (1 + self.layout.adjacency_blocks(), self.layout.tokens);
+        self.scan_rows((keys, tokens), first, q, Strided { out, stride: len, len }, stats)
     }
     fn score_range_many(
         &self,
@@ -508,7 +572,8 @@ impl Keys for PagedIndex<'_> {
         len: usize,
         stats: &mut SearchStats,
     ) -> SourceResult {
-        self.scan_rows(1 + self.layout.adjacency_blocks(), first, queries, Strided { out, stride, len }, stats)
+        let (keys, tokens) = (1 + self.layout.adjacency_blocks(), self.layout.tokens);
+        self.scan_rows((keys, tokens), first, queries, Strided { out, stride, len }, stats)
     }
     /// With a seed table of this stride, one sequential scan of it.
     fn score_strided(
@@ -525,7 +590,7 @@ impl Keys for PagedIndex<'_> {
         }
         let len = limit.min(l.tokens).div_ceil(stride) as usize;
         out.resize(len, 0.0);
-        self.scan_rows(l.first_seed_block(), 0, q, Strided { out, stride: len, len }, stats)
+        self.scan_rows((l.first_seed_block(), l.seed_rows()), 0, q, Strided { out, stride: len, len }, stats)
     }
 }
 
@@ -539,11 +604,11 @@ struct Strided<'o> {
 
 impl PagedIndex<'_> {
     /// The scores of `queries` (rows of `dim`) against rows `first .. first + out.len` of the
-    /// packed rows starting at logical block `first_block` (the keys, or the seed table), each
-    /// block's rows in one kernel call for all the queries.
+    /// `rows` packed rows starting at logical block `first_block` (the keys, or the seed
+    /// table), each block's rows in one kernel call for all the queries.
     fn scan_rows(
         &self,
-        first_block: u32,
+        (first_block, rows_in): (u32, u32),
         first: u32,
         queries: &[f32],
         out: Strided<'_>,
@@ -553,6 +618,9 @@ impl PagedIndex<'_> {
         assert!(queries.len().is_multiple_of(dim), "{} query elements of dimension {dim}", queries.len());
         let m = queries.len() / dim;
         assert!(m == 0 || (out.len <= out.stride && out.out.len() >= (m - 1) * out.stride + out.len));
+        if first as u64 + out.len as u64 > rows_in as u64 {
+            return Err(invalid(format!("rows {first}..{} of {rows_in}", first as u64 + out.len as u64)));
+        }
         let end = first + out.len as u32;
         // At most PIN_BATCH blocks pinned at a time: a flat scan streams a whole prefix.
         let mut t = first;
@@ -568,12 +636,13 @@ impl PagedIndex<'_> {
                         let (from, upto) =
                             ((t - block_first) as usize, (to.min(block_first + rows) - block_first) as usize);
                         let scores = &mut out.out[(t - first) as usize..];
-                        match Rows::of(self.layout.dtype, block(b), from, upto, dim) {
+                        match Rows::of(self.layout.dtype, block(b), from, upto, dim).map_err(|e| (b, e))? {
                             Rows::F16(r) => ctxfs_kernels::scores_many(r, queries, dim, scores, out.stride),
                             Rows::Bf16(r) => ctxfs_kernels::scores_many(r, queries, dim, scores, out.stride),
                         }
                         t = block_first + upto as u32;
                     }
+                    Ok(())
                 },
             )?;
             debug_assert_eq!(t, to);
@@ -590,8 +659,20 @@ impl Graph for PagedIndex<'_> {
             || vec![block],
             stats,
             |payload| {
-                let record: &[u32] = bytemuck::cast_slice(&payload(block)[at]);
+                let p = payload(block);
+                let Some(record) = p.get(at.clone()) else {
+                    let why = format!("a block of {} payload bytes lacks the record of node {node}", p.len());
+                    return Err((block, why));
+                };
+                let record: &[u32] = bytemuck::cast_slice(record);
+                let from = out.len();
                 out.extend(record.iter().copied().take_while(|&n| n != u32::MAX));
+                match out[from..].iter().find(|&&n| n >= self.layout.tokens) {
+                    Some(n) => {
+                        Err((block, format!("node {node} links to node {n}, beyond the {} tokens", self.layout.tokens)))
+                    }
+                    None => Ok(()),
+                }
             },
         )
     }
@@ -600,12 +681,15 @@ impl Graph for PagedIndex<'_> {
     }
     /// Only a record in a block this index holds resident or pinned (pinning is not a hint).
     fn prefetch(&self, node: u32) {
+        if node >= self.layout.tokens {
+            return;
+        }
         let (block, at) = self.record_of(node);
         match self.resident {
-            Some(r) => ctxfs_kernels::prefetch(&r.payload(block as usize)[at]),
+            Some(r) => ctxfs_kernels::prefetch(r.payload(block as usize).get(at).unwrap_or_default()),
             None => {
                 if let Some(g) = self.pins.borrow().get(block) {
-                    ctxfs_kernels::prefetch(&g.payload()[at]);
+                    ctxfs_kernels::prefetch(g.payload().get(at).unwrap_or_default());
                 }
             }
         }
@@ -638,6 +722,10 @@ pub fn for_rows(
 ) -> Result<BatchIo, BufferError> {
     let rows_per_block = layout.rows_per_block;
     let wanted = blocks_holding(layout, ids, 0);
+    if let Some(&last) = wanted.last().filter(|&&b| b as usize >= blocks.len()) {
+        let t = ids.iter().max().copied().unwrap_or(0);
+        return Err(invalid(format!("token {t} lies in block {last} of a stream of {} blocks", blocks.len())));
+    }
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
     visit_rows(
@@ -645,7 +733,11 @@ pub fn for_rows(
         ids,
         |t| guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")].payload(),
         f,
-    );
+    )
+    .map_err(|(t, why)| {
+        let b = t / rows_per_block;
+        malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}"))
+    })?;
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
@@ -659,22 +751,31 @@ fn blocks_holding(layout: &Layout, ids: &[u32], first: u32) -> Vec<u32> {
 }
 
 /// Calls `f` with each id's position and row, the block of token `t` being `block(t)`;
-/// rows a few ids ahead are prefetched, so their cache misses overlap.
-fn visit_rows<'g>(layout: &Layout, ids: &[u32], block: impl Fn(u32) -> &'g [u8], mut f: impl FnMut(usize, Rows<'_>)) {
+/// rows a few ids ahead are prefetched, so their cache misses overlap. Stops at the first
+/// token whose block lacks its row: `Err((token, why))`.
+fn visit_rows<'g>(
+    layout: &Layout,
+    ids: &[u32],
+    block: impl Fn(u32) -> &'g [u8],
+    mut f: impl FnMut(usize, Rows<'_>),
+) -> Result<(), Bad> {
     let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
     let row = |t: u32| {
         let slot = (t % rows_per_block) as usize;
-        Rows::of(layout.dtype, block(t), slot, slot + 1, dim)
+        Rows::of(layout.dtype, block(t), slot, slot + 1, dim).map_err(|why| (t, why))
     };
     for &t in &ids[..ids.len().min(PREFETCH_AHEAD)] {
-        row(t).prefetch();
+        if let Ok(r) = row(t) {
+            r.prefetch();
+        }
     }
     for (i, &t) in ids.iter().enumerate() {
-        if let Some(&ahead) = ids.get(i + PREFETCH_AHEAD) {
-            row(ahead).prefetch();
+        if let Some(Ok(r)) = ids.get(i + PREFETCH_AHEAD).map(|&ahead| row(ahead)) {
+            r.prefetch();
         }
-        f(i, row(t));
+        f(i, row(t)?);
     }
+    Ok(())
 }
 
 /// The rows of `ids` from a stream of packed rows laid out as `layout` says (the data

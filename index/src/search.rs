@@ -16,10 +16,10 @@ pub struct DiprsParams {
     /// The width of a best-first climb through the graph from the best seeds (and the
     /// previous tokens) to the best keys, before the range phase; 0: no climb, the seed runs
     /// start the range. As wide as the keys, the climb is exhaustive: the search returns the
-    /// exact DIPR set. At 131,072 generated tokens a climb of 16 (the default until session
-    /// 19) took 45–60 µs of a 150 µs search from cold caches, reading ~200 scattered rows;
-    /// the seed runs find the same region from a few sequential reads (DIPR recall 0.961 →
-    /// 0.976, median search 144–153 → 85–106 µs in a harness, 4 heads × 32 queries).
+    /// exact DIPR set. Off by default: on `ctxfs bench search`'s 128K-token heads a climb of
+    /// 16 takes 45–60 µs of a 150 µs search from cold caches, reading ~200 scattered rows,
+    /// while the seed runs find the same regions from a few sequential reads (DIPR recall
+    /// 0.976 without the climb against 0.961 with it, and searches ~1.5× faster).
     pub l0: usize,
     /// The best score of the caller's window (−∞ without one): DIPRS prunes against it from
     /// the start instead of discovering a high score late.
@@ -31,17 +31,18 @@ pub struct DiprsParams {
     /// those chains. Keys within β are expanded along the sequence (`range_run`) and the best
     /// of them through the graph (`graph_band`); keys in the band below them only along the
     /// sequence (`sequence_run`), which is where a passage continues. Only keys within β are
-    /// returned.
+    /// returned. 1.2 by default (`ctxfs bench search`, 128K tokens): against 1.25 the diffuse
+    /// heads score 17% fewer keys at nearly the same recall; 1.1 loses recall (0.965 at 1.96%
+    /// of the keys, against 0.976 at 2.24%) and is no faster.
     pub reach: f32,
     /// How many tokens before and after a key in the band are scored: consecutive rows are
     /// one sequential read, so a run costs little more than a neighbour, and a passage is
-    /// crossed in a few steps instead of one token per step. At 131,072 generated tokens (4
-    /// heads, β = 5√d, per-query mean DIPR recall, keys scored): run 1 with reach 1.7 → 0.951
-    /// at 3.08% (1.6 → 0.936 at 2.55%); run 12 with reach 1.25 → 0.959 at 2.64%, and mean
-    /// search time 437 → 354 µs (p90 957 → 602); run 16 with 1.2 → 0.955 at 2.54%; run 2
-    /// with 1.5 → 0.943 at 2.67%. At 16,384: 0.975 at 9.9% → 0.980 at 8.6%. With `l0` 16
-    /// and range batches of 32 nodes (recall 0.975 at 2.64% with reach 1.25), reach 1.2
-    /// keeps 0.961 at 2.38% (the diffuse heads score 17% fewer keys; p99 2.1 → 1.5 ms).
+    /// crossed in a few steps instead of one token per step. On `ctxfs bench search`'s
+    /// 128K-token heads (β = 5√d; DIPR recall, keys scored): runs of 12 with reach 1.25 gave
+    /// 0.959 at 2.64% and a mean search of 354 µs (p90 602), where single tokens with reach
+    /// 1.7 gave 0.951 at 3.08% and 437 µs (p90 957); runs of 16 (0.955 at 2.54%) and of 2
+    /// (0.943 at 2.67%) did worse. At 16,384 tokens: 0.980 at 8.6% of the keys against 0.975
+    /// at 9.9% for single tokens.
     pub sequence_run: u32,
     /// Stop expanding once this many keys have been admitted to the range (a diffuse head's
     /// range can hold most of the context: past a caller's token budget, more exploring only
@@ -49,27 +50,30 @@ pub struct DiprsParams {
     pub expand_limit: Option<usize>,
     /// Also start from every `seed_stride`-th token. A query that attends to several
     /// separate passages has its range in several regions of the graph, and one climb from
-    /// the entry finds the nearest; a seed in each passage finds the others (far misses fell
-    /// from 69% to 25% of the misses at 128K). Passages are 64–512 tokens long: at 256 and
-    /// 128, short passages the query attends to were missed whole; 96 costs 1% of the keys
-    /// (recall 0.905 → 0.942 against 128, at reach 1.65; 64 added 0.001). `None`: the entry
-    /// point only. Indexes store a seed table of [`SEED_STRIDE`] (docs/format.md §19), which
-    /// the seeds of that stride are scored from in one sequential scan.
+    /// the entry finds the nearest; a seed in each passage finds the others (at 128K tokens,
+    /// far misses are 25% of the misses with seeds, 69% without). Passages are 64–512 tokens
+    /// long, and wider strides miss short passages the query attends to whole (`ctxfs bench
+    /// search`: DIPR recall 0.937 at stride 128 and 0.927 at 192, against 0.976 at 96); 96
+    /// costs 1% of the keys, and 64 adds ~0.001 of recall. `None`: the entry point only.
+    /// Indexes store a seed table of [`SEED_STRIDE`] (docs/format.md §19), which the seeds of
+    /// that stride are scored from in one sequential scan.
     pub seed_stride: Option<u32>,
     /// How many of the best seeds have the `range_run` tokens before and after them scored
     /// before the range phase. A seed is one token of its passage: a passage the query
     /// attends to may have its seed score below the reach while the tokens next to it score
     /// within β. Consecutive rows are one sequential read, and the runs' first rows are read
-    /// together, so eight runs cost about what 100 scattered rows do.
+    /// together, so eight runs cost about what 100 scattered rows do (`ctxfs bench search`:
+    /// six runs reach DIPR recall 0.973, against 0.976 with eight, and are no faster).
     pub seed_runs: usize,
     /// How many tokens before and after a key within β the range phase scores (and each seed
     /// run): critical tokens come in passages, which consecutive rows cross in a few reads.
     pub range_run: u32,
     /// Keys within `graph_band · β` of the best are also expanded through the graph, which
     /// finds what their passage does not hold (the queries that trained the graph linked
-    /// them); the rest of the range is crossed along the sequence. At 131,072 generated
-    /// tokens (4 heads): 0.5, DIPR recall 0.980 at 2.34% of the keys; 0.25, 0.976 at 2.24% and
-    /// ~10% faster; 0 (the sequence only), 0.966 at 2.25%.
+    /// them); the rest of the range is crossed along the sequence. On `ctxfs bench search`'s
+    /// 128K-token heads: 0.5, DIPR recall 0.980 at 2.34% of the keys; 0.25 (the default),
+    /// 0.976 at 2.24% and ~10% faster; 0.15, 0.974 and no faster; 0 (the sequence only),
+    /// 0.966 at 2.25%.
     pub graph_band: f32,
     /// Narrow β for a diffuse range: when the seeds within β of the best say the range holds
     /// more than this many tokens (each seed standing for `seed_stride`), β shrinks to the
@@ -85,13 +89,15 @@ pub struct DiprsParams {
 const PREFETCH_NODES_AHEAD: usize = 4;
 
 /// Keys the beam expands together: their adjacency records, then their neighbours' rows,
-/// are read in parallel instead of one hop after another. At 128K generated tokens: 63 →
-/// 53 µs per beam from cold caches, with 0.6% more keys scored (2 and 8 gained less).
+/// are read in parallel instead of one hop after another. On `ctxfs bench search`'s
+/// 128K-token heads, a climb of 16 took 53 µs from cold caches expanding 4 keys at a time
+/// against 63 µs expanding one, for 0.6% more keys scored (2 and 8 gained less).
 const BEAM_BATCH: usize = 4;
 
 /// Nodes of the range phase expanded together before their neighbours are scored: more
 /// reads in flight per batch, and the best is known later, so slightly more keys enter the
-/// reach (at 131,072 generated tokens, 8 → 32: DIPR recall 0.957 → 0.961 at 0.1% more keys).
+/// reach (`ctxfs bench search`, 128K tokens: DIPR recall 0.961 with batches of 32 against
+/// 0.957 with 8, at 0.1% more keys).
 const RANGE_BATCH: usize = 32;
 
 /// The default seed stride, and the stride of the seed table indexes store.
@@ -328,9 +334,10 @@ pub fn diprs<S: Keys + Graph>(s: &S, q: &[f32], p: &DiprsParams) -> Result<Searc
 /// (the last decode step's, for the same q head; critical tokens repeat from step to step).
 /// They are scored with the seed runs and enter the range like them. A climb (`l0 > 0`) is
 /// skipped when the best of them scores at least the best seed: they already lie in the
-/// best region. At 131,072 generated tokens (4 heads, 7 consecutive decode steps per q
-/// head, each from the last's 64 best, with a climb of 16): median search 201 → 155 µs
-/// from cold caches, DIPR recall 0.961 → 0.981 at 2% fewer keys scored.
+/// best region. `ctxfs bench search`'s warm row (each q head's decode queries as
+/// consecutive steps, each from the last's 64 best): 74–82 µs against 77–86 µs afresh, DIPR
+/// recall 0.975 at 2.15% of the keys against 0.976 at 2.24%. With a climb the previous
+/// tokens matter more: they let it be skipped.
 pub fn diprs_from<S: Keys + Graph>(
     s: &S,
     q: &[f32],

@@ -14,6 +14,8 @@
 //! [`gpu`] runs a session's window attention and the merge on a CUDA device when one is there
 //! (libcuda and NVRTC are loaded at run time; without them [`gpu::Gpu::open`] says why and the
 //! CPU path serves).
+//!
+//! A leaf of the workspace: it depends on no other ctxfs crate (`docs/architecture.md`).
 
 mod element;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

@@ -67,7 +67,7 @@ impl Serving {
 
 /// Bytes of the index streams and of the data streams of every stored context.
 fn stream_bytes(path: &std::path::Path, choice: ctxfs_vfs::DeviceChoice) -> Result<(u64, u64)> {
-    let store = ctxfs_vfs::Store::open_path(path, choice)?;
+    let store = ctxfs_vfs::Store::open_path_read_only(path, choice)?;
     let bs = store.device().block_size() as u64;
     let snap = store.snapshot();
     let (mut index, mut data) = (0, 0);

@@ -1,38 +1,37 @@
 //! Decode queries from a query file (`layers.{l}.q`, shape [q_heads, n, head_dim]): one
-//! step's queries of a layer, `[q_heads, head_dim]`, as `Session::attention` takes them.
+//! step's queries of a layer, `[q_heads, head_dim]`, as `Session::attention` takes them. The
+//! file is parsed by `ctxfs_attention::queries`.
 
-use anyhow::{ensure, Context, Result};
-use ctxfs_attention::kv::f32s;
-use safetensors::SafeTensors;
+use anyhow::{anyhow, ensure, Context, Result};
+use ctxfs_attention::queries::{LayerQueries, QueryFile};
 use std::path::Path;
-
-/// Step `s` of a layer's queries `[q_heads, n, d]`: each q head's `s`-th row.
-pub fn step_of(queries: &[f32], n: usize, d: usize, s: usize) -> Vec<f32> {
-    queries.chunks_exact(n * d).flat_map(|head| head[s * d..(s + 1) * d].iter().copied()).collect()
-}
 
 /// Every layer's decode queries of a generated book's query file.
 pub struct DecodeQueries {
-    per_layer: Vec<Vec<f32>>,
+    per_layer: Vec<LayerQueries>,
     /// Queries per q head (decode steps available).
     pub steps: usize,
-    d: usize,
 }
 
 impl DecodeQueries {
     pub fn read(path: &Path, layers: usize, q_heads: usize, d: usize) -> Result<DecodeQueries> {
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let st = SafeTensors::deserialize(&bytes)?;
-        let steps = st.tensor("layers.0.q")?.shape().get(1).copied().unwrap_or(0);
+        let at = |e: ctxfs_attention::Error| anyhow!("{}: {e}", path.display());
+        let file = QueryFile::parse(&bytes).map_err(at)?;
+        let per_layer: Vec<LayerQueries> =
+            (0..layers).map(|l| file.layer(l, q_heads, d).map_err(at)).collect::<Result<_>>()?;
+        let steps = per_layer.first().map_or(0, |q| q.steps);
         ensure!(steps > 0, "{} holds no decode queries", path.display());
-        let per_layer = (0..layers)
-            .map(|l| f32s(&st, &format!("layers.{l}.q"), 0..q_heads * steps * d))
-            .collect::<Result<_, _>>()?;
-        Ok(DecodeQueries { per_layer, steps, d })
+        ensure!(
+            per_layer.iter().all(|q| q.steps == steps),
+            "{}: the layers hold different numbers of decode queries",
+            path.display()
+        );
+        Ok(DecodeQueries { per_layer, steps })
     }
 
     /// Step `s`'s queries of layer `l`, `[q_heads, head_dim]`.
     pub fn step(&self, l: usize, s: usize) -> Vec<f32> {
-        step_of(&self.per_layer[l], self.steps, self.d, s)
+        self.per_layer[l].step(s)
     }
 }

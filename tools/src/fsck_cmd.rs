@@ -1,5 +1,6 @@
+use ctxfs_vfs::format::Superblock;
 use ctxfs_vfs::fsck::{self, Report, EXIT_OPERATIONAL};
-use ctxfs_vfs::{device, probe_block_size, BlockDevice, DeviceChoice, Error};
+use ctxfs_vfs::{device, probe_block_size, Access, BlockDevice, DeviceChoice, Error, StoreLock};
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,12 +39,23 @@ pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
 
 fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
     // With both superblocks damaged the block size is unknown; 4096 (the default) lets
-    // fsck still read the device and report what it finds.
+    // fsck still read the device and report what it finds. Without a block magic in either
+    // slot the path never held a store, and there is nothing to check.
     let block_size = match probe_block_size(&args.store) {
         Ok(bs) => bs,
-        Err(Error::NotAStore(_)) => 4096,
+        Err(Error::NotAStore(_)) => {
+            if !Superblock::magic_in(&device::read_prefix(&args.store, 2 * device::MAX_BLOCK_SIZE)?) {
+                return Err(Error::NotAStore(format!(
+                    "{}: no ctxfs superblock magic in either slot",
+                    args.store.display()
+                )));
+            }
+            4096
+        }
         Err(e) => return Err(e),
     };
+    // A repair writes: it is the store's one writer. A check reads a pinned state beside one.
+    let lock = StoreLock::acquire(&args.store, if args.repair { Access::Write } else { Access::Read })?;
     let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&args.store, choice, block_size)?);
     let bar = crate::progress::blocks_bar(0, if args.repair { "fsck --repair" } else { "fsck" });
     let progress = |done: u64, total: u64| {
@@ -53,7 +65,7 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
     let report = if args.repair {
         fsck::repair_with(dev, args.drop_damaged, &progress)
     } else {
-        fsck::check_with(dev.as_ref(), &progress)
+        fsck::check_pinned(dev.as_ref(), lock, &progress)
     };
     bar.finish_and_clear();
     report

@@ -37,7 +37,7 @@ impl Args {
 }
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
-    let store = Store::open_path(&args.store, choice)?;
+    let store = Store::open_path_read_only(&args.store, choice)?;
     if args.blocks {
         return list_blocks(&store, args.json);
     }

@@ -1,4 +1,7 @@
-//! The `ctxfs` command.
+//! The `ctxfs` command: make, inspect and check stores (`mkfs`, `inspect`, `fsck`), bring
+//! contexts in and answer attention over them (`gen`, `import`, `query`), and the demo and
+//! benchmarks (`demo`, `bench`). README.md has a tour; `docs/cli.md` every option, and
+//! `docs/architecture.md` how the crates under this one fit together.
 
 mod bench;
 mod bench_buffer;
@@ -7,6 +10,7 @@ mod bench_gpu;
 mod bench_io;
 mod bench_search;
 mod decode_queries;
+mod delete;
 mod demo;
 mod disk_stat;
 mod fsck_cmd;
@@ -58,6 +62,8 @@ enum Command {
     Import(import::Args),
     /// Attention for each (layer, q head, query) of a query file over a stored context.
     Query(query::Args),
+    /// Delete a context by name.
+    Delete(delete::Args),
 }
 
 #[derive(Subcommand)]
@@ -98,6 +104,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args, device),
         Command::Gen(args) => gen::run(args),
         Command::Import(args) => import::run(args, device),
+        Command::Delete(args) => delete::run(args, device),
         Command::Query(args) => query::run(args, device),
     };
     match result {

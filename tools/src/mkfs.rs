@@ -1,6 +1,6 @@
 use crate::units::{human_bytes, parse_size};
 use anyhow::{bail, Context, Result};
-use ctxfs_vfs::{device, BlockDevice, DeviceChoice, Store};
+use ctxfs_vfs::{device, Access, BlockDevice, DeviceChoice, Store, StoreLock};
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -71,9 +71,6 @@ pub fn format_store(
         if meta.file_type().is_block_device() && size.is_some() {
             bail!("--size does not apply to a block device: the store takes the whole device");
         }
-        if !force {
-            refuse_existing_store(path, choice)?;
-        }
     }
     let result = (|| -> Result<Store> {
         let file = std::fs::OpenOptions::new()
@@ -83,6 +80,11 @@ pub fn format_store(
             .truncate(false)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
+        // The writer lock comes before any change: a store another process uses is not resized.
+        let lock = StoreLock::acquire(path, Access::Write)?;
+        if existed && !force {
+            refuse_existing_store(path, choice)?;
+        }
         let is_block = file.metadata()?.file_type().is_block_device();
         if !is_block {
             match size {
@@ -99,9 +101,11 @@ pub fn format_store(
         drop(file);
         let dev = device::open_path(path, choice, block_size)
             .with_context(|| format!("cannot open {} with O_DIRECT", path.display()))?;
-        Ok(ctxfs_vfs::format(Arc::from(dev))?)
+        Ok(ctxfs_vfs::format_locked(Arc::from(dev), lock)?)
     })();
-    if result.is_err() && !existed {
+    // A file this run created goes again, unless another mkfs holds it.
+    let locked_out = |e: &anyhow::Error| matches!(e.downcast_ref(), Some(ctxfs_vfs::Error::Locked { .. }));
+    if result.as_ref().is_err_and(|e| !existed && !locked_out(e)) {
         let _ = std::fs::remove_file(path);
     }
     result
@@ -116,22 +120,24 @@ fn format_spdk(
     force: bool,
     choice: DeviceChoice,
 ) -> Result<Store> {
+    // The check opens the bdev on its own; SPDK opens a bdev once per process at a time.
     if !force {
         refuse_existing_store(path, choice)?;
     }
     let dev: Arc<dyn BlockDevice> = Arc::from(
         device::open_path(path, choice, block_size).with_context(|| format!("cannot open {}", path.display()))?,
     );
+    let lock = StoreLock::acquire(path, Access::Write)?;
     let bytes = dev.num_blocks() * block_size as u64;
     if let Some(size) = size.filter(|&s| s / block_size as u64 * block_size as u64 != bytes) {
         bail!("--size {size} does not match {} ({bytes} bytes): the store takes the whole bdev", path.display());
     }
-    Ok(ctxfs_vfs::format(dev)?)
+    Ok(ctxfs_vfs::format_locked(dev, lock)?)
 }
 
 /// Fails when `path` already holds a store: formatting over one takes `--force`.
 fn refuse_existing_store(path: &std::path::Path, choice: DeviceChoice) -> Result<()> {
-    if let Ok(existing) = Store::open_path(path, choice) {
+    if let Ok(existing) = Store::open_path_read_only(path, choice) {
         let snap = existing.snapshot();
         bail!(
             "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",

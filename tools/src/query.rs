@@ -7,12 +7,10 @@
 //! estimate the softmax over what they left out from the index's seed sample (`--tail`), and
 //! the seeds that estimate used are in `selected` (their values entered the output).
 
-use crate::decode_queries::step_of;
-use anyhow::{bail, ensure, Context, Result};
-use ctxfs_attention::kv::f32s;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use ctxfs_attention::queries::QueryFile;
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, Window};
 use ctxfs_vfs::DeviceChoice;
-use safetensors::SafeTensors;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -94,18 +92,18 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         window: Window { init: args.window.0, recent: args.window.1 },
         ..Default::default()
     };
-    let db = Db::open(&args.store, choice, config)?;
+    let db = Db::open_read_only(&args.store, choice, config)?;
     let session = db.open_session(&args.context, args.prefix)?;
     let shape = session.shape();
     let d = shape.head_dim as usize;
     let file = std::fs::File::open(&args.queries).with_context(|| format!("cannot open {}", args.queries.display()))?;
     // SAFETY: mapped read-only, not modified while mapped.
     let map = unsafe { memmap2::Mmap::map(&file)? };
-    let st = SafeTensors::deserialize(&map)
-        .with_context(|| format!("{} is not a safetensors file", args.queries.display()))?;
+    let at = |e: ctxfs_attention::Error| anyhow!("{}: {e}", args.queries.display());
+    let file = QueryFile::parse(&map).map_err(at)?;
     let layers: Vec<usize> = match args.layer {
         Some(l) => vec![l],
-        None => (0..shape.layers as usize).filter(|l| st.tensor(&format!("layers.{l}.q")).is_ok()).collect(),
+        None => (0..shape.layers as usize).filter(|&l| file.has_layer(l)).collect(),
     };
     ensure!(!layers.is_empty(), "{} has no layers.{{l}}.q tensor for this context", args.queries.display());
     let opts = AttentionOptions {
@@ -124,18 +122,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         if l >= shape.layers as usize {
             bail!("layer {l} does not exist: the context has {} layers", shape.layers);
         }
-        let name = format!("layers.{l}.q");
-        let qt = st.tensor(&name).with_context(|| format!("{} has no {name}", args.queries.display()))?;
-        let qs = qt.shape().to_vec();
-        ensure!(
-            qs.len() == 3 && qs[0] == shape.q_heads as usize && qs[2] == d,
-            "{name} has shape {qs:?}, expected [{}, n, {d}]",
-            shape.q_heads
-        );
-        let nq = qs[1];
-        let queries = f32s(&st, &name, 0..qs.iter().product())?;
-        for qi in 0..nq {
-            let a = session.attention_with(l, &step_of(&queries, nq, d, qi), &opts)?;
+        let queries = file.layer(l, shape.q_heads as usize, d).map_err(at)?;
+        for qi in 0..queries.steps {
+            let a = session.attention_with(l, &queries.step(qi), &opts)?;
             let plan = a.plan();
             for (h, r) in a.heads.iter().enumerate() {
                 let v = json!({

@@ -86,6 +86,39 @@ impl RawFile {
         Ok(())
     }
 
+    /// Reads `out.len()` bytes from `offset` into `out` with `depth` operations of `op_len`
+    /// bytes in flight (the last one shorter). `out` must be aligned for O_DIRECT, as an
+    /// `AlignedBuf` is, and its length a multiple of 4096.
+    pub fn read_at(&mut self, offset: u64, out: &mut [u8], op_len: usize, depth: usize) -> Result<()> {
+        let ops = out.len().div_ceil(op_len);
+        let base = out.as_mut_ptr();
+        let (mut next, mut in_flight) = (0, 0);
+        while next < ops || in_flight > 0 {
+            while next < ops && in_flight < depth {
+                let len = op_len.min(out.len() - next * op_len);
+                // SAFETY: `next * op_len + len <= out.len()`: the pointer stays inside `out`.
+                let ptr = unsafe { base.add(next * op_len) };
+                let entry = opcode::Read::new(types::Fd(self.file.as_raw_fd()), ptr, len as u32)
+                    .offset(offset + (next * op_len) as u64)
+                    .build()
+                    .user_data(len as u64);
+                // SAFETY: `out` is borrowed mutably until this function returns, which happens
+                // only after every pushed read has completed; the reads target disjoint parts
+                // of it; at most `depth` ≤ 256 entries are pushed without a reap.
+                unsafe { self.ring.submission().push(&entry) }.expect("queue has room");
+                next += 1;
+                in_flight += 1;
+            }
+            self.ring.submit_and_wait(1)?;
+            let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            for (len, res) in done {
+                in_flight -= 1;
+                anyhow::ensure!(res == len as i32, "raw read returned {res} of {len} bytes");
+            }
+        }
+        Ok(())
+    }
+
     pub fn sync(&self) -> Result<()> {
         Ok(self.file.sync_data()?)
     }

@@ -20,6 +20,14 @@ impl Bitmap {
     pub fn new(len: u64) -> Self {
         Bitmap { words: vec![0; len.div_ceil(64) as usize], len }
     }
+    /// Every bit set.
+    pub fn full(len: u64) -> Self {
+        let mut b = Bitmap { words: vec![u64::MAX; len.div_ceil(64) as usize], len };
+        if let (Some(last), tail @ 1..) = (b.words.last_mut(), len % 64) {
+            *last = (1 << tail) - 1;
+        }
+        b
+    }
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -104,6 +112,10 @@ pub struct Allocator {
     dirty_chunks: BTreeSet<u64>,
     bits_per_chunk: u64,
     cursor: u64,
+    /// Set at open when another process reads a state older than the fallback: which blocks
+    /// that state references is not known here, so none free at open is handed out until
+    /// every reader of a generation below this one is gone.
+    frozen: Option<u64>,
 }
 
 impl Allocator {
@@ -117,6 +129,35 @@ impl Allocator {
             dirty_chunks: BTreeSet::new(),
             bits_per_chunk,
             cursor: 0,
+            frozen: None,
+        }
+    }
+
+    /// Holds every block free now until no reader of a generation below `generation` is left.
+    pub fn freeze(&mut self, generation: u64) {
+        self.frozen = Some(generation);
+        self.in_use = Bitmap::full(self.total());
+    }
+
+    /// The error for an allocation of `needed` more blocks that found none.
+    pub fn full(&self, needed: u64) -> crate::Error {
+        match self.frozen {
+            Some(generation) => crate::Error::HeldForReader { generation },
+            None => crate::Error::StoreFull { needed, free: self.available() },
+        }
+    }
+
+    /// `in_use` from `base` and the quarantined blocks (everything, while frozen).
+    fn rebuild_in_use(&mut self, base: Bitmap) {
+        if self.frozen.is_some() {
+            self.in_use = Bitmap::full(self.total());
+            return;
+        }
+        self.in_use = base;
+        for (_, blocks) in &self.quarantine {
+            for &b in blocks {
+                self.in_use.set(b, true);
+            }
         }
     }
 
@@ -150,6 +191,20 @@ impl Allocator {
         }
         if !blocks.is_empty() {
             self.quarantine.push_back((generation, blocks));
+        }
+    }
+
+    /// Holds the blocks of a state another process reads (`reader`) that the committed state
+    /// does not reference, until no reader of a generation below `until` is left.
+    pub fn hold_for_readers(&mut self, reader: &Bitmap, until: u64) {
+        let blocks: Vec<u64> = reader.iter_ones().filter(|&b| b < self.total() && !self.in_use.get(b)).collect();
+        for &b in &blocks {
+            self.in_use.set(b, true);
+        }
+        if !blocks.is_empty() {
+            // Release walks the queue from the front while it may: keep it ordered.
+            let at = self.quarantine.partition_point(|(g, _)| *g <= until);
+            self.quarantine.insert(at, (until, blocks));
         }
     }
 
@@ -216,6 +271,10 @@ impl Allocator {
     /// Ends quarantine for blocks freed at `g` once commit `g+1` is durable and no reader
     /// holds generation `g-1` or older.
     pub fn release(&mut self, committed_generation: u64, oldest_reader: Option<u64>) {
+        if self.frozen.is_some_and(|g| oldest_reader.is_none_or(|r| r >= g)) {
+            self.frozen = None;
+            self.rebuild_in_use(self.next.clone());
+        }
         while let Some((g, _)) = self.quarantine.front() {
             let fallback_gone = *g < committed_generation;
             let readers_gone = oldest_reader.is_none_or(|r| r >= *g);
@@ -234,12 +293,7 @@ impl Allocator {
     /// Drops the open transaction's changes.
     pub fn abort(&mut self) {
         self.next = self.committed.clone();
-        self.in_use = self.committed.clone();
-        for (_, blocks) in &self.quarantine {
-            for &b in blocks {
-                self.in_use.set(b, true);
-            }
-        }
+        self.rebuild_in_use(self.committed.clone());
         // Freed blocks of the aborted transaction are still referenced by the committed
         // state, so they are simply allocated again.
         self.freed.clear();

@@ -48,8 +48,14 @@ pub enum Error {
     ContextExists(String),
     #[error("store is full: {needed} more blocks needed, {free} free (space freed by the last commit becomes free at the next one)")]
     StoreFull { needed: u64, free: u64 },
+    #[error("no space can be handed out while another process reads generation {generation} or older of this store, a state older than the one this writer opened (its blocks are not known here); close that reader and reopen")]
+    HeldForReader { generation: u64 },
     #[error("store was poisoned by an earlier failed commit ({0}); reopen it to recover the last committed state")]
     Poisoned(String),
+    #[error("{path} is open for writing by {}; a store has one writer at a time (readers may open it read-only beside it)", holder.map_or("another open store".to_string(), |pid| format!("process {pid}")))]
+    Locked { path: String, holder: Option<u32> },
+    #[error("the store is open read-only: {0} needs it opened for writing")]
+    ReadOnly(&'static str),
     #[error("device has crashed (simulated)")]
     Crashed,
 }

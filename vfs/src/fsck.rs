@@ -13,7 +13,10 @@ use crate::error::{Error, Result};
 use crate::format::header::unseal;
 use crate::format::records::{decode_catalog, ContextRecord, ModelShape, ParentLink, StreamRoot};
 use crate::format::{BlockKind, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
-use crate::store::{load_bitmap, pick, read_slots, record_chain, AllocSource, Store, CATALOG_CHAIN};
+use crate::lock::StoreLock;
+use crate::store::{
+    load_bitmap, pick, read_slots, record_chain, AllocSource, Readers, SlotStatus, Store, CATALOG_CHAIN,
+};
 use crate::stream::{StreamId, StreamMap};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -652,7 +655,10 @@ fn superblock_problem(block: Option<u64>, message: String, fix: Fix) -> Problem 
 }
 
 fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Checked<'p>> {
-    let slots = read_slots(dev)?;
+    check_slots(dev, read_slots(dev)?, progress)
+}
+
+fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Progress<'p>) -> Result<Checked<'p>> {
     let mut report = Report::default();
     let (active, fallback) = match pick(&slots) {
         Ok(pair) => pair,
@@ -687,6 +693,15 @@ fn check_inner<'p>(dev: &dyn BlockDevice, progress: Progress<'p>) -> Result<Chec
 /// Checks a store without changing it.
 pub fn check(dev: &dyn BlockDevice) -> Result<Report> {
     check_with(dev, &quiet)
+}
+
+/// [`check`] beside a writer in another process: the state checked is pinned through `lock`
+/// (a reader's lock, docs/format.md "Processes"), so the writer reuses none of its blocks
+/// while fsck reads them.
+pub fn check_pinned(dev: &dyn BlockDevice, lock: StoreLock, progress: Progress<'_>) -> Result<Report> {
+    let readers = Arc::new(Readers::with_lock(Some(lock)));
+    let (slots, _pin) = readers.pin_committed(dev)?;
+    Ok(check_slots(dev, slots, progress)?.report)
 }
 
 /// [`check`], reporting progress as it reads.
@@ -762,7 +777,7 @@ pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Prog
             wanted.set(b, false);
         }
     }
-    let store = Store::open_with(dev.clone(), AllocSource::Rebuilt(walk.reach.clone()), &skip)?;
+    let store = Store::open_with(dev.clone(), AllocSource::Rebuilt(walk.reach.clone()), &skip, Readers::default())?;
     let mut txn = store.begin()?;
     txn.set_allocation(&wanted);
     for &id in gone.difference(&skip) {

@@ -4,7 +4,8 @@
 //! each context has a model shape, its token ids, and one vector file per (layer, kv head)
 //! made of an index stream and a data stream of blocks. A context may begin with the first
 //! tokens of another (its parent) and share that prefix's blocks instead of copying them.
-//! All writes are copy-on-write and a commit is atomic. `docs/format.md` specifies the bytes.
+//! All writes are copy-on-write and a commit is atomic. `docs/format.md` specifies the bytes;
+//! `docs/architecture.md` shows where this crate sits under the others.
 //!
 //! ```
 //! use ctxfs_vfs::{device::MemDevice, DType, FileStream, ModelShape, Store};
@@ -38,6 +39,7 @@ mod error;
 pub mod format;
 pub mod fsck;
 pub mod inspect;
+pub mod lock;
 mod rng;
 mod store;
 mod stream;
@@ -45,10 +47,14 @@ mod txn;
 
 pub use alloc::Bitmap;
 pub use blockio::{max_payload, BlockBuf};
+
+/// Bytes a transaction's sequential writes keep in flight (one submission of merged runs).
+pub const WRITE_BATCH_BYTES: usize = blockio::WriteQueue::BATCH_BYTES;
 pub use device::{BlockDevice, DeviceChoice, DeviceInfo};
 pub use error::{BlockFault, Error, Result};
 pub use format::records::{ContextRecord, DType, ModelShape, ParentLink};
+pub use lock::{Access, StoreLock};
 pub use rng::SplitMix64;
 pub use store::{probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store, StreamReader};
 pub use stream::{StreamId, StreamMap};
-pub use txn::{format, Txn, MIN_STORE_BLOCKS};
+pub use txn::{format, format_locked, Txn, MIN_STORE_BLOCKS};

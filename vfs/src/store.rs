@@ -8,6 +8,7 @@ use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE,
 use crate::error::{BlockFault, Error, Result};
 use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, ParentLink, StreamRoot};
 use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
+use crate::lock::{Access, StoreLock};
 use crate::stream::{StreamId, StreamMap};
 use crate::txn::Txn;
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,26 +31,138 @@ impl FileStream {
     }
 }
 
-/// Generations held by live snapshots, so freed blocks are not reused under a reader.
+/// Generations held by live snapshots, so freed blocks are not reused under a reader; with the
+/// store's cross-process lock (lock.rs), also those other processes' readers pin.
 #[derive(Default)]
-pub(crate) struct Readers(Mutex<BTreeMap<u64, usize>>);
+pub(crate) struct Readers {
+    held: Mutex<BTreeMap<u64, usize>>,
+    /// A writer asks it for other processes' pins; a read-only store pins through it.
+    lock: Option<StoreLock>,
+}
 
 impl Readers {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, usize>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn with_lock(lock: Option<StoreLock>) -> Self {
+        Readers { held: Mutex::default(), lock }
     }
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, usize>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn pins_elsewhere(&self) -> bool {
+        self.lock.as_ref().is_some_and(|l| l.access() == Access::Read)
+    }
+    pub fn read_only(&self) -> bool {
+        self.pins_elsewhere()
+    }
+    /// The oldest generation a reader in this process or, for a writer, in another holds.
     pub fn oldest(&self) -> Option<u64> {
-        self.lock().keys().next().copied()
+        let here = self.lock().keys().next().copied();
+        here.into_iter().chain(self.oldest_elsewhere()).min()
+    }
+    /// For a writer, the oldest generation a reader in another process pins.
+    fn oldest_elsewhere(&self) -> Option<u64> {
+        match &self.lock {
+            // A pin that cannot be looked up is taken to be the oldest possible one.
+            Some(l) if l.access() == Access::Write => l.oldest_pinned_elsewhere().unwrap_or(Some(0)),
+            _ => None,
+        }
     }
     pub fn ticket(self: &Arc<Self>, generation: u64) -> ReaderTicket {
         *self.lock().entry(generation).or_default() += 1;
-        ReaderTicket { readers: self.clone(), generation }
+        ReaderTicket { readers: self.clone(), generation, root: 0 }
+    }
+    /// A ticket that other processes see (a read-only store's snapshots hold these): `root`
+    /// is the first block of the generation's allocator directory.
+    fn pin(self: &Arc<Self>, generation: u64, root: u64) -> Result<ReaderTicket> {
+        let mut held = self.lock();
+        let count = held.entry(generation).or_default();
+        if *count == 0 {
+            if let Some(l) = self.lock.as_ref().filter(|_| self.pins_elsewhere()) {
+                if let Err(e) = l.pin(generation, root) {
+                    held.remove(&generation);
+                    return Err(e);
+                }
+            }
+        }
+        *count += 1;
+        Ok(ReaderTicket { readers: self.clone(), generation, root })
+    }
+
+    /// For a writer that opens: the blocks of states that other processes read, older than
+    /// the fallback, which neither superblock describes any more. Their allocator bitmaps are
+    /// found through the pinned directory blocks; all are held until every reader of a
+    /// generation up to the newest pinned one is gone. A bitmap that cannot be read holds
+    /// every free block instead.
+    fn hold_older_states(
+        &self,
+        dev: &dyn BlockDevice,
+        sb: &Superblock,
+        fallback: Option<Superblock>,
+        alloc: &mut Allocator,
+    ) {
+        let Some(lock) = self.lock.as_ref().filter(|l| l.access() == Access::Write) else { return };
+        let known = fallback.map_or(sb.generation, |f| f.generation);
+        let (generations, roots) = match lock.pins_elsewhere() {
+            Ok(pins) => pins,
+            Err(_) => return alloc.freeze(known),
+        };
+        let Some(&newest) = generations.iter().filter(|&&g| g < known).max() else { return };
+        let described = [Some(sb.alloc.block), fallback.map(|f| f.alloc.block)];
+        for root in roots.into_iter().filter(|r| !described.contains(&Some(*r))) {
+            match bitmap_at(dev, sb, root) {
+                Ok(bitmap) => alloc.hold_for_readers(&bitmap, newest + 1),
+                Err(_) => return alloc.freeze(known),
+            }
+        }
+    }
+
+    /// Reads the superblock slots and holds a ticket on the newest generation. A read-only
+    /// store's pin is checked against a second read: if the writer committed
+    /// twice meanwhile, blocks of the pinned generation may already be reused, so it pins
+    /// again. Slots with no valid superblock hold nothing to protect and get no ticket.
+    pub fn pin_committed(self: &Arc<Self>, dev: &dyn BlockDevice) -> Result<(Vec<SlotStatus>, Option<ReaderTicket>)> {
+        self.pin_committed_racing(dev, || {})
+    }
+
+    /// [`Readers::pin_committed`], calling `race` between reading the slots and pinning: a
+    /// test commits there to lose the race on purpose.
+    fn pin_committed_racing(
+        self: &Arc<Self>,
+        dev: &dyn BlockDevice,
+        mut race: impl FnMut(),
+    ) -> Result<(Vec<SlotStatus>, Option<ReaderTicket>)> {
+        /// A writer commits far slower than a reader re-reads two blocks; reaching this bound
+        /// means the slots change under every read.
+        const ATTEMPTS: usize = 64;
+        for _ in 0..ATTEMPTS {
+            let slots = read_slots(dev)?;
+            let Ok((sb, _)) = pick(&slots) else { return Ok((slots, None)) };
+            if !self.pins_elsewhere() {
+                return Ok((slots, Some(self.ticket(sb.generation))));
+            }
+            race();
+            let ticket = self.pin(sb.generation, sb.alloc.block)?;
+            let again = read_slots(dev)?;
+            let same = |a: &[SlotStatus], b: &[SlotStatus]| {
+                a.iter().zip(b).all(|(x, y)| match (&x.result, &y.result) {
+                    (Ok(p), Ok(q)) => p.generation == q.generation,
+                    (Err(p), Err(q)) => p == q,
+                    _ => false,
+                })
+            };
+            if same(&slots, &again) {
+                return Ok((slots, Some(ticket)));
+            }
+        }
+        Err(Error::Io(std::io::Error::other(format!(
+            "the superblocks changed under {ATTEMPTS} reads in a row; cannot pin a committed state"
+        ))))
     }
 }
 
 pub(crate) struct ReaderTicket {
     readers: Arc<Readers>,
     generation: u64,
+    root: u64,
 }
 
 impl Drop for ReaderTicket {
@@ -59,6 +172,9 @@ impl Drop for ReaderTicket {
             *n -= 1;
             if *n == 0 {
                 map.remove(&self.generation);
+                if let Some(l) = self.readers.lock.as_ref().filter(|_| self.readers.pins_elsewhere()) {
+                    l.unpin(self.generation, self.root);
+                }
             }
         }
     }
@@ -371,18 +487,22 @@ pub struct RangeReader<'a> {
     batch: std::vec::IntoIter<Result<BlockBuf>>,
 }
 
+impl RangeReader<'_> {
+    /// Blocks a range read keeps in flight: 8 MiB of 4 KiB blocks, read as 1 MiB operations,
+    /// enough to stream. `ctxfs bench io` gives its raw baseline as many bytes in flight.
+    pub const BATCH_BLOCKS: u64 = 2048;
+}
+
 impl Iterator for RangeReader<'_> {
     type Item = Result<BlockBuf>;
     fn next(&mut self) -> Option<Result<BlockBuf>> {
-        /// 8 MiB of 4 KiB blocks, read as 1 MiB operations: enough in flight to stream.
-        const BATCH: u64 = 2048;
         if let Some(b) = self.batch.next() {
             return Some(b);
         }
         if self.next >= self.end {
             return None;
         }
-        let last = (self.next + BATCH).min(self.end);
+        let last = (self.next + Self::BATCH_BLOCKS).min(self.end);
         let reqs: Vec<(u64, Expect)> =
             (self.next..last).map(|l| self.stream.locate(l).expect("within the stream")).collect();
         self.next = last;
@@ -514,6 +634,15 @@ pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bit
     Ok((bitmap, chunks, dir_blocks))
 }
 
+/// The allocator bitmap whose directory starts at `root`, a block a reader pins: the block's
+/// own header gives the CRC and generation to check the chain against.
+fn bitmap_at(dev: &dyn BlockDevice, sb: &Superblock, root: u64) -> Result<Bitmap> {
+    let raw = read_raw(dev, root).map_err(|source| Error::BlockIo { block: root, source })?;
+    let (header, crc) = crate::format::header::unseal(&raw).map_err(|f| Error::damaged(root, "alloc", "system", f))?;
+    let state = Superblock { alloc: BlockRef { block: root, crc }, generation: header.generation, ..*sb };
+    Ok(load_bitmap(dev, &state)?.0)
+}
+
 /// Committed contexts by name.
 pub(crate) type Contexts = BTreeMap<String, Arc<ContextMeta>>;
 /// Retired contexts by id: they have no name that lookups may find.
@@ -560,20 +689,48 @@ pub(crate) fn load_catalog(
 
 impl Store {
     /// Opens a store: recovers from the newest valid superblock and reads the catalog and the
-    /// allocator. Damaged metadata is an error naming the block.
+    /// allocator. Damaged metadata is an error naming the block. No other process is kept
+    /// out: paths are opened with [`Store::open_path`], which locks.
     pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Store> {
-        Self::open_with(dev, AllocSource::Persisted, &BTreeSet::new())
+        Self::open_with(dev, AllocSource::Persisted, &BTreeSet::new(), Readers::default())
     }
 
-    /// Opens a store file or block device, finding its block size from the superblocks.
+    /// Opens a store file or block device for writing, finding its block size from the
+    /// superblocks. Holds the store's writer lock: a second writer, in this process or
+    /// another, is refused with [`Error::Locked`] before anything is written.
     pub fn open_path(path: &Path, choice: DeviceChoice) -> Result<Store> {
+        Self::open_path_as(path, choice, Access::Write)
+    }
+
+    /// Opens a store for reading beside a writer in another process: it reads the state
+    /// committed when it opened, and the writer reuses none of its blocks until it closes.
+    /// Transactions on it fail with [`Error::ReadOnly`].
+    pub fn open_path_read_only(path: &Path, choice: DeviceChoice) -> Result<Store> {
+        Self::open_path_as(path, choice, Access::Read)
+    }
+
+    pub fn open_path_as(path: &Path, choice: DeviceChoice, access: Access) -> Result<Store> {
+        // The probe names what is wrong with a path that holds no store; nothing is written
+        // before the lock is held.
         let block_size = probe_block_size(path)?;
-        Self::open(Arc::from(device::open_path(path, choice, block_size)?))
+        let lock = StoreLock::acquire(path, access)?;
+        Self::open_locked(Arc::from(device::open_path(path, choice, block_size)?), lock)
+    }
+
+    /// Opens a store on a device under a lock taken on its path (mkfs formats under one).
+    pub fn open_locked(dev: Arc<dyn BlockDevice>, lock: StoreLock) -> Result<Store> {
+        Self::open_with(dev, AllocSource::Persisted, &BTreeSet::new(), Readers::with_lock(Some(lock)))
     }
 
     /// `skip` lists ids of contexts left out of the catalog (fsck dropping damaged ones).
-    pub(crate) fn open_with(dev: Arc<dyn BlockDevice>, source: AllocSource, skip: &BTreeSet<u32>) -> Result<Store> {
-        let slots = read_slots(dev.as_ref())?;
+    pub(crate) fn open_with(
+        dev: Arc<dyn BlockDevice>,
+        source: AllocSource,
+        skip: &BTreeSet<u32>,
+        readers: Readers,
+    ) -> Result<Store> {
+        let readers = Arc::new(readers);
+        let (slots, ticket) = readers.pin_committed(dev.as_ref())?;
         let (sb, fallback) = pick(&slots)?;
         if sb.block_size as usize != dev.block_size() {
             return Err(Error::InvalidArgument(format!(
@@ -601,15 +758,9 @@ impl Store {
                 alloc.quarantine_from(&old_bitmap, sb.generation);
             }
         }
-        let readers = Arc::new(Readers::default());
-        let snapshot = Snapshot {
-            dev: dev.clone(),
-            superblock: sb,
-            contexts,
-            retired,
-            catalog_blocks,
-            _ticket: Some(readers.ticket(sb.generation)),
-        };
+        readers.hold_older_states(dev.as_ref(), &sb, fallback, &mut alloc);
+        let snapshot =
+            Snapshot { dev: dev.clone(), superblock: sb, contexts, retired, catalog_blocks, _ticket: ticket };
         Ok(Store {
             dev,
             current: RwLock::new(Arc::new(snapshot)),
@@ -687,4 +838,39 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
         bs *= 2;
     }
     Err(Error::NotAStore(format!("{}: no valid superblock ({})", path.display(), errors.join("; "))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that read the slots, then lost the race to two commits before its pin was
+    /// visible, must not keep the generation it read: its blocks may be reused already.
+    #[test]
+    fn a_pin_that_lost_the_race_to_two_commits_pins_again() {
+        let dir = tempfile::tempdir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target")).unwrap();
+        let path = dir.path().join("s.img");
+        std::fs::File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let dev =
+            || -> Arc<dyn BlockDevice> { Arc::from(device::open_path(&path, DeviceChoice::Uring, 4096).unwrap()) };
+        drop(crate::format(dev()).unwrap());
+        let writer = Store::open_path(&path, DeviceChoice::Uring).unwrap();
+        let first = writer.snapshot().generation();
+        let readers = Arc::new(Readers::with_lock(Some(StoreLock::acquire(&path, Access::Read).unwrap())));
+        let mut raced = 0;
+        let (slots, ticket) = readers
+            .pin_committed_racing(dev().as_ref(), || {
+                if raced == 0 {
+                    writer.begin().unwrap().commit().unwrap();
+                    writer.begin().unwrap().commit().unwrap();
+                }
+                raced += 1;
+            })
+            .unwrap();
+        let (pinned, _) = pick(&slots).unwrap();
+        assert_eq!(raced, 2, "the first pin was dropped and taken again");
+        assert_eq!(pinned.generation, first + 2);
+        assert_eq!(ticket.as_ref().map(|t| t.generation), Some(first + 2));
+        assert_eq!(readers.lock().keys().copied().collect::<Vec<_>>(), [first + 2], "the stale pin is gone");
+    }
 }

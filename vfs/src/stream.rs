@@ -211,9 +211,7 @@ impl StreamDraft {
     fn take_block(&mut self, alloc: &mut Allocator) -> Result<u64> {
         if self.reserved.is_empty() {
             let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
-            let (first, n) = alloc
-                .alloc_run(hint, self.next_reservation)
-                .ok_or(Error::StoreFull { needed: 1, free: alloc.available() })?;
+            let (first, n) = alloc.alloc_run(hint, self.next_reservation).ok_or_else(|| alloc.full(1))?;
             self.reserved = first..first + n;
             self.next_reservation = (self.next_reservation * 2).min(MAX_RESERVATION);
         }
@@ -295,7 +293,7 @@ impl StreamDraft {
         self.map.extent_first.truncate(keep);
         let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
         for (i, eb) in self.map.pack(start, dev.block_size()).into_iter().enumerate() {
-            let block = alloc.alloc(hint).ok_or(Error::StoreFull { needed: 1, free: alloc.available() })?;
+            let block = alloc.alloc(hint).ok_or_else(|| alloc.full(1))?;
             let payload = eb.encode();
             let header = BlockHeader {
                 kind: BlockKind::Extent,

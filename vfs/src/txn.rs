@@ -12,6 +12,7 @@ use crate::format::records::{
     MAX_NAME_LEN,
 };
 use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, FORMAT_VERSION, HEADER_LEN};
+use crate::lock::{Access, StoreLock};
 use crate::store::{
     chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
     ALLOC_CHAIN, CATALOG_CHAIN,
@@ -124,6 +125,9 @@ fn now_ms() -> u64 {
 
 impl<'s> Txn<'s> {
     pub(crate) fn begin(store: &'s Store) -> Result<Txn<'s>> {
+        if store.readers.read_only() {
+            return Err(Error::ReadOnly("a transaction"));
+        }
         let mut w = store.lock_writer();
         if let Some(why) = &w.poisoned {
             return Err(Error::Poisoned(why.clone()));
@@ -605,8 +609,7 @@ fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {
     let mut out = Vec::with_capacity(n);
     let mut hint = 2;
     for _ in 0..n {
-        let b =
-            alloc.alloc(hint).ok_or(Error::StoreFull { needed: (n - out.len()) as u64, free: alloc.available() })?;
+        let b = alloc.alloc(hint).ok_or_else(|| alloc.full((n - out.len()) as u64))?;
         hint = b + 1;
         out.push(b);
     }
@@ -628,6 +631,24 @@ pub const MIN_STORE_BLOCKS: u64 = 64;
 /// Writes an empty store onto a device: generation 1, then an empty commit (generation 2), so
 /// that both superblock slots hold a valid state.
 pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
+    format_with(dev, None)
+}
+
+/// [`format()`] under the writer lock of the device's path: refused while another process
+/// reads the old store (its pins would guard blocks that formatting overwrites).
+pub fn format_locked(dev: Arc<dyn BlockDevice>, lock: StoreLock) -> Result<Store> {
+    if lock.access() != Access::Write {
+        return Err(Error::ReadOnly("formatting"));
+    }
+    if let Some(generation) = lock.oldest_pinned_elsewhere()? {
+        return Err(Error::InvalidArgument(format!(
+            "another process is reading the store there (it holds generation {generation}); close it before formatting"
+        )));
+    }
+    format_with(dev, Some(lock))
+}
+
+fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Store> {
     let bs = dev.block_size();
     device::check_block_size(bs).map_err(Error::InvalidArgument)?;
     let total = dev.num_blocks();
@@ -660,7 +681,7 @@ pub fn format(dev: Arc<dyn BlockDevice>) -> Result<Store> {
         next_context_id: 1,
         commit_unix_ms: now_ms(),
     };
-    let readers = Arc::new(Readers::default());
+    let readers = Arc::new(Readers::with_lock(lock));
     let store = Store {
         current: std::sync::RwLock::new(Arc::new(Snapshot {
             dev: dev.clone(),

@@ -57,6 +57,21 @@ impl Superblock {
         seal(block, &header, &e.0)
     }
 
+    /// Whether a device's first bytes carry a ctxfs block magic where either superblock slot
+    /// would start (slot 1 at every possible block size): what tells a damaged store from
+    /// something that never was one.
+    pub fn magic_in(prefix: &[u8]) -> bool {
+        let magic_at =
+            |at: usize| prefix.get(at..at + 4) == Some(&crate::format::header::BLOCK_MAGIC.to_le_bytes()[..]);
+        let mut bs = crate::device::MIN_BLOCK_SIZE;
+        let mut found = magic_at(0);
+        while bs <= crate::device::MAX_BLOCK_SIZE {
+            found |= magic_at(bs);
+            bs *= 2;
+        }
+        found
+    }
+
     /// The block size a slot claims, read without checking anything, to know how much to read.
     pub fn peek_block_size(prefix: &[u8]) -> Option<u32> {
         let at = HEADER_LEN + 12;

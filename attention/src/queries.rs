@@ -1,0 +1,66 @@
+//! Query files: a safetensors file of `layers.{l}.q` tensors, each of shape
+//! `[q_heads, n, head_dim]` (f32, f16 or bf16), q head after q head, row `s` of each q head
+//! being decode step `s`'s query. `ctxfs query` and the decode benchmarks read them.
+//!
+//! Parsing checks everything the file says against what it holds (safetensors' own header
+//! checks: offsets, shapes and dtype sizes agree with the data) and against the context it is
+//! read for (q heads, head dimension), before allocating: a layer's queries take at most the
+//! bytes its tensor holds, as f32.
+
+use crate::error::{input, Error, Result};
+use crate::kv::f32s;
+use safetensors::SafeTensors;
+
+/// A parsed query file, borrowing its bytes.
+pub struct QueryFile<'a> {
+    st: SafeTensors<'a>,
+}
+
+/// One layer's decode queries: `steps` rows of `d` per q head, as f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerQueries {
+    data: Vec<f32>,
+    /// Decode steps available (queries per q head).
+    pub steps: usize,
+    d: usize,
+}
+
+impl<'a> QueryFile<'a> {
+    /// Parses the header of a query file (the whole file's bytes).
+    pub fn parse(bytes: &'a [u8]) -> Result<QueryFile<'a>> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Input(format!("not a safetensors file: {e}")))?;
+        Ok(QueryFile { st })
+    }
+
+    /// Whether the file has a `layers.{layer}.q` tensor.
+    pub fn has_layer(&self, layer: usize) -> bool {
+        self.st.tensor(&format!("layers.{layer}.q")).is_ok()
+    }
+
+    /// Layer `layer`'s queries, checked to be `[q_heads, n, d]` (`d` at least 1).
+    pub fn layer(&self, layer: usize, q_heads: usize, d: usize) -> Result<LayerQueries> {
+        let name = format!("layers.{layer}.q");
+        let t = self.st.tensor(&name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
+        let shape = t.shape();
+        if shape.len() != 3 || shape[0] != q_heads || shape[2] != d || d == 0 {
+            return input(format!("{name} has shape {shape:?}, expected [{q_heads}, n, {d}]"));
+        }
+        let steps = shape[1];
+        // The header check made the element count fit the data, so this product cannot overflow.
+        let data = f32s(&self.st, &name, 0..q_heads * steps * d)?;
+        Ok(LayerQueries { data, steps, d })
+    }
+}
+
+impl LayerQueries {
+    /// Step `s`'s queries, `[q_heads, head_dim]`: each q head's `s`-th row (`s < steps`).
+    pub fn step(&self, s: usize) -> Vec<f32> {
+        assert!(s < self.steps, "step {s} of {} decode queries", self.steps);
+        step_of(&self.data, self.steps, self.d, s)
+    }
+}
+
+/// Step `s` of a layer's queries `[q_heads, n, d]` (row after row): each q head's `s`-th row.
+pub fn step_of(queries: &[f32], n: usize, d: usize, s: usize) -> Vec<f32> {
+    queries.chunks_exact(n * d).flat_map(|head| head[s * d..(s + 1) * d].iter().copied()).collect()
+}
