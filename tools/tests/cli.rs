@@ -1,41 +1,17 @@
 //! The `ctxfs` binary as a user runs it: mkfs, inspect, fsck and bench on real files, their
 //! exit codes, and the JSON contracts other tools rely on.
 
+mod common;
+
+use common::*;
 use serde_json::Value;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::{Command, Output};
 
-fn ctxfs(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ctxfs")).args(args).env_remove("CTXFS_DEVICE").output().expect("run ctxfs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = ctxfs(args);
-    assert!(
-        out.status.success(),
-        "ctxfs {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn json(args: &[&str]) -> Value {
-    serde_json::from_str(&ok(args)).unwrap_or_else(|e| panic!("ctxfs {args:?}: not JSON: {e}"))
-}
-
 /// A query line's plan, without the `@gpu` a GPU machine adds.
 fn plan(r: &Value) -> &str {
     r["plan"].as_str().unwrap().trim_end_matches("@gpu")
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
 }
 
 /// A store with the demo's context in it.
@@ -779,18 +755,6 @@ fn import_into_a_full_store_is_refused_before_writing() {
     assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
 }
 
-/// A small generated context, for tests that import many times.
-fn small_context(dir: &Path) -> std::path::PathBuf {
-    let ctx = dir.join("small.safetensors");
-    let shape = ["--tokens", "2048", "--layers", "1", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64"];
-    ok(&[&["gen", p(&ctx)][..], &shape, &["--queries", "64", "--decode-queries", "1"]].concat());
-    ctx
-}
-
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn a_second_writer_is_refused_naming_the_holder_and_readers_work_beside_it() {
     let dir = tmp();
@@ -870,31 +834,6 @@ fn concurrent_imports_are_both_kept_or_the_second_is_refused() {
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
 }
 
-/// Every block of every stream of a context, as one hash per stream.
-fn context_digest(snap: &ctxfs_vfs::Snapshot, name: &str) -> Vec<u64> {
-    use std::hash::{Hash, Hasher};
-    let ctx = snap.context(name).unwrap();
-    let shape = ctx.record().shape;
-    let mut out = vec![{
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        ctx.tokens().unwrap().hash(&mut h);
-        h.finish()
-    }];
-    for layer in 0..shape.layers {
-        for head in 0..shape.kv_heads {
-            for which in [ctxfs_vfs::FileStream::Index, ctxfs_vfs::FileStream::Data] {
-                let s = ctx.stream(layer, head, which).unwrap();
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                for b in s.read_range(0, s.blocks()) {
-                    b.unwrap_or_else(|e| panic!("{name} layer {layer} head {head}: {e}")).payload().hash(&mut h);
-                }
-                out.push(h.finish());
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn a_reader_keeps_its_snapshot_while_writer_processes_reuse_space() {
     let dir = tmp();
@@ -926,22 +865,6 @@ fn a_reader_keeps_its_snapshot_while_writer_processes_reuse_space() {
     }
     assert!(!device_blocks(&now, "e").is_disjoint(&held), "the blocks are free once the reader is gone");
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
-}
-
-/// The device blocks of a context's vector files.
-fn device_blocks(snap: &ctxfs_vfs::Snapshot, name: &str) -> std::collections::BTreeSet<u64> {
-    let ctx = snap.context(name).unwrap();
-    let shape = ctx.record().shape;
-    let mut out = std::collections::BTreeSet::new();
-    for layer in 0..shape.layers {
-        for head in 0..shape.kv_heads {
-            for which in [ctxfs_vfs::FileStream::Index, ctxfs_vfs::FileStream::Data] {
-                let s = ctx.stream(layer, head, which).unwrap();
-                out.extend((0..s.blocks()).map(|l| s.locate(l).unwrap().0));
-            }
-        }
-    }
-    out
 }
 
 #[test]
