@@ -186,5 +186,5 @@ fn sessions_serve_while_contexts_come_and_go() {
 #[test]
 #[ignore = "long: run on purpose, see the file's doc"]
 fn a_long_soak() {
-    assert!(print(&soak(60, 40)) > 1000);
+    assert!(print(&soak(200, 120)) > 3000);
 }

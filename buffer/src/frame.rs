@@ -20,7 +20,10 @@ use ctxfs_vfs::format::BlockHeader;
 pub(crate) enum FrameState {
     Empty,
     Loading,
-    Ready(BlockHeader),
+    /// Loaded for a request that expected this header and checksum (`Expect::crc`). A later
+    /// request for the same block that expects other contents finds the frame stale: the
+    /// block was freed and written again since.
+    Ready(BlockHeader, u32),
     /// The load failed: waiters that were already blocked on the frame get the error.
     Failed(BufferError),
 }

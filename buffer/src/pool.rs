@@ -12,6 +12,7 @@ use crate::source::{io_error, BlockSource};
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::{lock, yield_now, AtomicU64, Mutex, Ordering, RwLockWriteGuard};
 use crate::table::Table;
+use ctxfs_vfs::format::{BlockHeader, Expect};
 use ctxfs_vfs::{FileStream, Snapshot};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -392,7 +393,11 @@ impl BufferPool {
             return None; // evicted and reused between the lookup and the lock
         }
         match &data.state {
-            FrameState::Ready(header) => {
+            FrameState::Ready(header, crc) if !holds(header, *crc, &req.expect) => {
+                drop(data);
+                self.drop_stale(idx, req)
+            }
+            FrameState::Ready(header, _) => {
                 let header = *header;
                 if own_load {
                     frame.reserved.fetch_sub(1, Ordering::Release);
@@ -407,6 +412,29 @@ impl BufferPool {
             FrameState::Failed(e) => Some(Err(e.clone())),
             FrameState::Empty | FrameState::Loading => None,
         }
+    }
+
+    /// Unmaps frame `idx`, which holds `req`'s block as it was before the block was freed and
+    /// written again, so that the block is read anew. `None`: the caller loads it (or finds
+    /// it loaded) on its next round; a stale frame pinned by someone else is left for the
+    /// pin to go. A stale frame held resident cannot go: an error naming the block.
+    fn drop_stale(&self, idx: usize, req: &BlockRequest) -> Option<Result<PageGuard<'_>, BufferError>> {
+        let frame = &self.frames[idx];
+        let mut data = frame.data.try_write().ok()?;
+        let stale = matches!(&data.state, FrameState::Ready(h, crc) if !holds(h, *crc, &req.expect));
+        if data.block != req.block || !stale || frame.reserved.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        if frame.resident.load(Ordering::Acquire) > 0 {
+            let e = std::io::Error::other("the pool holds an older version of it resident");
+            return Some(Err(io_error(req.block, &e)));
+        }
+        self.table.remove(data.block, idx);
+        frame.context.store(NO_CONTEXT, Ordering::Relaxed);
+        data.state = FrameState::Empty;
+        drop(data);
+        lock(&self.areas[req.class() as usize].free).push(idx);
+        None
     }
 
     /// Claims frames for blocks nobody holds, reads them in one batch, and publishes them.
@@ -469,7 +497,7 @@ impl BufferPool {
             match res {
                 Ok(header) => {
                     read.push(req.block);
-                    data.state = FrameState::Ready(header);
+                    data.state = FrameState::Ready(header, req.expect.crc);
                     frame.referenced.store(false, Ordering::Relaxed);
                     frame.prefetched.store(loaded.is_none(), Ordering::Relaxed);
                     frame.last_use.store(now, Ordering::Relaxed);
@@ -558,7 +586,7 @@ impl BufferPool {
         let frame = &self.frames[f];
         let mut data = frame.data.try_write().ok()?;
         // A reservation is made under this lock, so holding it we see every one.
-        if !matches!(data.state, FrameState::Ready(_))
+        if !matches!(data.state, FrameState::Ready(..))
             || frame.reserved.load(Ordering::Acquire) > 0
             || frame.resident.load(Ordering::Acquire) > 0
             || keep.contains(&data.block)
@@ -596,4 +624,14 @@ impl BufferPool {
             data: class(&self.areas[1]),
         }
     }
+}
+
+/// Whether a frame loaded with `header` for a request expecting checksum `crc` holds what
+/// `expect` asks for: the same block contents, whatever snapshot the request comes from.
+fn holds(header: &BlockHeader, crc: u32, expect: &Expect) -> bool {
+    crc == expect.crc
+        && header.owner == expect.owner
+        && header.logical == expect.logical
+        && header.kind == expect.kind
+        && header.stream == expect.stream
 }

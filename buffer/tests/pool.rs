@@ -593,3 +593,52 @@ fn a_budget_the_system_cannot_map_is_a_config_error() {
     let err = BufferPool::new(Arc::new(DeviceSource::new(Arc::new(MemDevice::new(BS, 64)))), config).err().unwrap();
     assert!(matches!(&err, BufferError::Config(m) if m.contains("refused")), "{err}");
 }
+
+/// A block freed by a commit and written again for another context: a pool that cached its
+/// old contents reads the new ones for a request that expects them, and never hands the old
+/// ones out under the new reference.
+#[test]
+fn a_block_written_again_is_read_anew_not_served_from_its_old_frame() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 16, 1, 30);
+    let pool = pool(dev.clone(), 1 << 20, 0.5);
+    let old = requests(&store, 1, 0, FileStream::Data);
+    for (req, key) in &old {
+        let g = pool.get(req).unwrap();
+        assert_eq!(bytemuck::cast_slice::<u8, f16>(g.payload()), &expected(*key, 30)[..]);
+    }
+    // Free ctx1 and write ctx2 until its blocks land where ctx1's were.
+    let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
+    let old_blocks: Vec<u64> = old.iter().map(|(r, _)| r.block).collect();
+    let mut txn = store.begin().unwrap();
+    txn.delete_context("ctx1").unwrap();
+    txn.commit().unwrap();
+    for round in 0..4 {
+        let name = format!("new{round}");
+        let mut txn = store.begin().unwrap();
+        txn.create_context(&name, shape, &[]).unwrap();
+        for first in (0..30).step_by(PER_BLOCK) {
+            txn.append_block(&name, 0, 0, FileStream::Data, &block_payload(9, 0, 1, first, PER_BLOCK)).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let snap = store.snapshot();
+    let reused: Vec<BlockRequest> = snap
+        .contexts()
+        .flat_map(|c| {
+            let s = snap.context(&c.name).unwrap().stream(0, 0, FileStream::Data).unwrap();
+            (0..s.blocks()).map(move |l| BlockRequest::new(s.locate(l).unwrap())).collect::<Vec<_>>()
+        })
+        .filter(|r| old_blocks.contains(&r.block))
+        .collect();
+    assert!(!reused.is_empty(), "the new contexts reuse ctx1's freed blocks");
+    for req in &reused {
+        let g = pool.get(req).unwrap();
+        let first = req.expect.logical as usize * PER_BLOCK;
+        let fresh = bytemuck::cast_slice::<u8, f16>(g.payload()) == &expected((9, 0, 1, first), first + PER_BLOCK)[..];
+        assert!(fresh, "block {}: the pool served its contents from before it was written again", req.block);
+    }
+    // The old reference now fails verification on the device: no stale hit answers it.
+    let (stale, _) = old.iter().find(|(r, _)| reused.iter().any(|n| n.block == r.block)).unwrap();
+    assert!(pool.get(stale).is_err(), "the block no longer holds what the old reference expects");
+}

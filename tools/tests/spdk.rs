@@ -4,38 +4,12 @@
 //! raw io_uring loop; SPDK's failures reach the user as clear errors.
 #![cfg(feature = "spdk")]
 
+mod common;
+
+use common::*;
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Output};
-
-/// Runs ctxfs in `cwd`.
-fn ctxfs_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ctxfs"));
-    cmd.current_dir(cwd).args(args).env_remove("CTXFS_DEVICE");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run ctxfs")
-}
-
-fn ok_in(cwd: &Path, args: &[&str]) -> String {
-    let out = ctxfs_in(cwd, args, &[]);
-    assert!(
-        out.status.success(),
-        "ctxfs {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
+use std::process::Output;
 
 /// A bdev over a new `size`-byte file in `dir`, and its store path relative to `dir` (the
 /// commands below run there).

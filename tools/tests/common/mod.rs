@@ -6,12 +6,20 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
 
-pub fn ctxfs(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ctxfs")).args(args).env_remove("CTXFS_DEVICE").output().expect("run ctxfs")
+/// Runs ctxfs in `cwd` with `env` set (and `CTXFS_DEVICE` unset: each test says its device).
+pub fn ctxfs_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ctxfs"));
+    cmd.current_dir(cwd).args(args).env_remove("CTXFS_DEVICE").envs(env.iter().copied());
+    cmd.output().expect("run ctxfs")
 }
 
-pub fn ok(args: &[&str]) -> String {
-    let out = ctxfs(args);
+pub fn ctxfs(args: &[&str]) -> Output {
+    ctxfs_in(Path::new("."), args, &[])
+}
+
+/// Runs ctxfs in `cwd`, which must succeed; its standard output.
+pub fn ok_in(cwd: &Path, args: &[&str]) -> String {
+    let out = ctxfs_in(cwd, args, &[]);
     assert!(
         out.status.success(),
         "ctxfs {args:?} failed: {}{}",
@@ -19,6 +27,10 @@ pub fn ok(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+pub fn ok(args: &[&str]) -> String {
+    ok_in(Path::new("."), args)
 }
 
 pub fn json(args: &[&str]) -> Value {
