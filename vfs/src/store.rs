@@ -697,7 +697,9 @@ impl Store {
 
     /// Opens a store file or block device for writing, finding its block size from the
     /// superblocks. Holds the store's writer lock: a second writer, in this process or
-    /// another, is refused with [`Error::Locked`] before anything is written.
+    /// another, is refused with [`Error::Locked`] before anything is written. The lock goes
+    /// when the store and every snapshot taken from it are dropped: a snapshot's blocks are
+    /// guarded by this store's bookkeeping, which a later writer would not see.
     pub fn open_path(path: &Path, choice: DeviceChoice) -> Result<Store> {
         Self::open_path_as(path, choice, Access::Write)
     }
