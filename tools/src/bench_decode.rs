@@ -566,8 +566,9 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
-/// Evicts the store file from the page cache, so "cold" means read from the device (O_DIRECT
-/// reads bypass it anyway; buffered readers of the full-load baseline would not).
+/// Evicts a file (the store, the loader baseline's K+V file) from the page cache, so "cold"
+/// means read from the device: O_DIRECT reads bypass the cache, but pages a buffered writer
+/// left there would otherwise answer the first reads of a device that shares them.
 fn drop_page_cache(path: &std::path::Path) {
     if let Ok(f) = std::fs::File::open(path) {
         use std::os::fd::AsRawFd;
