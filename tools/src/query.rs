@@ -133,7 +133,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                     "micros": a.micros, "plan": plan, "tail_seeds": r.tail_seeds,
                 });
                 if args.json {
-                    serde_json::to_writer(&mut out, &v)?;
+                    // As an io::Error, a closed pipe is recognised as the reader stopping.
+                    serde_json::to_writer(&mut out, &v).map_err(std::io::Error::from)?;
                     std::io::Write::write_all(&mut out, b"\n")?;
                 } else {
                     std::io::Write::write_fmt(

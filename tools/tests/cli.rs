@@ -878,3 +878,37 @@ fn fsck_on_something_that_is_not_a_store_says_so_and_exits_8() {
     assert!(err.contains("not a ctxfs store"), "{err}");
     assert!(out.stdout.is_empty());
 }
+
+/// `ctxfs query --json | head -1`: a reader that stops early is not an error.
+#[test]
+fn query_into_a_closed_pipe_exits_quietly() {
+    use std::io::BufRead;
+    let dir = tmp();
+    // Enough decode queries that the answers overflow the pipe after its reader is gone.
+    let ctx = dir.path().join("many.safetensors");
+    let shape = ["--tokens", "2048", "--layers", "1", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64"];
+    ok(&[&["gen", p(&ctx)][..], &shape, &["--queries", "64", "--decode-queries", "256"]].concat());
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "64M"]);
+    ok(&["import", p(&store), p(&ctx), "--name", "small"]);
+    let queries = ctx.with_extension("queries.safetensors");
+    for json in [true, false] {
+        let mut args = vec!["query", p(&store), "--context", "small", "--queries", p(&queries)];
+        if json {
+            args.push("--json");
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+            .args(&args)
+            .env_remove("CTXFS_DEVICE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        assert!(!first.is_empty(), "one line came out");
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "json {json}: {}", stderr_of(&out));
+        assert!(out.stderr.is_empty(), "json {json}: {}", stderr_of(&out));
+    }
+}
