@@ -226,7 +226,16 @@ impl LoopMount {
 
 impl Drop for LoopMount {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.path()).output();
+        // The kernel lets go of files an io_uring instance used a little after the ring is
+        // closed, so the file system can be busy for a moment; detach it lazily as a last
+        // resort rather than leave it mounted.
+        for _ in 0..50 {
+            if Command::new("umount").arg(self.path()).output().is_ok_and(|o| o.status.success()) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = Command::new("umount").arg("-l").arg(self.path()).output();
     }
 }
 
