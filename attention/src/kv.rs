@@ -193,9 +193,24 @@ impl SafetensorsKv {
         self.meta
             .tensors()
             .iter()
-            .filter(|(n, _)| n.starts_with("layers."))
+            .filter(|(n, _)| n.starts_with("layers.") && [".k", ".v", ".q"].iter().any(|p| n.ends_with(p)))
             .map(|(_, t)| (t.data_offsets.1 - t.data_offsets.0) as u64)
             .sum()
+    }
+
+    /// Decode queries of every q head of a kv head's GQA group, from `layers.{layer}.decode_q`
+    /// (`[q_heads, steps, head_dim]`, written by `python -m ctxfs.capture`): one `steps ×
+    /// head_dim` block per q head. None when the file has none; an import ignores them.
+    pub fn decode_queries(&self, layer: usize, kv_head: usize) -> Result<Option<Vec<Vec<f32>>>> {
+        let name = format!("layers.{layer}.decode_q");
+        if self.meta.info(&name).is_none() {
+            return Ok(None);
+        }
+        let (qh, d) = (self.shape.q_heads as usize, self.shape.head_dim as usize);
+        let steps = self.shape_of(&name, &[Some(qh), None, Some(d)])?[1];
+        let group = qh / self.shape.kv_heads as usize;
+        let heads = (kv_head * group..(kv_head + 1) * group).map(|h| self.head(&name, h, steps));
+        Ok(Some(heads.collect::<Result<_>>()?))
     }
 
     /// Rows `head * rows .. (head + 1) * rows` of a `[heads, rows, head_dim]` tensor, as f32.

@@ -12,6 +12,7 @@
 //! [`Session::attention`] through the index and the buffer pool to the disk and back.
 
 mod db;
+pub mod describe;
 mod error;
 mod import;
 pub mod kv;

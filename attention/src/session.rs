@@ -416,6 +416,12 @@ impl Session {
         Ok(())
     }
 
+    /// The plan an attention call on `layer` runs: `forced`, or the optimizer's choice.
+    pub fn choice(&self, layer: usize, forced: Option<Plan>) -> Choice {
+        let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
+        choose(&self.db.config().rules, layer, self.prefix_tokens(), filtered, self.ample, forced)
+    }
+
     /// Attention of one decode step's queries (`[q_heads, head_dim]`) over the layer, with
     /// the optimizer's plan.
     pub fn attention(&self, layer: usize, q: &[f32]) -> Result<Attention> {
@@ -435,9 +441,7 @@ impl Session {
         if let Some(i) = q.iter().position(|x| !x.is_finite()) {
             return input(format!("attention of layer {layer}: q[{i}] = {} is not finite", q[i]));
         }
-        let prefix = self.prefix_tokens();
-        let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
-        let choice = choose(&self.db.config().rules, layer, prefix, filtered, self.ample, opts.plan);
+        let choice = self.choice(layer, opts.plan);
         let on_gpu =
             !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed));
         let group = qh / kv;

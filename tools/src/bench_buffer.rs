@@ -54,7 +54,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "ratios": {"random_read_vs_raw": ratio_cold},
             "cold": {"pool_iops": cold_pool, "raw_iops": cold_raw, "queue_depth": QUEUE_DEPTH, "reads": args.reads, "rounds": args.rounds},
             "hot": {"threads": args.threads, "hits_per_sec_per_thread": hot_n, "single_thread_hits_per_sec": hot1},
-            "stats": stats_json(&stats),
+            "stats": ctxfs_attention::describe::pool_json(&stats),
             "device": store.device_info().kind, "mib": args.mib,
         });
         println!("{v}");
@@ -169,21 +169,6 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     let hot1 = hot(1);
     let hot_n = hot(args.threads);
     Ok((median(pool_rounds), median(raw_rounds), hot1, hot_n, pool.stats()))
-}
-
-pub fn stats_json(s: &PoolStats) -> serde_json::Value {
-    let class = |c: &ctxfs_buffer::ClassStats| {
-        json!({
-            "hits": c.hits, "misses": c.misses, "hit_ratio": c.hit_ratio(), "bytes_read": c.bytes_read,
-            "evictions": c.evictions, "resident_frames": c.resident_frames, "capacity_frames": c.capacity_frames,
-            "resident_pins": c.resident_pins,
-        })
-    };
-    json!({
-        "budget_bytes": s.budget_bytes, "data_fraction": s.data_fraction, "block_size": s.block_size,
-        "allocated_bytes": s.allocated_bytes, "overhead_bytes": s.overhead_bytes,
-        "index": class(&s.index), "data": class(&s.data),
-    })
 }
 
 pub fn print_stats(s: &PoolStats) {

@@ -18,13 +18,13 @@
 use crate::bench::median;
 use crate::bench::Serving;
 use crate::decode_queries::DecodeQueries;
-use crate::mkfs::format_store;
 use crate::raw_uring::RawFile;
 use crate::{gen, progress};
 use anyhow::{ensure, Result};
 use ctxfs_attention::{Attention, AttentionOptions, Db, DbConfig, HeadTiming, KvSource, Plan, SafetensorsKv};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::device::AlignedBuf;
+use ctxfs_vfs::mkfs::format_path;
 use ctxfs_vfs::{DType, DeviceChoice, Store};
 use half::f16;
 use serde_json::json;
@@ -83,7 +83,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     }) && book.with_extension("queries.safetensors").exists();
     let mut import = None;
     if !reusable {
-        format_store(&path, Some(kv_bytes * 3 + (256 << 20)), args.block_size, true, choice)?;
+        format_path(&path, Some(kv_bytes * 3 + (256 << 20)), args.block_size, true, choice)?;
         gen::generate(&gen::Args {
             out: book.clone(),
             tokens: n,

@@ -28,14 +28,16 @@
 use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
 use ctxfs_attention::WARM_START_TOKENS;
+use ctxfs_attention::{KvSource, SafetensorsKv};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
 use ctxfs_index::search::{diprs, diprs_from, topk};
-use ctxfs_index::synth::{head, Rng, SynthParams};
+use ctxfs_index::synth::{head, HeadData, Rng, SynthParams};
 use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemGraph, MemKeys};
 use ctxfs_index::{Keys, Pair, SearchResult, SearchStats};
 use ctxfs_kernels::Partial;
+use ctxfs_vfs::DType;
 use half::f16;
 use serde_json::json;
 use std::collections::BTreeSet;
@@ -58,8 +60,129 @@ pub struct Args {
     /// others are data they never saw.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1u64, 2, 3])]
     seeds: Vec<u64>,
+    /// A real attention dataset (`python -m ctxfs.capture`: keys, values, prefill and decode
+    /// queries of a model's layers), measured beside the generator; repeatable. Each of its
+    /// (layer, kv head) is a head; `--queries` caps the decode steps used.
+    #[arg(long = "data", value_name = "PATH")]
+    data: Vec<std::path::PathBuf>,
+    /// Measure only the `--data` sets, not the generator.
+    #[arg(long, requires = "data")]
+    no_generator: bool,
     #[arg(long)]
     json: bool,
+}
+
+/// Where a dataset's heads come from.
+enum Source {
+    /// `ctxfs_index::synth` heads: `--heads` kv heads per seed.
+    Generator { seeds: Vec<u64>, heads: usize, tokens: usize, head_dim: usize },
+    /// A captured file, with its metadata's description.
+    /// `layers`: the model layer of each of the file's layers (its metadata's `layers`).
+    File { kv: Box<SafetensorsKv>, path: std::path::PathBuf, about: String, layers: Vec<String> },
+}
+
+/// One head of a dataset: its data and how to name it.
+struct BenchHead {
+    label: serde_json::Value,
+    sharpness: Option<f32>,
+    data: HeadData,
+}
+
+impl Source {
+    fn open(path: &std::path::Path) -> Result<Source> {
+        let kv = Box::new(SafetensorsKv::open(path, DType::F16)?);
+        let meta = read_metadata(path).unwrap_or_default();
+        let about = meta.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ");
+        let named: Vec<String> =
+            meta.get("layers").map(|l| l.split(',').map(str::to_string).collect()).unwrap_or_default();
+        let count = kv.shape().layers as usize;
+        let layers = if named.len() == count { named } else { (0..count).map(|l| l.to_string()).collect() };
+        Ok(Source::File { kv, path: path.to_path_buf(), about, layers })
+    }
+    fn name(&self) -> String {
+        match self {
+            Source::Generator { .. } => "generator".into(),
+            Source::File { path, .. } => path.file_stem().map_or("data".into(), |s| s.to_string_lossy().into_owned()),
+        }
+    }
+    fn tokens(&self) -> usize {
+        match self {
+            Source::Generator { tokens, .. } => *tokens,
+            Source::File { kv, .. } => kv.token_count(),
+        }
+    }
+    fn head_dim(&self) -> usize {
+        match self {
+            Source::Generator { head_dim, .. } => *head_dim,
+            Source::File { kv, .. } => kv.shape().head_dim as usize,
+        }
+    }
+    fn group(&self) -> usize {
+        match self {
+            Source::Generator { .. } => GROUP,
+            Source::File { kv, .. } => (kv.shape().q_heads / kv.shape().kv_heads) as usize,
+        }
+    }
+    fn heads(&self) -> usize {
+        match self {
+            Source::Generator { seeds, heads, .. } => seeds.len() * heads,
+            Source::File { kv, .. } => kv.shape().layers as usize * kv.shape().kv_heads as usize,
+        }
+    }
+    /// Head `i`, with at most `queries` decode steps.
+    fn head(&self, i: usize, queries: usize) -> Result<BenchHead> {
+        match self {
+            Source::Generator { seeds, heads, tokens, head_dim } => {
+                let (seed, kv) = (seeds[i / heads], i % heads);
+                let p = SynthParams { tokens: *tokens, head_dim: *head_dim, group: GROUP, seed };
+                let data = head(&p, 1, kv, (tokens / 4 / GROUP).clamp(64, 4096), queries);
+                let label = json!({"seed": seed, "tuning_seed": seed == TUNING_SEED, "kv_head": kv});
+                Ok(BenchHead { label, sharpness: Some(data.sharpness), data })
+            }
+            Source::File { kv, path, layers, .. } => {
+                let heads = kv.shape().kv_heads as usize;
+                let (layer, h) = (i / heads, i % heads);
+                let d = kv.shape().head_dim as usize;
+                let decode = kv.decode_queries(layer, h)?.ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: no layers.{layer}.decode_q tensor (write the file with python -m ctxfs.capture)",
+                        path.display()
+                    )
+                })?;
+                let steps = decode[0].len() / d;
+                ensure!(steps > 0, "{}: layers.{layer}.decode_q holds no steps", path.display());
+                let take = queries.min(steps);
+                let decode = decode.into_iter().map(|q| q[..take * d].to_vec()).collect();
+                let f16s = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<f16>>();
+                let data = HeadData {
+                    keys: f16s(kv.keys(layer, h)?),
+                    values: f16s(kv.values(layer, h)?),
+                    prefill: vec![kv.train_queries(layer, h)?],
+                    decode,
+                    sharpness: f32::NAN,
+                };
+                let label = json!({"layer": layers[layer], "kv_head": h});
+                Ok(BenchHead { label, sharpness: None, data })
+            }
+        }
+    }
+}
+
+/// The `__metadata__` of a safetensors file.
+fn read_metadata(path: &std::path::Path) -> Option<std::collections::BTreeMap<String, String>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).ok()?;
+    let n = u64::from_le_bytes(len);
+    if n > 100_000_000 {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let meta = v.get("__metadata__")?.as_object()?;
+    Some(meta.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect())
 }
 
 const WINDOW: (usize, usize) = (128, 512);
@@ -455,11 +578,51 @@ fn reference(all: &[f32], values: &[f16], d: usize, scale: f32, p_len: usize, wi
 }
 
 pub fn run(a: Args) -> Result<()> {
-    ensure!(
-        a.tokens > 5 * (WINDOW.0 + WINDOW.1) && a.heads > 0 && a.queries > 0 && !a.seeds.is_empty(),
-        "--tokens must exceed five 640-token windows (the 20% prefix holds one); --heads, --queries and --seeds must be given"
-    );
-    let (n, d) = (a.tokens, a.head_dim);
+    ensure!(a.queries > 0, "--queries must be at least 1");
+    let mut sources = Vec::new();
+    if !a.no_generator {
+        ensure!(
+            a.tokens > 5 * (WINDOW.0 + WINDOW.1) && a.heads > 0 && !a.seeds.is_empty(),
+            "--tokens must exceed five 640-token windows (the 20% prefix holds one); --heads and --seeds must be given"
+        );
+        sources.push(Source::Generator {
+            seeds: a.seeds.clone(),
+            heads: a.heads,
+            tokens: a.tokens,
+            head_dim: a.head_dim,
+        });
+    }
+    for path in &a.data {
+        let src = Source::open(path)?;
+        ensure!(
+            src.tokens() > 5 * (WINDOW.0 + WINDOW.1),
+            "{}: {} tokens; a dataset must exceed five 640-token windows (the 20% prefix holds one)",
+            path.display(),
+            src.tokens()
+        );
+        sources.push(src);
+    }
+    let total: usize = sources.iter().map(|s| s.heads() * s.tokens()).sum();
+    let bar = crate::progress::bar(total as u64, "bench search");
+    let mut reports = Vec::new();
+    for src in &sources {
+        reports.push(run_dataset(&a, src, &bar)?);
+    }
+    bar.finish_and_clear();
+    if a.json {
+        println!("{}", json!({"window": [WINDOW.0, WINDOW.1], "datasets": reports}));
+        return Ok(());
+    }
+    for r in &reports {
+        print_dataset(r);
+    }
+    print_side_by_side(&reports);
+    Ok(())
+}
+
+/// Every method on every head of one dataset; its report as JSON.
+fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<serde_json::Value> {
+    let (n, d, group) = (src.tokens(), src.head_dim(), src.group());
     let scale = 1.0 / (d as f32).sqrt();
     let sqrt_d = (d as f32).sqrt();
     let reference_beta = 5.0 * sqrt_d;
@@ -478,11 +641,10 @@ pub fn run(a: Args) -> Result<()> {
         .collect();
     let mut builds = Vec::new();
     let mut heads_json = Vec::new();
-    let bar = crate::progress::bar((a.seeds.len() * a.heads * n) as u64, "bench search");
     let mut flush = vec![0u64; CACHE_FLUSH_BYTES / 8];
     let warm_up = {
-        let p = SynthParams { tokens: WARM_UP_TOKENS, head_dim: d, group: GROUP, seed: TUNING_SEED.wrapping_add(1000) };
-        let h = head(&p, 1, 0, WARM_UP_TOKENS / 4 / GROUP, 1);
+        let p = SynthParams { tokens: WARM_UP_TOKENS, head_dim: d, group, seed: TUNING_SEED.wrapping_add(1000) };
+        let h = head(&p, 1, 0, WARM_UP_TOKENS / 4 / group, 1);
         let ix = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?.0;
         let qs: Vec<f32> = h.decode.iter().flat_map(|q| q[..d].iter().copied()).collect();
         let windows = WindowSet::of(&ix);
@@ -491,24 +653,25 @@ pub fn run(a: Args) -> Result<()> {
     let warm_up_methods = methods(WARM_UP_TOKENS, sqrt_d);
     // Nanoseconds per row of each probe.
     let mut probe_row_ns = Vec::new();
-    for &seed in &a.seeds {
-        for kv in 0..a.heads {
-            let head_no = heads_json.len();
-            let p = SynthParams { tokens: n, head_dim: d, group: GROUP, seed };
-            let h = head(&p, 1, kv, (n / 4 / GROUP).clamp(64, 4096), a.queries);
-            let (ix, mut timing) = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?;
-            (timing["seed"], timing["kv_head"], timing["sharpness"]) = (json!(seed), json!(kv), json!(h.sharpness));
-            builds.push(timing);
+    {
+        for head_no in 0..src.heads() {
+            let BenchHead { label, sharpness, data: h } = src.head(head_no, a.queries)?;
+            let steps = h.decode[0].len() / d;
+            let (ix, timing) = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?;
+            let mut build = label.clone();
+            build["sharpness"] = json!(sharpness);
+            build.as_object_mut().expect("an object").extend(timing.as_object().expect("an object").clone());
+            builds.push(build);
             let windows = WindowSet::of(&ix);
             let rows_per_block = ctxfs_vfs::max_payload(BLOCK) / (2 * d);
-            let mut last_step = vec![Vec::new(); GROUP];
-            let mut rng = Rng::new(seed ^ kv as u64);
+            let mut last_step = vec![Vec::new(); group];
+            let mut rng = Rng::new(head_no as u64);
             let probe: Vec<u32> = (0..PROBE_ROWS).map(|_| rng.below(n) as u32).collect();
             let mut probe_scores = vec![0.0f32; PROBE_ROWS];
             for r in rows.iter_mut() {
                 r.head_micros.push(0.0);
             }
-            for step in 0..a.queries {
+            for step in 0..steps {
                 let qs: Vec<f32> = h.decode.iter().flat_map(|q| q[step * d..(step + 1) * d].iter().copied()).collect();
                 // Every key's score for each q head, for the references.
                 let all: Vec<Vec<f32>> = qs
@@ -586,28 +749,36 @@ pub fn run(a: Args) -> Result<()> {
                 }
             }
             let sum_of = |name: &str| rows.iter().find(|r| r.name == name).map_or(0.0, |r| r.head_micros[head_no]);
-            heads_json.push(json!({
-                "seed": seed, "tuning_seed": seed == TUNING_SEED, "kv_head": kv, "sharpness": h.sharpness,
-                "flat_us": sum_of(FLAT_ROW), "diprs_us": sum_of(DIPRS_ROW),
-                "diprs_vs_flat_speedup": ratio(sum_of(FLAT_ROW), sum_of(DIPRS_ROW)),
-            }));
+            let mut one = label;
+            one["sharpness"] = json!(sharpness);
+            one["flat_us"] = json!(sum_of(FLAT_ROW));
+            one["diprs_us"] = json!(sum_of(DIPRS_ROW));
+            one["diprs_vs_flat_speedup"] = json!(ratio(sum_of(FLAT_ROW), sum_of(DIPRS_ROW)));
+            heads_json.push(one);
             bar.inc(n as u64);
         }
     }
-    bar.finish_and_clear();
-    report(&a, n, d, &rows, builds, heads_json, median(probe_row_ns))
+    let about = match src {
+        Source::Generator { seeds, heads, .. } => {
+            format!("ctxfs_index::synth, seeds {seeds:?} (defaults tuned on {TUNING_SEED}) × {heads} kv heads")
+        }
+        Source::File { about, path, .. } => format!("{} ({about})", path.display()),
+    };
+    Ok(report(src.name(), about, n, d, group, &rows, builds, heads_json, median(probe_row_ns)))
 }
 
 #[allow(clippy::too_many_arguments)]
 fn report(
-    a: &Args,
+    name: String,
+    about: String,
     n: usize,
     d: usize,
+    group: usize,
     rows: &[Row],
     builds: Vec<serde_json::Value>,
     heads: Vec<serde_json::Value>,
     scattered_row_ns: f64,
-) -> Result<()> {
+) -> serde_json::Value {
     let total = |name: &str| rows.iter().find(|r| r.name == name).map_or(0.0, |r| r.micros.iter().sum::<f64>());
     let flat_total = total(FLAT_ROW);
     let out_rows: Vec<serde_json::Value> = rows
@@ -628,7 +799,7 @@ fn report(
         .collect();
     // A flat row's cost: the flat plan's time per key row per q head.
     let steps = rows[0].micros.len().max(1) as f64;
-    let flat_row_ns = flat_total * 1e3 / steps / (n * GROUP) as f64;
+    let flat_row_ns = flat_total * 1e3 / steps / (n * group) as f64;
     let mut ratios = serde_json::Map::new();
     ratios.insert("diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(DIPRS_ROW))));
     ratios.insert("diprs_warm_vs_flat_speedup".into(), json!(ratio(flat_total, total(WARM_ROW))));
@@ -647,18 +818,21 @@ fn report(
     ratios.insert("scattered_vs_flat_row_cost".into(), json!(ratio(scattered_row_ns, flat_row_ns)));
     let ratios = serde_json::Value::Object(ratios);
     let row_costs = json!({"flat_row_ns": flat_row_ns, "scattered_row_ns": scattered_row_ns, "probe_rows": PROBE_ROWS});
-    if a.json {
-        println!(
-            "{}",
-            json!({"tokens": n, "head_dim": d, "heads": a.heads, "seeds": a.seeds, "tuning_seed": TUNING_SEED,
-                   "group": GROUP, "steps_per_head": a.queries, "ratios": ratios, "row_costs": row_costs,
-                   "rows": out_rows, "per_head": heads, "build": builds})
-        );
-        return Ok(());
-    }
+    json!({"dataset": name, "about": about, "tokens": n, "head_dim": d, "group": group,
+           "heads": heads.len(), "steps_per_head": steps as usize / heads.len().max(1),
+           "ratios": ratios, "row_costs": row_costs, "rows": out_rows, "per_head": heads, "build": builds})
+}
+
+/// One dataset's report as text: every row, each head, each build, the ratios.
+fn print_dataset(v: &serde_json::Value) {
+    let (n, d) = (&v["tokens"], &v["head_dim"]);
     println!(
-        "bench search: {n} tokens per head, d={d}, seeds {:?} (defaults tuned on {TUNING_SEED}) × {} kv heads × {} steps of a {GROUP}-q-head group, window 128+512; β in q·k/√d units; times per group step",
-        a.seeds, a.heads, a.queries
+        "bench search on {}: {}; {n} tokens per head, d={d}, {} heads × {} steps of a {}-q-head group, window 128+512; β in q·k/√d units; times per group step",
+        v["dataset"].as_str().unwrap_or(""),
+        v["about"].as_str().unwrap_or(""),
+        v["heads"],
+        v["steps_per_head"],
+        v["group"]
     );
     println!(
         "{:<26} {:>7} {:>9} {:>9} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8}",
@@ -676,7 +850,8 @@ fn report(
         "p99 µs",
         "vs flat"
     );
-    for r in &out_rows {
+    let empty = Vec::new();
+    for r in v["rows"].as_array().unwrap_or(&empty) {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
             "{:<26} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>7.0} {:>8.1} {:>8.1} {:>7.1} {:>10.0} {:>10.0} {:>7.1}×",
@@ -695,23 +870,19 @@ fn report(
             f("speedup_vs_flat")
         );
     }
-    for h in &heads {
+    for h in v["per_head"].as_array().unwrap_or(&empty) {
         println!(
-            "seed {} kv head {} (sharpness {:.1}{}): flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×",
-            h["seed"],
-            h["kv_head"],
-            h["sharpness"].as_f64().unwrap_or(0.0),
-            if h["tuning_seed"] == true { ", tuning seed" } else { "" },
+            "{}: flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×",
+            head_label(h),
             h["flat_us"].as_f64().unwrap_or(0.0),
             h["diprs_us"].as_f64().unwrap_or(0.0),
             h["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
         );
     }
-    for b in &builds {
+    for b in v["build"].as_array().unwrap_or(&empty) {
         println!(
-            "build seed {} kv head {}: {:.1} s (kNN {:.1} s, projection {:.2} s, enhancement {:.2} s), {} training queries",
-            b["seed"],
-            b["kv_head"],
+            "build {}: {:.1} s (kNN {:.1} s, projection {:.2} s, enhancement {:.2} s), {} training queries",
+            head_label(b),
             b["seconds"].as_f64().unwrap_or(0.0),
             b["knn_seconds"].as_f64().unwrap_or(0.0),
             b["projection_seconds"].as_f64().unwrap_or(0.0),
@@ -724,7 +895,11 @@ fn report(
             COARSE.map(|name| format!("{name} {:.2} s", c[name].as_f64().unwrap_or(0.0))).join(", ")
         );
     }
-    let r = |k: &str| ratios[k].as_f64().unwrap_or(0.0);
+    let r = |k: &str| v["ratios"][k].as_f64().unwrap_or(0.0);
+    let (flat_row_ns, scattered_row_ns) = (
+        v["row_costs"]["flat_row_ns"].as_f64().unwrap_or(0.0),
+        v["row_costs"]["scattered_row_ns"].as_f64().unwrap_or(0.0),
+    );
     println!(
         "DIPRS (β=5) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
         r("diprs_vs_flat_speedup"),
@@ -742,7 +917,45 @@ fn report(
         "a key row from cold caches: {flat_row_ns:.1} ns per q head in the flat plan, {scattered_row_ns:.0} ns read alone ({PROBE_ROWS} uniformly random rows): {:.1}× a flat row",
         r("scattered_vs_flat_row_cost")
     );
-    Ok(())
+    println!();
+}
+
+/// A head's name in text output: its seed or layer, and kv head.
+fn head_label(h: &serde_json::Value) -> String {
+    let sharp = h["sharpness"].as_f64().map(|s| format!(", sharpness {s:.1}")).unwrap_or_default();
+    match h.get("seed") {
+        Some(seed) => format!(
+            "seed {seed} kv head {}{sharp}{}",
+            h["kv_head"],
+            if h["tuning_seed"] == true { ", tuning seed" } else { "" }
+        ),
+        None => format!("layer {} kv head {}", h["layer"].as_str().unwrap_or(""), h["kv_head"]),
+    }
+}
+
+/// The headline figures of every dataset side by side.
+fn print_side_by_side(reports: &[serde_json::Value]) {
+    println!(
+        "{:<28} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "dataset (DIPRS β=5·√d)", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
+    );
+    for v in reports {
+        let Some(row) = v["rows"].as_array().and_then(|r| r.iter().find(|r| r["method"] == DIPRS_ROW)) else {
+            continue;
+        };
+        let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
+        println!(
+            "{:<28} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
+            v["dataset"].as_str().unwrap_or(""),
+            v["tokens"],
+            f("dipr_recall"),
+            f("keys_scored_fraction") * 100.0,
+            f("output_error"),
+            f("exact_dipr_output_error"),
+            ratio(f("output_error"), f("exact_dipr_output_error")),
+            v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
+        );
+    }
 }
 
 #[cfg(test)]

@@ -16,10 +16,10 @@
 
 use crate::bench::Serving;
 use crate::decode_queries::DecodeQueries;
-use crate::mkfs::format_store;
 use crate::{gen, progress};
 use anyhow::{ensure, Result};
 use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, SafetensorsKv};
+use ctxfs_vfs::mkfs::format_path;
 use ctxfs_vfs::{fsck, DType, DeviceChoice};
 use serde_json::json;
 use std::collections::BTreeSet;
@@ -77,7 +77,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let size = (kv_bytes * 3 + (64 << 20)).max(256 << 20);
     let t = Instant::now();
     // The demo owns this store; a previous run's copy is replaced.
-    format_store(&path, (!whole).then_some(size), 4096, true, choice)?;
+    format_path(&path, (!whole).then_some(size), 4096, true, choice)?;
     let mkfs_s = t.elapsed().as_secs_f64();
 
     let t = Instant::now();

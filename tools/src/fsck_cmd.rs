@@ -73,16 +73,7 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
 
 fn print(args: &Args, r: &Report) {
     if args.json {
-        let problems: Vec<_> = r
-            .problems
-            .iter()
-            .map(|p| json!({"block": p.block, "kind": p.kind, "owner": p.owner, "context": p.context, "message": p.message, "fix": p.fix.name()}))
-            .collect();
-        let v = json!({
-            "clean": r.is_clean(), "exit_code": r.exit_code(), "generation": r.active_generation,
-            "fallback_generation": r.fallback_generation, "contexts": r.contexts, "blocks_checked": r.blocks_checked,
-            "problems": problems, "repaired": r.repaired,
-        });
+        let v = ctxfs_attention::describe::fsck_json(r);
         println!("{v}");
         return;
     }

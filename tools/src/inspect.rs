@@ -1,7 +1,7 @@
 use crate::units::human_bytes;
 use anyhow::{bail, Result};
-use ctxfs_vfs::format::records::StreamRoot;
-use ctxfs_vfs::{inspect::live_blocks, ContextRecord, DeviceChoice, FileStream, Store};
+use ctxfs_attention::describe::{self, context_blocks, hex};
+use ctxfs_vfs::{inspect::live_blocks, DeviceChoice, FileStream, Store};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -51,15 +51,6 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     }
 }
 
-fn stream_json(s: &StreamRoot) -> Value {
-    json!({"blocks": s.blocks, "bytes": s.bytes, "extent_blocks": s.extents.len()})
-}
-
-fn context_blocks(c: &ContextRecord) -> (u64, u64) {
-    let streams = std::iter::once(&c.tokens).chain(c.files.iter().flat_map(|f| [&f.index, &f.data]));
-    streams.fold((0, 0), |(b, n), s| (b + s.blocks + s.extents.len() as u64, n + s.bytes))
-}
-
 fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     let snap = store.snapshot();
     let sb = *snap.superblock();
@@ -67,45 +58,9 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     let space = store.space();
     let (available, used) = (space.free, space.used);
     let bs = sb.block_size as u64;
-    let slots: Vec<Value> = store
-        .slots()
-        .iter()
-        .map(|s| match &s.result {
-            Ok(sb) => json!({"slot": s.slot, "valid": true, "generation": sb.generation}),
-            Err(e) => json!({"slot": s.slot, "valid": false, "error": e}),
-        })
-        .collect();
-    let contexts: Vec<Value> = snap
-        .contexts()
-        .map(|c| {
-            let (blocks, bytes) = context_blocks(c);
-            let kv = c.shape.kv_heads as usize;
-            json!({
-                "name": c.name, "id": c.id,
-                "shape": {"layers": c.shape.layers, "q_heads": c.shape.q_heads, "kv_heads": c.shape.kv_heads, "head_dim": c.shape.head_dim, "dtype": c.shape.dtype.name()},
-                "tokens": c.token_count(), "own_tokens": c.own_token_count(),
-                "parent": c.parent.map(|p| json!({"id": p.id, "prefix_tokens": p.prefix_tokens})),
-                "blocks": blocks, "bytes": bytes, "created_unix_ms": c.created_unix_ms,
-                "files": c.files.iter().enumerate().map(|(i, f)| json!({
-                    "layer": i / kv, "head": i % kv, "index": stream_json(&f.index), "data": stream_json(&f.data),
-                })).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
     if json {
-        let v = json!({
-            "store": path,
-            "format_version": sb.format_version,
-            "retired_contexts": snap.retired_contexts().map(|c| json!({"id": c.id, "name": c.name, "blocks": context_blocks(c).0})).collect::<Vec<_>>(),
-            "superblock": {
-                "generation": sb.generation, "slot": sb.slot(), "block_size": sb.block_size, "blocks": sb.total_blocks,
-                "store_id": hex(&sb.store_id), "commit_unix_ms": sb.commit_unix_ms, "next_context_id": sb.next_context_id,
-            },
-            "slots": slots,
-            "device": {"kind": info.kind, "path": info.path, "queue_depth": info.queue_depth, "note": info.note},
-            "space": {"blocks": sb.total_blocks, "used_blocks": used, "free_blocks": available, "free_bytes": available * bs, "used_bytes": used * bs, "reclaimable_blocks": space.reclaimable},
-            "contexts": contexts,
-        });
+        let mut v = describe::store_json(store);
+        v["store"] = json!(path);
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -252,10 +207,6 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Loads every index block of every context through a buffer pool, as a server opening the
 /// store would, and reports what it cost and whether the index stays resident.
 fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
@@ -278,7 +229,7 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     if json {
         let v = json!({
             "index_blocks": index_blocks, "seconds": secs, "index_resident": fits,
-            "errors": failed, "stats": crate::bench_buffer::stats_json(&stats),
+            "errors": failed, "stats": ctxfs_attention::describe::pool_json(&stats),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());

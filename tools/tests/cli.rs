@@ -603,7 +603,10 @@ fn import_refuses_non_finite_input_and_writes_nothing() {
 #[test]
 fn bench_search_reports_every_method_against_exact_attention() {
     let args = ["--tokens", "4000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--seeds", "1,5", "--json"];
-    let v = json(&[&["bench", "search"][..], &args].concat());
+    let all = json(&[&["bench", "search"][..], &args].concat());
+    assert_eq!(all["datasets"].as_array().unwrap().len(), 1, "the generator alone");
+    let v = &all["datasets"][0];
+    assert_eq!(v["dataset"], "generator");
     let rows = v["rows"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
     let methods = [
@@ -911,4 +914,33 @@ fn query_into_a_closed_pipe_exits_quietly() {
         assert!(out.status.success(), "json {json}: {}", stderr_of(&out));
         assert!(out.stderr.is_empty(), "json {json}: {}", stderr_of(&out));
     }
+}
+
+/// Real attention (SmolLM2-135M, layer 15, 4,096 tokens of prose: tests/data, written by
+/// `python -m ctxfs.capture`) is a dataset beside the generator: every row per dataset.
+#[test]
+fn bench_search_measures_captured_attention_beside_the_generator() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2-prose-4k.safetensors");
+    let args =
+        ["--tokens", "4000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--seeds", "1", "--data", data];
+    let all = json(&[&["bench", "search"][..], &args, &["--json"]].concat());
+    let sets = all["datasets"].as_array().unwrap();
+    assert_eq!(
+        sets.iter().map(|s| s["dataset"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["generator", "smollm2-prose-4k"]
+    );
+    let real = &sets[1];
+    assert_eq!(
+        (real["tokens"].as_u64(), real["head_dim"].as_u64(), real["group"].as_u64()),
+        (Some(4096), Some(64), Some(3))
+    );
+    let heads = real["per_head"].as_array().unwrap();
+    assert_eq!(heads.len(), 3, "one layer of 3 kv heads");
+    assert!(heads.iter().all(|h| h["layer"] == "15"), "{heads:?}");
+    assert_eq!(real["steps_per_head"].as_u64(), Some(2), "--queries caps the captured steps");
+    let flat = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "flat").unwrap();
+    assert_eq!(flat["dipr_recall"].as_f64(), Some(1.0));
+    let diprs = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "diprs beta=5·√d").unwrap();
+    let recall = diprs["dipr_recall"].as_f64().unwrap();
+    assert!((0.5..=1.0).contains(&recall), "{recall}");
 }

@@ -40,6 +40,7 @@ pub mod format;
 pub mod fsck;
 pub mod inspect;
 pub mod lock;
+pub mod mkfs;
 mod rng;
 mod store;
 mod stream;

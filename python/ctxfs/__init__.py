@@ -1,0 +1,335 @@
+"""ctxfs: KV caches of long prompts on NVMe, attention answered from storage.
+
+``Store`` mounts a context store; ``Store.import_kv`` streams a context's KV cache in, layer by
+layer; ``Store.create_session`` reuses the longest stored prefix of a prompt; a ``Session``
+answers attention for all q heads of a layer at once. ``ctxfs.hf`` puts a transformers model
+on top (docs/python.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    CorruptError,
+    Error,
+    ExistsError,
+    InputError,
+    IoError,
+    LockedError,
+    NotAStoreError,
+    NotFoundError,
+    ReadOnlyError,
+    StoreFullError,
+)
+
+__all__ = [
+    "Store",
+    "Session",
+    "Error",
+    "InputError",
+    "StoreFullError",
+    "ExistsError",
+    "NotFoundError",
+    "CorruptError",
+    "LockedError",
+    "ReadOnlyError",
+    "NotAStoreError",
+    "IoError",
+    "PLANS",
+]
+
+#: Plans a call may force (``Session.attention(..., plan=...)``).
+PLANS = ("full", "flat", "diprs", "topk", "quest", "infllm", "pq")
+
+
+def as_f32(x: Any, name: str) -> np.ndarray:
+    """A C-contiguous float32 numpy view of ``x`` (numpy f32/f16, or a torch CPU tensor of
+    f32, f16 or bf16); a copy only where the dtype or layout needs one."""
+    if hasattr(x, "detach") and hasattr(x, "dtype"):  # a torch tensor
+        import torch
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype != torch.float32:
+            if t.dtype not in (torch.float16, torch.bfloat16):
+                raise InputError(f"{name}: dtype {t.dtype} (expected float32, float16 or bfloat16)")
+            t = t.to(torch.float32)
+        x = t.contiguous().numpy()
+    a = np.asarray(x)
+    if a.dtype not in (np.float32, np.float16):
+        raise InputError(f"{name}: dtype {a.dtype} (expected float32, float16 or bfloat16)")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, label: str, total: int, unit: str = "", enabled: bool = True):
+        self.label, self.total, self.unit = label, max(total, 1), unit
+        self.enabled = enabled and sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        if total is not None:
+            self.total = max(total, 1)
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * done / self.total)
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / done * (self.total - done) if done else 0.0
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}{self.unit} "
+            f"{elapsed:.0f}s (eta {eta:.0f}s)"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class Session:
+    """A prompt's reused prefix, its window and the tokens it added since.
+
+    Create one with ``Store.create_session``. Attention calls may run from many threads at
+    once; ``update`` and ``append_tokens`` take the session alone."""
+
+    def __init__(self, native: Any, store: "Store"):
+        self._native = native
+        self._store = store
+        self._calls = 0
+        self._rows = 0
+        self._retrieved = 0
+        self._scored = 0
+        self._plans: dict[str, int] = {}
+
+    @property
+    def shape(self) -> dict:
+        return self._native.info()["shape"]
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens reused from storage."""
+        return self._native.info()["prefix_tokens"]
+
+    def attention(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        plan: str | None = None,
+        beta: float | None = None,
+        budget: int | None = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ):
+        """Attention of one decode step's queries over ``layer``: ``q`` is ``[q_heads,
+        head_dim]`` (one step) or ``[rows, q_heads, head_dim]`` (each row its own step, as in
+        decode). Returns the output, shaped like ``q`` (float32), and with ``return_lse`` the
+        log-sum-exp per head, ``[q_heads]`` or ``[rows, q_heads]``.
+
+        ``plan`` forces one of ``ctxfs.PLANS``; otherwise the optimizer chooses. ``beta`` is
+        DIPRS's range below the best inner product, ``budget`` caps retrieved tokens,
+        ``scale`` is the softmax scale (default 1/sqrt(head_dim))."""
+        a = as_f32(q, "q")
+        shape = a.shape
+        if a.ndim not in (2, 3):
+            raise InputError(f"q has shape {shape}: expected [q_heads, head_dim] or [rows, q_heads, head_dim]")
+        rows = 1 if a.ndim == 2 else shape[0]
+        out, lse, reports = self._native.attention(
+            layer, a.reshape(rows, -1), plan=plan, beta=beta, budget=budget, scale=scale
+        )
+        self._calls += 1
+        self._rows += rows
+        for label, retrieved, scored in reports:
+            self._plans[label] = self._plans.get(label, 0) + 1
+            self._retrieved += retrieved
+            self._scored += scored
+        out = out.reshape(shape)
+        if a.ndim == 2:
+            lse = lse[0]
+        return (out, lse) if return_lse else out
+
+    def update(self, layer: int, q: Any, k: Any, v: Any) -> None:
+        """Appends tokens to ``layer``: ``k`` and ``v`` ``[kv_heads, t, head_dim]``, ``q``
+        ``[q_heads, t, head_dim]`` or None (queries train the index when the session is
+        stored). Nothing changes when the input is refused."""
+        qa = None if q is None else as_f32(q, "q")
+        self._native.update(layer, qa, as_f32(k, "k"), as_f32(v, "v"))
+
+    def append_tokens(self, ids: Iterable[int]) -> None:
+        """Ids of tokens generated after the prompt, in order (they name the stored context's
+        tokens, for prefix reuse)."""
+        self._native.append_tokens([int(i) for i in ids])
+
+    def store(self, name: str) -> dict:
+        """Persists the session's own tokens as context ``name``, on top of the prefix it
+        reused (whose blocks are shared, not copied)."""
+        return self._native.store(self._store._native, name)
+
+    def plan(self, layer: int, plan: str | None = None) -> dict:
+        """The plan an attention call on ``layer`` runs (``plan`` forces one), and why."""
+        return self._native.plan(layer, plan)
+
+    def stats(self) -> dict:
+        """The session's state and what its attention calls did so far."""
+        info = self._native.info()
+        info.update(
+            attention_calls=self._calls,
+            attention_rows=self._rows,
+            retrieved_tokens=self._retrieved,
+            keys_scored=self._scored,
+            plans=dict(self._plans),
+            pool=self._store.pool_stats(),
+        )
+        return info
+
+
+class Store:
+    """A mounted context store: its buffer pool and prefix trie.
+
+    ``Store.create`` formats one; ``Store.open`` mounts one (for writing, or with
+    ``read_only=True`` beside a writer in another process)."""
+
+    def __init__(self, native: Any):
+        self._native = native
+
+    @classmethod
+    def create(
+        cls,
+        path: str,
+        size: int,
+        block_size: int = 4096,
+        *,
+        force: bool = False,
+        pool: int = 256 << 20,
+        device: str = "auto",
+        window: tuple[int, int] = (128, 512),
+    ) -> "Store":
+        """Formats ``path`` (a file, created with ``size`` bytes when new; a block device) and
+        opens it for writing. An existing store is overwritten only with ``force``."""
+        return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window))
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        pool: int = 256 << 20,
+        device: str = "auto",
+        *,
+        read_only: bool = False,
+        window: tuple[int, int] = (128, 512),
+    ) -> "Store":
+        """Mounts a store. ``pool`` is the buffer pool's byte budget; ``device`` is ``auto``,
+        ``uring`` or ``sync``; ``window`` is the (first, last) tokens every plan attends
+        exactly."""
+        return cls(_native.Store.open(str(path), pool, device, read_only, window))
+
+    @property
+    def path(self) -> str:
+        return str(self._native.path)
+
+    def contexts(self) -> list[dict]:
+        """The committed contexts: name, tokens, shape, parent and blocks of each."""
+        return self._native.inspect()["contexts"]
+
+    def inspect(self) -> dict:
+        """``ctxfs inspect --json``'s summary of the store."""
+        return self._native.inspect()
+
+    def fsck(self) -> dict:
+        """Checks every block of the committed state. ``exit_code`` has ``ctxfs fsck``'s
+        meaning: 0 clean, 4 problems found (each names its block)."""
+        return self._native.fsck()
+
+    def delete(self, name: str) -> None:
+        self._native.delete(name)
+
+    def warm(self, name: str) -> dict:
+        """Reads a context's index into the pool and holds it resident."""
+        return self._native.warm(name)
+
+    def pool_stats(self) -> dict:
+        return self._native.pool_stats()
+
+    def gpu_status(self) -> str:
+        return self._native.gpu_status()
+
+    def import_kv(
+        self,
+        name: str,
+        layers: Iterable[Sequence[Any]],
+        tokens: Sequence[int],
+        *,
+        num_layers: int | None = None,
+        dtype: str = "f16",
+        progress: bool | Callable[[int, int], None] = True,
+    ) -> dict:
+        """Imports a context: ``layers`` yields, per layer, ``(k, v)`` or ``(k, v, q)`` with
+        ``k`` and ``v`` ``[kv_heads, tokens, head_dim]`` and ``q`` (prefill queries that train
+        the index) ``[q_heads, rows, head_dim]``. It is consumed one layer at a time, so only
+        one layer need exist at once. ``num_layers`` is needed when ``layers`` has no length.
+
+        Shapes, dtypes, non-finite values, an existing name and a full store are refused; an
+        import that fails leaves nothing behind."""
+        tokens = [int(t) for t in tokens]
+        if num_layers is None:
+            if not hasattr(layers, "__len__"):
+                raise InputError("layers has no length: pass num_layers")
+            num_layers = len(layers)  # type: ignore[arg-type]
+        it = iter(layers)
+        try:
+            first = next(it)
+        except StopIteration:
+            raise InputError("layers is empty") from None
+        k0, q0 = as_f32(first[0], "k"), (as_f32(first[2], "q") if len(first) > 2 and first[2] is not None else None)
+        if k0.ndim != 3:
+            raise InputError(f"layer 0: k has shape {k0.shape}, expected [kv_heads, tokens, head_dim]")
+        kv_heads, n, head_dim = k0.shape
+        if n != len(tokens):
+            raise InputError(f"layer 0: k holds {n} tokens but {len(tokens)} token ids were given")
+        q_heads = q0.shape[0] if q0 is not None and q0.ndim == 3 else kv_heads
+        pending = {0: first}
+
+        def next_layer(index: int):
+            item = pending.pop(index) if index in pending else next(it, None)
+            if item is None:
+                raise InputError(f"layers ended after {index} layers, expected {num_layers}")
+            if len(item) not in (2, 3):
+                raise InputError(f"layer {index}: expected (k, v) or (k, v, q), got {len(item)} items")
+            k, v = as_f32(item[0], "k"), as_f32(item[1], "v")
+            q = as_f32(item[2], "q") if len(item) == 3 and item[2] is not None else None
+            if k.shape != (kv_heads, n, head_dim) or v.shape != k.shape:
+                raise InputError(
+                    f"layer {index}: k {k.shape} and v {v.shape}, expected {(kv_heads, n, head_dim)} as layer 0"
+                )
+            return k, v, q
+
+        bar = progress if callable(progress) else Progress(f"import {name}", num_layers * kv_heads, " files", progress)
+        try:
+            return self._native.import_kv(
+                name, tokens, num_layers, q_heads, kv_heads, head_dim, next_layer, dtype, bar
+            )
+        finally:
+            if isinstance(bar, Progress):
+                bar.close()
+
+    def create_session(self, tokens: Sequence[int], *, max_reuse: int | None = None) -> tuple[Session, int]:
+        """A session on ``tokens``, reusing the longest prefix a stored context shares with
+        them (at most ``max_reuse`` tokens). Returns the session and the reused prefix length;
+        the caller prefills the rest and passes its KV to ``Session.update``."""
+        native, reused = self._native.create_session([int(t) for t in tokens], max_reuse)
+        return Session(native, self), reused
+
+    def open_session(self, name: str, prefix: int | None = None) -> Session:
+        """A session on the first ``prefix`` tokens (all by default) of a named context."""
+        return Session(self._native.open_session(name, prefix), self)

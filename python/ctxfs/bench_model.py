@@ -1,0 +1,183 @@
+"""Sparse plans against full attention on a real model: ``python -m ctxfs.bench_model``.
+
+SmolLM2-135M-Instruct serves every decode step's attention from a ctxfs store, once per
+plan, and one table compares the plans side by side in one run:
+
+* full attention, the optimizer's plan (auto), DIPRS at beta = sqrt(d) ln 100, Quest at the
+  token budget DIPRS used on average, and the window alone (128 sink + 512 recent tokens,
+  StreamingLLM-style: a plan with a budget of 0 beyond the window);
+* perplexity of a held-out continuation after each long document (code, prose, structured
+  text; ``ctxfs.texts``), teacher-forced one decode step at a time;
+* needle-in-a-haystack accuracy: a passphrase hidden at several depths of a prose haystack,
+  asked for after it;
+* greedy token agreement with full attention over ``--steps`` steps after the prose
+  document;
+* the share of the prefix beyond the window that the plan attended, and ms per decode step
+  (all layers).
+
+``--json`` prints the table as JSON. The contexts are ``--tokens`` long (8,192 by default:
+SmolLM2's trained length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from . import Store, texts
+from . import hf
+
+PASSPHRASES = ["indigo-falcon-42", "copper-lantern-17", "velvet-harbor-88", "quartz-meadow-23"]
+
+
+def plans(head_dim: int) -> dict[str, dict]:
+    beta = math.sqrt(head_dim) * math.log(100)
+    return {
+        "full": {"plan": "full"},
+        "auto": {},
+        "diprs": {"plan": "diprs", "beta": beta},
+        "quest": {"plan": "quest"},  # budget set to DIPRS's mean below
+        "window": {"plan": "quest", "budget": 0},
+    }
+
+
+class Tally:
+    """What a row's attention calls did: rows, tokens retrieved beyond the window, time."""
+
+    def __init__(self):
+        self.rows = self.retrieved = 0
+        self.seconds = 0.0
+        self.steps = 0
+        self.share_den = 0
+
+    def add(self, cache: hf.CtxfsCache, q_heads: int, seconds: float, steps: int) -> None:
+        s = cache.session.stats()
+        beyond = max(cache.prefix - s["window_tokens"], 1)
+        self.rows += s["attention_rows"]
+        self.retrieved += s["retrieved_tokens"]
+        self.share_den += s["attention_rows"] * q_heads * beyond
+        self.seconds += seconds
+        self.steps += steps
+
+
+def perplexity(model, store, name, doc, cont, options, tally, q_heads) -> float:
+    prompt = torch.cat([doc, cont], 1)
+    cache = hf.CtxfsCache(store, prompt, **options)
+    assert cache.prefix == doc.shape[1], "the document is stored"
+    nll, started = 0.0, time.monotonic()
+    with torch.no_grad():
+        logits = None
+        for i in range(cont.shape[1]):
+            if logits is not None:
+                nll -= torch.log_softmax(logits[0, -1].float(), -1)[cont[0, i]].item()
+            logits = model(cont[:, i : i + 1], cache=cache, use_cache=True).logits
+    tally.add(cache, q_heads, time.monotonic() - started, cont.shape[1])
+    return nll / (cont.shape[1] - 1)
+
+
+def generate(model, store, prompt, options, new_tokens, tally, q_heads):
+    cache = hf.CtxfsCache(store, prompt, **options)
+    started = time.monotonic()
+    out = model.generate(prompt, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    tally.add(cache, q_heads, time.monotonic() - started, new_tokens)
+    return out[0, prompt.shape[1] :]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ctxfs.bench_model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192, help="context length (tokens)")
+    ap.add_argument("--continuation", type=int, default=64, help="held-out tokens scored per document")
+    ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, as shares of the haystack")
+    ap.add_argument("--steps", type=int, default=128, help="greedy steps compared with full attention")
+    ap.add_argument("--pool", type=int, default=256 << 20, help="buffer pool bytes")
+    ap.add_argument("--dir", help="where the store goes (default: a temporary directory)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    tok, model = hf.load_smollm2()
+    layers, q_heads, kv_heads, head_dim = hf._shape_of(model)
+    folder = args.dir or tempfile.mkdtemp(prefix="ctxfs-bench-model-")
+    path = os.path.join(folder, "bench.ctxfs")
+    kv_bytes = args.tokens * layers * kv_heads * head_dim * 2 * 2
+    store = Store.create(path, size=kv_bytes * 4 * 7, force=True, pool=args.pool)
+    log = (lambda *a: print(*a, file=sys.stderr)) if not args.json else (lambda *a: None)
+
+    # The documents: the first --tokens tokens of each text, then the held-out continuation.
+    docs = {}
+    for kind in texts.KINDS:
+        ids = tok(texts.text(kind), return_tensors="pt").input_ids
+        docs[kind] = (ids[:, : args.tokens], ids[:, args.tokens : args.tokens + args.continuation])
+        log(f"importing {kind} ({args.tokens} tokens)")
+        hf.import_prefix(model, docs[kind][0], store, kind, progress=not args.json)
+    # The haystacks: prose with a passphrase at each depth, ending before the question.
+    question = tok("\n\nQuestion: What is the secret passphrase? Answer: The secret passphrase is", return_tensors="pt").input_ids
+    hay = tok(texts.text("prose"), return_tensors="pt").input_ids[0]
+    needles = []
+    for i, depth in enumerate(float(d) for d in args.depths.split(",")):
+        word = PASSPHRASES[i % len(PASSPHRASES)]
+        needle = tok(f"\nThe secret passphrase is {word}. Remember it.\n", return_tensors="pt").input_ids[0]
+        room = args.tokens - question.shape[1] - needle.shape[0]
+        at = int(room * depth)
+        ctx = torch.cat([hay[:at], needle, hay[at:room]]).unsqueeze(0)
+        name = f"needle-{depth}"
+        log(f"importing {name}")
+        hf.import_prefix(model, ctx, store, name, progress=not args.json)
+        needles.append((depth, word, ctx))
+
+    hf.use_ctxfs(model)
+    table, reference, diprs_budget = {}, None, None
+    for label, options in plans(head_dim).items():
+        if label == "quest":
+            options = {**options, "budget": diprs_budget}
+        log(f"row {label} {options}")
+        tally = Tally()
+        ppl = {kind: math.exp(perplexity(model, store, kind, d, c, options, tally, q_heads)) for kind, (d, c) in docs.items()}
+        found, answers = [], []
+        for depth, word, ctx in needles:
+            answer = tok.decode(generate(model, store, torch.cat([ctx, question], 1), options, 12, tally, q_heads))
+            answers.append(answer)
+            found.append(word in answer.replace(" ", ""))
+        prose, _ = docs["prose"]
+        greedy = generate(model, store, torch.cat([prose, question[:, :3]], 1), options, args.steps, tally, q_heads)
+        if label == "full":
+            reference = greedy
+        agreement = (greedy == reference).float().mean().item()
+        share = tally.retrieved / max(tally.share_den, 1)
+        if label == "diprs":
+            diprs_budget = max(1, round(share * (args.tokens - 640)))
+        table[label] = {
+            "options": {k: v for k, v in options.items() if v is not None},
+            "perplexity": ppl,
+            "needle_accuracy": sum(found) / len(found),
+            "needle_found": found,
+            "needle_answers": answers,
+            "agreement": agreement,
+            "share_attended": share,
+            "ms_per_step": 1000 * tally.seconds / max(tally.steps, 1),
+        }
+    if args.json:
+        print(json.dumps({"tokens": args.tokens, "model": "SmolLM2-135M-Instruct", "rows": table}, indent=2))
+        return 0
+    kinds = list(docs)
+    head = f"{'plan':<8}" + "".join(f"{'ppl ' + k:>16}" for k in kinds) + f"{'needle':>8}{'agree':>8}{'share':>8}{'ms/step':>9}"
+    print(f"SmolLM2-135M-Instruct, {args.tokens}-token contexts, window 128 + 512")
+    print(head)
+    full = table["full"]["perplexity"]
+    for label, row in table.items():
+        cells = "".join(f"{row['perplexity'][k]:>9.3f} ({row['perplexity'][k] / full[k] - 1:+.1%})" for k in kinds)
+        print(f"{label:<8}{cells}{row['needle_accuracy']:>8.2f}{row['agreement']:>8.3f}"
+              f"{row['share_attended']:>8.3f}{row['ms_per_step']:>9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

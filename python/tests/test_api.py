@@ -1,0 +1,172 @@
+"""The Store and Session API on a real store file: import, sessions, attention against an
+exact numpy reference, errors refused before anything is written, threads."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import ctxfs
+
+L, KV, QH, D, N = 2, 2, 4, 64, 3000
+
+
+def kv_layers(seed=0, n=N):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.standard_normal((KV, n, D), dtype=np.float32),
+            rng.standard_normal((KV, n, D), dtype=np.float32),
+            rng.standard_normal((QH, 64, D), dtype=np.float32),
+        )
+        for _ in range(L)
+    ]
+
+
+def exact(q, k, v, scale):
+    """Attention of q [QH, D] over k, v [KV, n, D] rounded to f16, as stored."""
+    k = np.repeat(k, QH // KV, axis=0).astype(np.float16).astype(np.float32)
+    v = np.repeat(v, QH // KV, axis=0).astype(np.float16).astype(np.float32)
+    z = np.einsum("hd,hnd->hn", q, k) * scale
+    m = z.max(1, keepdims=True)
+    w = np.exp(z - m)
+    return np.einsum("hn,hnd->hd", w / w.sum(1, keepdims=True), v), (m[:, 0] + np.log(w.sum(1)))
+
+
+@pytest.fixture
+def store(store_path):
+    s = ctxfs.Store.create(store_path, size=128 << 20)
+    s.import_kv("doc", kv_layers(), range(N), progress=False)
+    return s
+
+
+def test_import_inspect_fsck_delete(store, store_path):
+    (ctx,) = store.contexts()
+    assert (ctx["name"], ctx["tokens"], ctx["shape"]["kv_heads"], ctx["shape"]["q_heads"]) == ("doc", N, KV, QH)
+    assert store.inspect()["superblock"]["block_size"] == 4096
+    assert store.fsck()["exit_code"] == 0
+    store.delete("doc")
+    assert store.contexts() == []
+    with pytest.raises(ctxfs.NotFoundError, match="doc"):
+        store.delete("doc")
+
+
+def test_full_attention_is_exact_and_sessions_reuse_prefixes(store):
+    layers = kv_layers()
+    session, reused = store.create_session(list(range(N)) + [7, 8])
+    assert reused == N
+    q = np.random.default_rng(5).standard_normal((QH, D), dtype=np.float32)
+    out, lse = session.attention(1, q, plan="full", return_lse=True)
+    ref, ref_lse = exact(q, layers[1][0], layers[1][1], 1 / np.sqrt(D))
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    # Several rows at once: each its own step.
+    rows = np.stack([q, 2 * q])
+    both = session.attention(1, rows, plan="full")
+    assert both.shape == (2, QH, D)
+    np.testing.assert_allclose(both[0], out, atol=1e-6)
+    # A partial prefix is reused, filtered.
+    part, reused = store.create_session(list(range(1000)) + [5])
+    assert reused == 1000 and part.stats()["filtered"]
+    assert part.plan(1)["plan"] == "full"  # 1000 tokens: a short context
+
+
+def test_update_store_and_reuse_the_stored_session(store):
+    session, _ = store.create_session(list(range(N)) + [11, 12])
+    rng = np.random.default_rng(3)
+    for layer in range(L):
+        k, v = rng.standard_normal((KV, 2, D), dtype=np.float32), rng.standard_normal((KV, 2, D), dtype=np.float32)
+        session.update(layer, None, k, v)
+    report = session.store("doc+2")
+    assert report["tokens"] == 2
+    child = next(c for c in store.contexts() if c["name"] == "doc+2")
+    assert child["parent"]["prefix_tokens"] == N and child["own_tokens"] == 2
+    _, reused = store.create_session(list(range(N)) + [11, 12, 13])
+    assert reused == N + 2
+    assert store.fsck()["exit_code"] == 0
+
+
+def test_bad_input_is_refused_and_nothing_is_written(store):
+    before = store.inspect()["space"]["used_blocks"]
+    good = kv_layers(1)
+    big = np.broadcast_to(np.float32(0.5), (KV, 150_000, D))
+    cases = {
+        "exists": ("doc", good, range(N), ctxfs.ExistsError),
+        "nan": ("nan", [good[0], (good[1][0].copy(), good[1][1], None)], range(N), ctxfs.InputError),
+        "shape": ("shape", [good[0], (good[1][0][:, :10], good[1][1][:, :10])], range(N), ctxfs.InputError),
+        "tokens": ("tokens", good, range(N - 1), ctxfs.InputError),
+        "dtype": ("dtype", [(good[0][0].astype(np.int32), good[0][1])], range(N), ctxfs.InputError),
+        # More KV than the 128 MiB store holds: refused before the first block is written
+        # (the import never asks for the second layer).
+        "full": ("full", [(big, big)] * L, range(150_000), ctxfs.StoreFullError),
+    }
+    cases["nan"][1][1][0][1, 17, 3] = np.nan
+    for name, (ctx, layers, tokens, error) in cases.items():
+        with pytest.raises(error):
+            store.import_kv(ctx, layers, tokens, progress=False)
+        assert [c["name"] for c in store.contexts()] == ["doc"], name
+    assert store.fsck()["exit_code"] == 0
+    assert store.inspect()["space"]["used_blocks"] == before
+    session, _ = store.create_session(list(range(N)) + [1])
+    with pytest.raises(ctxfs.InputError, match="layer 9"):
+        session.attention(9, np.zeros((QH, D), np.float32))
+    with pytest.raises(ctxfs.InputError, match="not finite"):
+        session.attention(1, np.full((QH, D), np.inf, np.float32))
+    with pytest.raises(ctxfs.InputError):
+        session.attention(1, np.zeros((QH, D + 1), np.float32))
+    with pytest.raises(ctxfs.InputError, match="unknown plan"):
+        session.attention(1, np.zeros((QH, D), np.float32), plan="magic")
+    with pytest.raises(ctxfs.InputError):
+        session.update(0, None, np.zeros((KV, 1, D), np.float32), np.zeros((KV, 2, D), np.float32))
+    assert session.stats()["updated_rows"] == [0, 0]
+
+
+def test_errors_carry_the_rust_message(store, store_path):
+    with pytest.raises(ctxfs.LockedError, match="open for writing"):
+        ctxfs.Store.open(store_path)
+    reader = ctxfs.Store.open(store_path, read_only=True)
+    assert [c["name"] for c in reader.contexts()] == ["doc"]
+    with pytest.raises(ctxfs.ReadOnlyError):
+        reader.delete("doc")
+    with pytest.raises(ctxfs.NotAStoreError):
+        bad = store_path + ".bad"
+        open(bad, "wb").write(b"\0" * (1 << 20))
+        ctxfs.Store.open(bad)
+    assert issubclass(ctxfs.StoreFullError, ctxfs.Error)
+
+
+def test_torch_tensors_and_f16_arrays_are_accepted(store):
+    torch = pytest.importorskip("torch")
+    session, _ = store.create_session(list(range(N)) + [1])
+    q = np.random.default_rng(9).standard_normal((QH, D), dtype=np.float32)
+    a = session.attention(1, q, plan="full")
+    b = session.attention(1, torch.from_numpy(q), plan="full")
+    c = session.attention(1, q.astype(np.float16), plan="full")
+    d = session.attention(1, torch.from_numpy(q).to(torch.bfloat16), plan="full")
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - c).max() < 1e-2 and np.abs(a - d).max() < 5e-2
+
+
+def test_threads_serve_sessions_in_parallel(store):
+    """The GIL is released during attention: sessions on several threads all answer, and
+    each answer matches the same call made alone."""
+    q = np.random.default_rng(4).standard_normal((QH, D), dtype=np.float32)
+    alone = store.create_session(list(range(N)) + [1])[0].attention(1, q, plan="flat")
+    results, errors = [], []
+
+    def serve():
+        try:
+            s, _ = store.create_session(list(range(N)) + [1])
+            for _ in range(20):
+                results.append(s.attention(1, q, plan="flat"))
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 80
+    for r in results:
+        np.testing.assert_array_equal(r, alone)
