@@ -3,7 +3,7 @@
 # values, prefill and decode queries (layers 1, 8, 15, 22 and 29) over source code, prose and
 # structured text (ctxfs.texts), at 8,192 tokens and at 32,768 tokens with linear RoPE
 # scaling by 4 (position interpolation; the model is trained to 8,192 positions). Writes
-# target/data/smollm2-{code,prose,structured}-{8k,32k}.safetensors; about 25 minutes on 2
+# target/data/smollm2-{code,prose,structured}-{8k,32k}.safetensors; about 50 minutes on 2
 # cores. The small set the tests use, tests/data/smollm2-prose-4k.safetensors, is:
 #   python -m ctxfs.capture tests/data/smollm2-prose-4k.safetensors --kind prose \
 #       --tokens 4096 --layers 15 --decode 16 --train-queries 512

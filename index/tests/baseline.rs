@@ -1,30 +1,80 @@
-//! The regression baseline: hops and keys scored by DIPRS and top-k for a fixed seed, checked
-//! in as `tests/baseline.json`. A change that makes either grow by more than 10% fails here.
-//! After an intended change, rerun with `CTXFS_UPDATE_BASELINE=1` and commit the new file.
+//! The regression baseline: hops and keys scored by DIPRS and top-k, per dataset, checked in
+//! as `tests/baseline.json`: the generator at a fixed seed, and real attention (SmolLM2-135M,
+//! layer 15, 4,096 tokens of prose: `tests/data/smollm2-prose-4k.safetensors` at the
+//! repository root, written by `python -m ctxfs.capture`). A change that makes either grow by
+//! more than 10% on any dataset fails here. After an intended change, rerun with
+//! `CTXFS_UPDATE_BASELINE=1` and commit the new file.
 
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::Pair;
 use ctxfs_index::{build, BuildParams, DiprsParams, MemKeys, SearchStats};
+use half::f16;
+use safetensors::{Dtype, SafeTensors};
+
+/// One head: keys, prefill queries (to train the graph), decode queries.
+struct Head {
+    keys: Vec<f16>,
+    prefill: Vec<f32>,
+    decode: Vec<f32>,
+}
+
+fn generator() -> Vec<Head> {
+    let p = SynthParams { tokens: 8192, head_dim: 64, group: 2, seed: 2024 };
+    (0..2)
+        .map(|kv| {
+            let h = head(&p, 1, kv, 2048, 8);
+            Head { keys: h.keys, prefill: h.prefill.concat(), decode: h.decode.concat() }
+        })
+        .collect()
+}
+
+fn f16s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<f16>) {
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(t.dtype(), Dtype::F16, "{name}");
+    (t.shape().to_vec(), t.data().chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect())
+}
+
+/// Every kv head of the captured layer, with its GQA group's queries.
+fn smollm2_prose() -> Vec<Head> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2-prose-4k.safetensors");
+    let bytes = std::fs::read(path).expect("tests/data/smollm2-prose-4k.safetensors");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (ks, keys) = f16s(&st, "layers.0.k");
+    let (qs, prefill) = f16s(&st, "layers.0.q");
+    let (ds, decode) = f16s(&st, "layers.0.decode_q");
+    let (kv, n, d) = (ks[0], ks[1], ks[2]);
+    let group = qs[0] / kv;
+    let rows = |x: &[f16], per_head: usize, h: usize| -> Vec<f32> {
+        x[h * group * per_head * d..(h + 1) * group * per_head * d].iter().map(|x| x.to_f32()).collect()
+    };
+    (0..kv)
+        .map(|h| Head {
+            keys: keys[h * n * d..(h + 1) * n * d].to_vec(),
+            prefill: rows(&prefill, qs[1], h),
+            decode: rows(&decode, ds[1], h),
+        })
+        .collect()
+}
 
 fn measure() -> Vec<(String, u64)> {
-    let (n, d) = (8192, 64);
-    let p = SynthParams { tokens: n, head_dim: d, group: 2, seed: 2024 };
+    let d = 64;
     let mut out = Vec::new();
-    for kv in 0..2 {
-        let h = head(&p, 1, kv, 2048, 8);
-        let keys = MemKeys::new(d, h.keys.clone());
-        let (graph, _) = build(&keys, &h.prefill.concat(), &BuildParams { threads: 2, ..Default::default() });
-        let idx = Pair { keys: &keys, graph: &graph };
-        let (mut dipr, mut top) = (SearchStats::default(), SearchStats::default());
-        for q in h.decode.concat().chunks(d) {
-            dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, ..Default::default() }).unwrap().stats;
-            top += topk(&idx, q, 100, 128, None).unwrap().stats;
+    for (set, heads) in [("generator", generator()), ("smollm2-prose-4k", smollm2_prose())] {
+        for (kv, h) in heads.iter().enumerate() {
+            let keys = MemKeys::new(d, h.keys.clone());
+            let (graph, _) = build(&keys, &h.prefill, &BuildParams { threads: 2, ..Default::default() });
+            let idx = Pair { keys: &keys, graph: &graph };
+            let (mut dipr, mut top) = (SearchStats::default(), SearchStats::default());
+            for q in h.decode.chunks(d) {
+                dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, ..Default::default() }).unwrap().stats;
+                top += topk(&idx, q, 100, 128, None).unwrap().stats;
+            }
+            out.push((format!("{set}.head{kv}.diprs.hops"), dipr.hops));
+            out.push((format!("{set}.head{kv}.diprs.keys_scored"), dipr.keys_scored));
+            out.push((format!("{set}.head{kv}.topk.hops"), top.hops));
+            out.push((format!("{set}.head{kv}.topk.keys_scored"), top.keys_scored));
         }
-        out.push((format!("head{kv}.diprs.hops"), dipr.hops));
-        out.push((format!("head{kv}.diprs.keys_scored"), dipr.keys_scored));
-        out.push((format!("head{kv}.topk.hops"), top.hops));
-        out.push((format!("head{kv}.topk.keys_scored"), top.keys_scored));
     }
     out
 }

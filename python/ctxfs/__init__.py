@@ -130,6 +130,7 @@ class Session:
         beta: float | None = None,
         budget: int | None = None,
         scale: float | None = None,
+        tail: bool | None = None,
         return_lse: bool = False,
     ):
         """Attention of one decode step's queries over ``layer``: ``q`` is ``[q_heads,
@@ -139,14 +140,16 @@ class Session:
 
         ``plan`` forces one of ``ctxfs.PLANS``; otherwise the optimizer chooses. ``beta`` is
         DIPRS's range below the best inner product, ``budget`` caps retrieved tokens,
-        ``scale`` is the softmax scale (default 1/sqrt(head_dim))."""
+        ``scale`` is the softmax scale (default 1/sqrt(head_dim)). ``tail`` turns on or off
+        the estimate of the softmax mass a DIPR plan left out, from the index's seed sample
+        (default: on for the optimizer's plans, off for forced ones)."""
         a = as_f32(q, "q")
         shape = a.shape
         if a.ndim not in (2, 3):
             raise InputError(f"q has shape {shape}: expected [q_heads, head_dim] or [rows, q_heads, head_dim]")
         rows = 1 if a.ndim == 2 else shape[0]
         out, lse, reports = self._native.attention(
-            layer, a.reshape(rows, -1), plan=plan, beta=beta, budget=budget, scale=scale
+            layer, a.reshape(rows, -1), plan=plan, beta=beta, budget=budget, scale=scale, tail=tail
         )
         self._calls += 1
         self._rows += rows

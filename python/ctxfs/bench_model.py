@@ -15,8 +15,10 @@ plan, and one table compares the plans side by side in one run:
 * the share of the prefix beyond the window that the plan attended, and ms per decode step
   (all layers).
 
-``--json`` prints the table as JSON. The contexts are ``--tokens`` long (8,192 by default:
-SmolLM2's trained length).
+``--rows`` picks rows (full always runs: the others are compared with it); ``--extra
+NAME=JSON`` adds a row of ``Session.attention`` options, e.g. ``scan={"plan": "flat",
+"beta": 73.6, "tail": true}``. ``--json`` prints the table as JSON. The contexts are
+``--tokens`` long (8,192 by default: SmolLM2's trained length).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +38,10 @@ from . import Store, texts
 from . import hf
 
 PASSPHRASES = ["indigo-falcon-42", "copper-lantern-17", "velvet-harbor-88", "quartz-meadow-23"]
+
+
+#: The standard rows, in order.
+ROWS = ("full", "auto", "diprs", "quest", "window")
 
 
 def plans(head_dim: int) -> dict[str, dict]:
@@ -67,7 +74,7 @@ class Tally:
         self.steps += steps
 
 
-def perplexity(model, store, name, doc, cont, options, tally, q_heads) -> float:
+def perplexity(model, store, doc, cont, options, tally, q_heads) -> float:
     prompt = torch.cat([doc, cont], 1)
     cache = hf.CtxfsCache(store, prompt, **options)
     assert cache.prefix == doc.shape[1], "the document is stored"
@@ -95,19 +102,42 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="context length (tokens)")
     ap.add_argument("--continuation", type=int, default=64, help="held-out tokens scored per document")
-    ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, as shares of the haystack")
+    ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, as shares of the haystack ('' for none)")
     ap.add_argument("--steps", type=int, default=128, help="greedy steps compared with full attention")
     ap.add_argument("--pool", type=int, default=256 << 20, help="buffer pool bytes")
-    ap.add_argument("--dir", help="where the store goes (default: a temporary directory)")
+    ap.add_argument("--dir", help="where the store goes, kept afterwards (default: a scratch directory in the "
+                    "current one, removed; O_DIRECT needs a disk file system, not tmpfs)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)} (full is always run)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
+                    help='an extra row: Session.attention options as JSON, e.g. scan=\'{"plan": "flat", "tail": true}\'')
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        ap.error(f"--rows: unknown rows {sorted(unknown)}")
+    for e in args.extra:
+        name, _, spec = e.partition("=")
+        try:
+            if not name or not isinstance(json.loads(spec), dict):
+                raise ValueError
+        except ValueError:
+            ap.error(f"--extra {e!r}: expected NAME=JSON object")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     tok, model = hf.load_smollm2()
+    folder = args.dir or tempfile.mkdtemp(prefix="ctxfs-bench-model-", dir=os.getcwd())
+    try:
+        return run(args, tok, model, folder)
+    finally:
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(args, tok, model, folder: str) -> int:
     layers, q_heads, kv_heads, head_dim = hf._shape_of(model)
-    folder = args.dir or tempfile.mkdtemp(prefix="ctxfs-bench-model-")
     path = os.path.join(folder, "bench.ctxfs")
     kv_bytes = args.tokens * layers * kv_heads * head_dim * 2 * 2
+    # Six contexts (three documents, three haystacks); an index takes about as much as the KV.
     store = Store.create(path, size=kv_bytes * 4 * 7, force=True, pool=args.pool)
     log = (lambda *a: print(*a, file=sys.stderr)) if not args.json else (lambda *a: None)
 
@@ -122,7 +152,7 @@ def main(argv=None) -> int:
     question = tok("\n\nQuestion: What is the secret passphrase? Answer: The secret passphrase is", return_tensors="pt").input_ids
     hay = tok(texts.text("prose"), return_tensors="pt").input_ids[0]
     needles = []
-    for i, depth in enumerate(float(d) for d in args.depths.split(",")):
+    for i, depth in enumerate(float(d) for d in args.depths.split(",") if d):
         word = PASSPHRASES[i % len(PASSPHRASES)]
         needle = tok(f"\nThe secret passphrase is {word}. Remember it.\n", return_tensors="pt").input_ids[0]
         room = args.tokens - question.shape[1] - needle.shape[0]
@@ -135,12 +165,20 @@ def main(argv=None) -> int:
 
     hf.use_ctxfs(model)
     table, reference, diprs_budget = {}, None, None
-    for label, options in plans(head_dim).items():
+    wanted = {"full", *args.rows.split(",")}
+    rows = {k: v for k, v in plans(head_dim).items() if k in wanted}
+    rows.update((e.partition("=")[0], json.loads(e.partition("=")[2])) for e in args.extra)
+    for label, options in rows.items():
         if label == "quest":
+            if diprs_budget is None:  # DIPRS was not run: measure its budget alone
+                probe = Tally()
+                for d, c in docs.values():
+                    perplexity(model, store, d, c, plans(head_dim)["diprs"], probe, q_heads)
+                diprs_budget = max(1, round(probe.retrieved / max(probe.share_den, 1) * (args.tokens - 640)))
             options = {**options, "budget": diprs_budget}
         log(f"row {label} {options}")
         tally = Tally()
-        ppl = {kind: math.exp(perplexity(model, store, kind, d, c, options, tally, q_heads)) for kind, (d, c) in docs.items()}
+        ppl = {kind: math.exp(perplexity(model, store, d, c, options, tally, q_heads)) for kind, (d, c) in docs.items()}
         found, answers = [], []
         for depth, word, ctx in needles:
             answer = tok.decode(generate(model, store, torch.cat([ctx, question], 1), options, 12, tally, q_heads))
@@ -157,7 +195,7 @@ def main(argv=None) -> int:
         table[label] = {
             "options": {k: v for k, v in options.items() if v is not None},
             "perplexity": ppl,
-            "needle_accuracy": sum(found) / len(found),
+            "needle_accuracy": sum(found) / len(found) if found else None,
             "needle_found": found,
             "needle_answers": answers,
             "agreement": agreement,
@@ -168,13 +206,14 @@ def main(argv=None) -> int:
         print(json.dumps({"tokens": args.tokens, "model": "SmolLM2-135M-Instruct", "rows": table}, indent=2))
         return 0
     kinds = list(docs)
-    head = f"{'plan':<8}" + "".join(f"{'ppl ' + k:>16}" for k in kinds) + f"{'needle':>8}{'agree':>8}{'share':>8}{'ms/step':>9}"
+    head = f"{'plan':<14}" + "".join(f"{'ppl ' + k:>16}" for k in kinds) + f"{'needle':>8}{'agree':>8}{'share':>8}{'ms/step':>9}"
     print(f"SmolLM2-135M-Instruct, {args.tokens}-token contexts, window 128 + 512")
     print(head)
     full = table["full"]["perplexity"]
     for label, row in table.items():
         cells = "".join(f"{row['perplexity'][k]:>9.3f} ({row['perplexity'][k] / full[k] - 1:+.1%})" for k in kinds)
-        print(f"{label:<8}{cells}{row['needle_accuracy']:>8.2f}{row['agreement']:>8.3f}"
+        needle = "-" if row["needle_accuracy"] is None else f"{row['needle_accuracy']:.2f}"
+        print(f"{label:<14}{cells}{needle:>8}{row['agreement']:>8.3f}"
               f"{row['share_attended']:>8.3f}{row['ms_per_step']:>9.1f}")
     return 0
 

@@ -91,7 +91,9 @@ def main(argv=None) -> int:
         ap.error(f"--layers: the model has {model.config.num_hidden_layers} layers")
     needed = args.tokens + args.decode
     trained = model.config.max_position_embeddings
-    factor = args.rope_scale or (math.ceil(needed / trained) if needed > trained else 1)
+    # Scaled when the prefix exceeds the trained positions; the few decode steps after a
+    # prefix that fits are within RoPE's reach.
+    factor = args.rope_scale or (math.ceil(needed / trained) if args.tokens > trained else 1)
     if factor != 1:
         scale_rope(model, factor)
     ids = tok(texts.text(args.kind), return_tensors="pt").input_ids

@@ -226,8 +226,8 @@ type AttentionOut<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>, 
 impl Session {
     /// Attention of `rows` decode queries `[rows, q_heads * head_dim]` over `layer`, each row
     /// on its own (as one decode step). `plan` forces a plan; `beta`, `budget` and `scale`
-    /// override the optimizer's.
-    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None))]
+    /// override the optimizer's; `tail` turns the tail estimate on or off.
+    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None))]
     fn attention<'py>(
         &self,
         py: Python<'py>,
@@ -237,6 +237,7 @@ impl Session {
         beta: Option<f32>,
         budget: Option<usize>,
         scale: Option<f32>,
+        tail: Option<bool>,
     ) -> PyResult<AttentionOut<'py>> {
         let mut opts = AttentionOptions::default();
         if let Some(p) = plan {
@@ -247,6 +248,7 @@ impl Session {
         }
         opts.budget = budget;
         opts.scale = scale;
+        opts.tail = tail;
         let shape = self.read().shape();
         let width = shape.q_heads as usize * shape.head_dim as usize;
         let q = slice("q", &q)?;
