@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Python package into a virtual environment with what its tests need:
 # target/venv (override with CTXFS_VENV). Dependencies are installed once per change of
-# python/requirements-test.txt; the package is rebuilt every time. Prints the venv's path.
+# python/requirements-test.txt; the package is rebuilt every time. Prints the venv's
+# absolute path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CTXFS_VENV:-target/venv}
@@ -18,4 +19,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" >"$stamp"
 fi
 "$venv/bin/pip" install -q ./python >&2
-echo "$venv"
+cd "$venv" && pwd

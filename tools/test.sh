@@ -6,5 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
 venv=$(bash tools/python-env.sh)
+# Scratch stores under target/ as cargo's tests keep them: O_DIRECT needs a disk file
+# system, and /tmp may be tmpfs.
+root=$PWD
 cd python/tests
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "../../$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::FutureWarning .
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    -W ignore::FutureWarning --basetemp "$root/target/pytest" .
