@@ -18,6 +18,16 @@ use std::path::Path;
 /// Largest header accepted (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
+/// The first element of `x` that a context stored as `dtype` cannot hold: not finite, or
+/// beyond the type's largest value (it would be stored as infinity).
+pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<usize> {
+    let max = match dtype {
+        DType::F16 => f16::MAX.to_f32(),
+        DType::Bf16 => bf16::MAX.to_f32(),
+    };
+    x.iter().position(|x| !x.is_finite() || x.abs() > max)
+}
+
 /// A context's KV cache, one (layer, kv head) at a time.
 pub trait KvSource: Sync {
     /// The model shape; `dtype` is how the context is stored.
@@ -196,6 +206,11 @@ impl SafetensorsKv {
             .filter(|(n, _)| n.starts_with("layers.") && [".k", ".v", ".q"].iter().any(|p| n.ends_with(p)))
             .map(|(_, t)| (t.data_offsets.1 - t.data_offsets.0) as u64)
             .sum()
+    }
+
+    /// The file's `__metadata__` (string pairs), if it has one.
+    pub fn metadata(&self) -> Option<&std::collections::HashMap<String, String>> {
+        self.meta.metadata().as_ref()
     }
 
     /// Decode queries of every q head of a kv head's GQA group, from `layers.{layer}.decode_q`

@@ -11,6 +11,7 @@
 
 use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
+use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan};
 use crate::poison::lock;
@@ -28,14 +29,6 @@ use ctxfs_kernels::Partial;
 use ctxfs_vfs::DType;
 use ctxfs_vfs::{ModelShape, Snapshot};
 use half::{bf16, f16};
-
-/// The largest finite value of a stored element type.
-fn max_of(dtype: DType) -> f32 {
-    match dtype {
-        DType::F16 => f16::MAX.to_f32(),
-        DType::Bf16 => bf16::MAX.to_f32(),
-    }
-}
 
 /// `x` rounded to a stored element type, back in f32.
 fn round_to(dtype: DType, x: f32) -> f32 {
@@ -386,7 +379,7 @@ impl Session {
             return input(format!("update of layer {layer}: q has {} elements, expected {qh} × {t} × {d}", q.len()));
         }
         for (name, x) in [("q", q), ("k", k), ("v", v)] {
-            if let Some(i) = x.iter().position(|x| !x.is_finite() || x.abs() > max_of(s.dtype)) {
+            if let Some(i) = first_unstorable(x, s.dtype) {
                 return input(format!(
                     "update of layer {layer}: {name}[{i}] = {} is not a finite {} value",
                     x[i],

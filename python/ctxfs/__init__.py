@@ -290,27 +290,31 @@ class Store:
                 raise InputError("layers has no length: pass num_layers")
             num_layers = len(layers)  # type: ignore[arg-type]
         it = iter(layers)
+
+        def unpack(index: int, item) -> tuple:
+            if item is None:
+                raise InputError(f"layers ended after {index} layers, expected {num_layers}")
+            if len(item) not in (2, 3):
+                raise InputError(f"layer {index}: expected (k, v) or (k, v, q), got {len(item)} items")
+            q = as_f32(item[2], "q") if len(item) == 3 and item[2] is not None else None
+            return as_f32(item[0], "k"), as_f32(item[1], "v"), q
+
         try:
             first = next(it)
         except StopIteration:
             raise InputError("layers is empty") from None
-        k0, q0 = as_f32(first[0], "k"), (as_f32(first[2], "q") if len(first) > 2 and first[2] is not None else None)
+        # Layer 0, converted once: peeked at for the shape, then handed to the import.
+        pending = {0: unpack(0, first)}
+        k0, _, q0 = pending[0]
         if k0.ndim != 3:
             raise InputError(f"layer 0: k has shape {k0.shape}, expected [kv_heads, tokens, head_dim]")
         kv_heads, n, head_dim = k0.shape
         if n != len(tokens):
             raise InputError(f"layer 0: k holds {n} tokens but {len(tokens)} token ids were given")
         q_heads = q0.shape[0] if q0 is not None and q0.ndim == 3 else kv_heads
-        pending = {0: first}
 
         def next_layer(index: int):
-            item = pending.pop(index) if index in pending else next(it, None)
-            if item is None:
-                raise InputError(f"layers ended after {index} layers, expected {num_layers}")
-            if len(item) not in (2, 3):
-                raise InputError(f"layer {index}: expected (k, v) or (k, v, q), got {len(item)} items")
-            k, v = as_f32(item[0], "k"), as_f32(item[1], "v")
-            q = as_f32(item[2], "q") if len(item) == 3 and item[2] is not None else None
+            k, v, q = pending.pop(index) if index in pending else unpack(index, next(it, None))
             if k.shape != (kv_heads, n, head_dim) or v.shape != k.shape:
                 raise InputError(
                     f"layer {index}: k {k.shape} and v {v.shape}, expected {(kv_heads, n, head_dim)} as layer 0"

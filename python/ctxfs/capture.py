@@ -48,25 +48,16 @@ def capture(model, ids: torch.Tensor, tokens: int, decode: int, layers: list[int
     ``decode`` decode steps over the ids after them, for the given layers."""
     prefix = ids[:, :tokens]
     cache, train = hf.capture_prefix(model, prefix, train_queries=train_queries, progress=progress)
-    cap = hf._Capture(len(cache.layers), np.arange(tokens, tokens + decode))
-    previous = model.config._attn_implementation
-    hf._current.capture = cap
-    try:
-        model.set_attn_implementation("ctxfs_capture")
-        with torch.no_grad():
-            for i in range(decode):
-                cap.chunk = (tokens + i, tokens + i + 1)
-                model(ids[:, tokens + i : tokens + i + 1], cache=cache, use_cache=True)
-    finally:
-        model.set_attn_implementation(previous)
-        hf._current.capture = None
+    steps = hf.feed_capturing(model, ids[:, : tokens + decode], cache, np.arange(tokens, tokens + decode), tokens, 1)
+    def half(t: torch.Tensor) -> np.ndarray:
+        return t.to(torch.float16).contiguous().numpy()
+
     out = {}
     for i, layer in enumerate(layers):
-        half = lambda t: t.to(torch.float16).contiguous().numpy()  # noqa: E731
         out[f"layers.{i}.k"] = half(cache.layers[layer].keys[0, :, :tokens])
         out[f"layers.{i}.v"] = half(cache.layers[layer].values[0, :, :tokens])
         out[f"layers.{i}.q"] = half(train[layer])
-        out[f"layers.{i}.decode_q"] = half(torch.cat(cap.rows[layer], dim=1))
+        out[f"layers.{i}.decode_q"] = half(steps[layer])
     out["tokens"] = prefix[0].to(torch.int32).numpy()
     return out
 

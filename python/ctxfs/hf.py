@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import InputError, Progress, Session, Store
@@ -61,8 +62,6 @@ class _Capture:
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     cap: _Capture = _current.capture
     start, end = cap.chunk
     pick = cap.keep[(cap.keep >= start) & (cap.keep < end)] - start
@@ -82,29 +81,39 @@ def capture_prefix(
 
     ids = torch.as_tensor(_token_list(input_ids)).unsqueeze(0)
     n = ids.shape[1]
-    layers = _shape_of(model)[0]
     keep = np.unique(np.linspace(0, n - 1, min(n, train_queries)).round().astype(np.int64))
-    cap = _Capture(layers, keep)
+    cache = DynamicCache(config=model.config)
+    bar = Progress("prefill", n, " tokens", progress)
+    try:
+        queries = feed_capturing(model, ids, cache, keep, 0, chunk, bar)
+    finally:
+        bar.close()
+    return cache, queries
+
+
+def feed_capturing(model: Any, ids: torch.Tensor, cache: Any, keep: np.ndarray, start: int, chunk: int, bar=None):
+    """Feeds ``ids[:, start:]`` through ``model`` onto ``cache``, ``chunk`` tokens at a time,
+    keeping the queries at the absolute positions ``keep``. Returns, per layer, the kept
+    queries ``[q_heads, rows, head_dim]`` in position order (None for a layer with none)."""
+    n = ids.shape[1]
+    cap = _Capture(_shape_of(model)[0], keep)
     previous = model.config._attn_implementation
     AttentionInterface.register("ctxfs_capture", _capture_attention)
     AttentionMaskInterface.register("ctxfs_capture", AttentionMaskInterface._global_mapping["sdpa"])
-    cache = DynamicCache(config=model.config)
-    bar = Progress("prefill", n, " tokens", progress)
     _current.capture = cap
     try:
         model.set_attn_implementation("ctxfs_capture")
         with torch.no_grad():
-            for start in range(0, n, chunk):
-                end = min(n, start + chunk)
-                cap.chunk = (start, end)
-                model(ids[:, start:end], cache=cache, use_cache=True)
-                bar(end)
+            for first in range(start, n, chunk):
+                end = min(n, first + chunk)
+                cap.chunk = (first, end)
+                model(ids[:, first:end], cache=cache, use_cache=True)
+                if bar is not None:
+                    bar(end)
     finally:
         model.set_attn_implementation(previous)
         _current.capture = None
-        bar.close()
-    queries = [torch.cat(r, dim=1) if r else None for r in cap.rows]
-    return cache, queries
+    return [torch.cat(r, dim=1) if r else None for r in cap.rows]
 
 
 def import_prefix(
@@ -301,6 +310,7 @@ __all__ = [
     "CtxfsLayer",
     "capture_prefix",
     "ctxfs_attention",
+    "feed_capturing",
     "import_cache",
     "import_prefix",
     "load_smollm2",

@@ -2,6 +2,7 @@
 //! import asks for (layer, kv head) in order, so one layer is held at once, and the GIL is
 //! taken only to fetch the next layer.
 
+use ctxfs_attention::kv::first_unstorable;
 use ctxfs_attention::{Error, KvSource, Result};
 use ctxfs_vfs::ModelShape;
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
@@ -87,8 +88,12 @@ impl PyLayers {
                 }
             };
             for (name, x) in [("k", &keys), ("v", &values), ("q", &queries)] {
-                if let Some(i) = x.iter().position(|x| !x.is_finite()) {
-                    return Err(Error::Input(format!("layer {layer}: {name}[{i}] = {} is not finite", x[i])));
+                if let Some(i) = first_unstorable(x, s.dtype) {
+                    return Err(Error::Input(format!(
+                        "layer {layer}: {name}[{i}] = {} is not a finite {} value",
+                        x[i],
+                        s.dtype.name()
+                    )));
                 }
             }
             Ok(Layer { index: layer, keys, values, queries })

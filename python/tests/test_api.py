@@ -101,6 +101,9 @@ def test_bad_input_is_refused_and_nothing_is_written(store):
         "full": ("full", [(big, big)] * L, range(150_000), ctxfs.StoreFullError),
     }
     cases["nan"][1][1][0][1, 17, 3] = np.nan
+    # Finite in f32, infinite in the f16 the store keeps.
+    cases["range"] = ("range", [good[0], (good[1][0], good[1][1].copy(), None)], range(N), ctxfs.InputError)
+    cases["range"][1][1][1][0, 5, 7] = 1e6
     for name, (ctx, layers, tokens, error) in cases.items():
         with pytest.raises(error):
             store.import_kv(ctx, layers, tokens, progress=False)

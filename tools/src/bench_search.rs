@@ -91,7 +91,9 @@ struct BenchHead {
 impl Source {
     fn open(path: &std::path::Path) -> Result<Source> {
         let kv = Box::new(SafetensorsKv::open(path, DType::F16)?);
-        let meta = read_metadata(path).unwrap_or_default();
+        // Sorted, so that the description reads the same every run.
+        let meta: std::collections::BTreeMap<&str, &str> =
+            kv.metadata().into_iter().flatten().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let about = meta.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ");
         let named: Vec<String> =
             meta.get("layers").map(|l| l.split(',').map(str::to_string).collect()).unwrap_or_default();
@@ -166,23 +168,6 @@ impl Source {
             }
         }
     }
-}
-
-/// The `__metadata__` of a safetensors file.
-fn read_metadata(path: &std::path::Path) -> Option<std::collections::BTreeMap<String, String>> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).ok()?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).ok()?;
-    let n = u64::from_le_bytes(len);
-    if n > 100_000_000 {
-        return None;
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    let meta = v.get("__metadata__")?.as_object()?;
-    Some(meta.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect())
 }
 
 const WINDOW: (usize, usize) = (128, 512);
