@@ -1,6 +1,6 @@
 //! import → reopen → session → attention, against exact attention computed independently.
 
-use ctxfs_attention::{AttentionOptions, Db, DbConfig, Plan, SafetensorsKv};
+use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, Rules, SafetensorsKv};
 use ctxfs_integration::{book, exact, mkfs, rel_err, widen, Book};
 use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
 use half::f16;
@@ -12,11 +12,13 @@ fn open(store: &Path) -> Db {
     Db::open(store, DeviceChoice::Auto, DbConfig { pool_bytes: 64 << 20, ..Default::default() }).expect("open the db")
 }
 
-/// A DB whose data area is far smaller than the context's values: the optimizer does not
-/// take the coarse plans' ample-memory rule, so it picks DIPRS beyond layer 0. It opens
-/// read-only, as a second server beside the writer would.
+/// A DB whose data area is far smaller than the context's values and whose optimizer scans
+/// no context whole: it takes neither the scan rule nor the coarse plans' ample-memory rule,
+/// so it picks DIPRS beyond layer 0. It opens read-only, as a second server beside the
+/// writer would.
 fn lean(store: &Path) -> Db {
-    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, ..Default::default() };
+    let rules = Rules { scan_context: 0, ..Default::default() };
+    let small = DbConfig { pool_bytes: 24 << 20, data_fraction: 0.05, rules, ..Default::default() };
     Db::open_read_only(store, DeviceChoice::Auto, small).expect("open the db")
 }
 
@@ -107,8 +109,10 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             }
             let auto =
                 session.attention_with(layer, &q, &AttentionOptions { beta, detail: true, ..Default::default() });
-            // This DB's data area holds every value: the optimizer's coarse rule applies.
-            assert_eq!(auto.unwrap().choice.label(), if layer == 0 { "flat" } else { "quest" });
+            // An 8K context is within the scan's reach: the optimizer scans, with its target.
+            let auto = auto.unwrap();
+            assert_eq!((auto.choice.label(), auto.choice.error_target), ("flat".into(), Some(0.02)));
+            assert!(auto.heads.iter().all(|h| h.estimated_error.is_some()));
             let lean = lean.attention(layer, &q).unwrap();
             assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "diprs" });
             let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
@@ -480,4 +484,61 @@ fn the_tail_estimate_brings_dipr_answers_closer_to_exact_attention() {
     println!("output error against exact attention: bare DIPR {bare_err:.3}, with the tail estimate {tail_err:.3}");
     // Measured 0.368 bare, 0.285 with the estimate.
     assert!(tail_err < 0.85 * bare_err, "the tail estimate did not help: {tail_err} against {bare_err}");
+}
+
+/// An error target on real attention (SmolLM2-135M, layer 15, 4,096 tokens of prose: the
+/// dataset in tests/data): the flat scan cuts each query's range where the mass it leaves
+/// out meets the target, and widens it once when the error estimated from the values misses.
+#[test]
+fn an_error_target_is_met_on_real_attention() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data/smollm2-prose-4k.safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    let store = mkfs(dir.path(), 64);
+    let db = open(&store);
+    let src = SafetensorsKv::open(Path::new(data), DType::F16).unwrap();
+    db.import("prose", &src, |_| {}).unwrap();
+    let session = db.open_session("prose", None).unwrap();
+    let shape = session.shape();
+    let (d, kv) = (shape.head_dim as usize, shape.kv_heads as usize);
+    let group = (shape.q_heads / shape.kv_heads) as usize;
+    let n = src.token_count() as u32;
+    let all: Vec<u32> = (0..n).collect();
+    let target = 0.01;
+    let keys: Vec<Vec<f32>> = (0..kv).map(|h| widen(&to_halves(&src.keys(0, h).unwrap()))).collect();
+    let values: Vec<Vec<f32>> = (0..kv).map(|h| widen(&to_halves(&src.values(0, h).unwrap()))).collect();
+    let decode: Vec<Vec<Vec<f32>>> = (0..kv).map(|h| src.decode_queries(0, h).unwrap().unwrap()).collect();
+    let (mut met, mut answers, mut retrieved) = (0, 0, 0);
+    for step in 0..8 {
+        // All q heads of the step, head after head.
+        let mut q = Vec::new();
+        for per_head in &decode {
+            for g in per_head {
+                q.extend_from_slice(&g[step * d..(step + 1) * d]);
+            }
+        }
+        let opts = AttentionOptions { plan: Some(Plan::Flat), target_error: Some(target), ..Default::default() };
+        let a = session.attention_with(0, &q, &opts).unwrap();
+        for (qh, r) in a.heads.iter().enumerate() {
+            let h = qh / group;
+            let want = exact(&keys[h], &values[h], d, &all, &q[qh * d..(qh + 1) * d], 1.0 / (d as f32).sqrt()).0;
+            let error = rel_err(&a.output[qh * d..(qh + 1) * d], &want);
+            let estimate = r.estimated_error.expect("a target reports its estimate");
+            assert!(estimate.is_finite() && estimate >= 0.0, "{estimate}");
+            met += usize::from(error <= f64::from(target));
+            answers += 1;
+            retrieved += r.retrieved;
+        }
+    }
+    let share = retrieved as f64 / (answers as f64 * (n as f64 - 640.0));
+    println!("error ≤ {target} on {met} of {answers} answers, {:.1}% of the tokens beyond the window", share * 100.0);
+    assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
+    assert!(share < 0.5, "the target retrieved {:.1}% of the tokens", share * 100.0);
+    // A target must be a positive number.
+    let bad = AttentionOptions { target_error: Some(f32::NAN), ..Default::default() };
+    let err = session.attention_with(0, &vec![0.1; shape.q_heads as usize * d], &bad).unwrap_err();
+    assert!(err.to_string().contains("error target"), "{err}");
+}
+
+fn to_halves(x: &[f32]) -> Vec<f16> {
+    x.iter().map(|&v| f16::from_f32(v)).collect()
 }

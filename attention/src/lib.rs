@@ -27,5 +27,5 @@ pub use db::{Db, DbConfig, WarmReport, Window};
 pub use error::{Error, Result};
 pub use import::WriteReport;
 pub use kv::{KvSource, SafetensorsKv};
-pub use plan::{Choice, Plan, Rules};
+pub use plan::{Choice, Plan, Request, Rules};
 pub use session::{Attention, AttentionOptions, Device, HeadReport, HeadTiming, Session, WARM_START_TOKENS};

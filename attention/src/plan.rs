@@ -70,22 +70,43 @@ pub struct Rules {
     /// fewer need retrieving, and DIPRS narrows a diffuse range to about this many instead
     /// of exploring what the cap would drop (docs/architecture.md, "The tail estimate").
     pub dipr_tail_budget: usize,
+    /// Reused prefixes of at most this many tokens are served by the flat scan with the
+    /// error target `error_target`: the scan knows every score, so it cuts each query's range
+    /// where the target asks, and on real attention it is within a small factor of DIPRS's
+    /// speed there (`ctxfs bench search --data`: DIPRS 1.1–2.9× faster than the flat plan at
+    /// 8K–32K tokens). Beyond it a scan's cost grows with the context and DIPRS serves.
+    pub scan_context: u32,
+    /// The output error the optimizer's scan plans target (`AttentionOptions::target_error`).
+    /// On SmolLM2-135M's 8K contexts (`python -m ctxfs.bench_model`, docs/benchmarks.md)
+    /// 0.02 held perplexity within 0.6% of full attention's on three texts, attending 8.9% of
+    /// the prefix beyond the window; 0.03 attended 7.0% but came within 0.02 points of the
+    /// 1% bound (−0.98% on prose); 0.01 attends about half again as much as 0.02.
+    pub error_target: f32,
 }
 
 impl Default for Rules {
     fn default() -> Self {
-        Rules { short_context: 4096, dipr_budget: 4096, dipr_tail_budget: 1024 }
+        Rules {
+            short_context: 4096,
+            dipr_budget: 4096,
+            dipr_tail_budget: 1024,
+            scan_context: 32768,
+            error_target: 0.02,
+        }
     }
 }
 
 /// A plan and why it was chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice {
     pub plan: Plan,
     /// Only part of a stored context is reused: searches filter to the prefix.
     pub filtered: bool,
     /// The caller chose the plan (the optimizer's budgets do not apply).
     pub forced: bool,
+    /// The output error the plan targets instead of a fixed β: the caller's, or the
+    /// optimizer's for its scan plans (`Rules::error_target`). DIPR plans only.
+    pub error_target: Option<f32>,
     pub reason: &'static str,
 }
 
@@ -100,13 +121,27 @@ impl Choice {
     }
 }
 
+/// What a call asks of the optimizer besides the session's state.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Request {
+    /// The caller's plan, which overrides the optimizer.
+    pub forced: Option<Plan>,
+    /// The caller's output error target (`AttentionOptions::target_error`).
+    pub error_target: Option<f32>,
+}
+
 /// Chooses the plan for `layer` of a session reusing `prefix` stored tokens (`filtered`:
 /// part of a stored context; `ample`: the memory budget holds the prefix's values, so whole
-/// pages cost little to attend), unless `forced`.
-pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: bool, forced: Option<Plan>) -> Choice {
-    let (plan, reason) = match forced {
+/// pages cost little to attend), unless the request forces one.
+pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: bool, request: Request) -> Choice {
+    let (plan, reason) = match request.forced {
         Some(p) => (p, "forced by the caller"),
         None if prefix <= rules.short_context => (Plan::Full, "short context"),
+        // The scan knows every score: it cuts the range exactly where a target asks, where
+        // DIPRS's estimate misses the keys its range phase did not reach (`ctxfs bench search`,
+        // real attention: the scan meets a 1% target on 95–99% of queries, DIPRS on 70–85%).
+        None if request.error_target.is_some() => (Plan::Flat, "error target: the scan cuts the range exactly"),
+        None if prefix <= rules.scan_context => (Plan::Flat, "scannable context: the scan meets an error target"),
         None if layer == 0 => (Plan::Flat, "layer 0 attends broadly"),
         // Quest is the best of the coarse types at equal budgets (`ctxfs bench search`: at a
         // 1K budget, DIPR recall 0.888 against InfLLM's 0.841 and PQ m=2 b=6's 0.428).
@@ -114,7 +149,12 @@ pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: b
         None if filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
         None => (Plan::Diprs, "long context"),
     };
-    Choice { plan, filtered, forced: forced.is_some(), reason }
+    let error_target = match (request.error_target, plan) {
+        (Some(e), Plan::Flat | Plan::Diprs) => Some(e),
+        (None, Plan::Flat) if request.forced.is_none() && prefix <= rules.scan_context => Some(rules.error_target),
+        _ => None,
+    };
+    Choice { plan, filtered, forced: request.forced.is_some(), error_target, reason }
 }
 
 #[cfg(test)]
@@ -124,15 +164,28 @@ mod tests {
     #[test]
     fn follows_the_papers_rules_and_honours_overrides() {
         let r = Rules::default();
-        assert_eq!(choose(&r, 5, 1000, false, false, None).plan, Plan::Full);
-        assert_eq!(choose(&r, 0, 100_000, false, false, None).plan, Plan::Flat);
-        let c = choose(&r, 3, 100_000, true, false, None);
+        assert_eq!(choose(&r, 5, 1000, false, false, Request::default()).plan, Plan::Full);
+        let layer0 = choose(&r, 0, 100_000, false, false, Request::default());
+        assert_eq!((layer0.plan, layer0.error_target), (Plan::Flat, None));
+        // Up to the scan's reach, the optimizer's plan is the scan with its error target.
+        let scanned = choose(&r, 3, 32_768, true, true, Request::default());
+        assert_eq!((scanned.label(), scanned.error_target), ("flat+prefix".to_string(), Some(r.error_target)));
+        let c = choose(&r, 3, 100_000, true, false, Request::default());
         assert_eq!((c.plan, c.label()), (Plan::Diprs, "diprs+prefix".to_string()));
-        assert_eq!(choose(&r, 3, 100_000, false, false, None).label(), "diprs");
-        assert_eq!(choose(&r, 3, 100_000, false, true, None).label(), "quest");
-        assert_eq!(choose(&r, 0, 100_000, false, true, None).label(), "flat");
-        assert_eq!(choose(&r, 0, 100_000, false, false, Some(Plan::Topk)).plan, Plan::Topk);
-        assert_eq!(choose(&r, 3, 100, true, false, None).label(), "full");
+        assert_eq!(choose(&r, 3, 100_000, false, false, Request::default()).label(), "diprs");
+        assert_eq!(choose(&r, 3, 100_000, false, true, Request::default()).label(), "quest");
+        assert_eq!(choose(&r, 0, 100_000, false, true, Request::default()).label(), "flat");
+        let forced = |p| Request { forced: Some(p), error_target: None };
+        assert_eq!(choose(&r, 0, 100_000, false, false, forced(Plan::Topk)).plan, Plan::Topk);
+        let targeted = Request { forced: None, error_target: Some(0.05) };
+        let c = choose(&r, 3, 100_000, false, true, targeted);
+        assert_eq!((c.label(), c.error_target), ("flat".to_string(), Some(0.05)));
+        let c = choose(&r, 3, 1000, false, false, targeted);
+        assert_eq!((c.label(), c.error_target), ("full".to_string(), None));
+        let forced_target = Request { forced: Some(Plan::Diprs), error_target: Some(0.05) };
+        assert_eq!(choose(&r, 3, 100_000, false, false, forced_target).error_target, Some(0.05));
+        assert_eq!(choose(&r, 3, 100_000, false, false, forced(Plan::Flat)).error_target, None);
+        assert_eq!(choose(&r, 3, 100, true, false, Request::default()).label(), "full");
         assert_eq!("topk".parse::<Plan>(), Ok(Plan::Topk));
         assert_eq!("pq".parse::<Plan>(), Ok(Plan::Pq));
         assert!("nope".parse::<Plan>().is_err());

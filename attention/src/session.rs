@@ -13,7 +13,7 @@ use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
 use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
-use crate::plan::{choose, Choice, Plan};
+use crate::plan::{choose, Choice, Plan, Request};
 use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
 use ctxfs_index::coarse::infllm::PagedInfllm;
@@ -23,7 +23,8 @@ use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
-use ctxfs_index::{flat, DiprsParams, Keys, SearchResult, SearchStats, SeedScores};
+use ctxfs_index::target::{estimate, REFINEMENTS};
+use ctxfs_index::{flat, DiprsParams, Keys, MassTarget, SearchResult, SearchStats, SeedScores};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::DType;
@@ -92,8 +93,18 @@ pub struct AttentionOptions {
     /// and value): each such seed stands for the 96 tokens of its stride. A diffuse head
     /// holds most of its attention outside any range a search can retrieve; without this,
     /// that mass is lost. `None`: the optimizer's plans estimate it, a forced plan gives the
-    /// bare DIPR answer. Indexes stored before layout 4 have no seed values: no estimate.
+    /// bare DIPR answer (an error target keeps it on). Indexes stored before layout 4 have no
+    /// seed values: no estimate.
     pub tail: Option<bool>,
+    /// Ask for an output error at most this (relative to exact attention's output norm)
+    /// instead of a fixed β: the range is cut per query where the softmax mass left out meets
+    /// it, the answer's error is then estimated from the values read and the tail estimate
+    /// (`ctxfs_index::target`), and while the estimate misses, the range is widened by how
+    /// far it missed (at most `ctxfs_index::target::REFINEMENTS` times). The optimizer serves
+    /// it with the flat scan, which cuts the range exactly; a forced DIPRS plan estimates the
+    /// cut from its seeds. `beta` and the optimizer's token budgets do not apply; a caller's
+    /// `budget` still does. The optimizer's own scan plans carry `Rules::error_target`.
+    pub target_error: Option<f32>,
 }
 
 impl Default for AttentionOptions {
@@ -109,6 +120,7 @@ impl Default for AttentionOptions {
             cpu_only: false,
             warm_start: true,
             tail: None,
+            target_error: None,
         }
     }
 }
@@ -126,6 +138,10 @@ pub struct HeadReport {
     pub tail_seeds: usize,
     /// Their token ids (with `detail`), ascending; they are in `selected` too.
     pub tail: Vec<u32>,
+    /// With an error target: the output error the session estimated for its answer without
+    /// the tail estimate ([`AttentionOptions::target_error`]); the answer merges the tail
+    /// estimate when the plan does, which usually leaves less.
+    pub estimated_error: Option<f32>,
     pub stats: SearchStats,
     pub timing: HeadTiming,
 }
@@ -222,6 +238,9 @@ struct SearchedHead {
     /// Retrieved, by token.
     found: Found,
     tail: Option<Tail>,
+    estimated_error: Option<f32>,
+    /// Attention over `found`, when an error target's estimate already summed it.
+    retrieved: Option<Partial>,
     prefetch: Option<Prefetched>,
     stats: SearchStats,
     search: Duration,
@@ -409,10 +428,11 @@ impl Session {
         Ok(())
     }
 
-    /// The plan an attention call on `layer` runs: `forced`, or the optimizer's choice.
-    pub fn choice(&self, layer: usize, forced: Option<Plan>) -> Choice {
+    /// The plan an attention call on `layer` runs: the request's forced plan, or the
+    /// optimizer's choice.
+    pub fn choice(&self, layer: usize, request: Request) -> Choice {
         let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
-        choose(&self.db.config().rules, layer, self.prefix_tokens(), filtered, self.ample, forced)
+        choose(&self.db.config().rules, layer, self.prefix_tokens(), filtered, self.ample, request)
     }
 
     /// Attention of one decode step's queries (`[q_heads, head_dim]`) over the layer, with
@@ -434,7 +454,12 @@ impl Session {
         if let Some(i) = q.iter().position(|x| !x.is_finite()) {
             return input(format!("attention of layer {layer}: q[{i}] = {} is not finite", q[i]));
         }
-        let choice = self.choice(layer, opts.plan);
+        if let Some(e) = opts.target_error {
+            if !(e.is_finite() && e > 0.0) {
+                return input(format!("the error target must be a positive number, not {e}"));
+            }
+        }
+        let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let on_gpu =
             !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed));
         let group = qh / kv;
@@ -656,22 +681,59 @@ impl Session {
             let warm = choice.plan == Plan::Diprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
             let previous = if warm { std::mem::take(&mut lock(&self.last_found)[slot]) } else { Vec::new() };
-            let (found, seeds) = self.retrieve(&readers, &scanned, q, own_max, choice, opts, &previous, &mut stats)?;
-            if warm {
-                lock(&self.last_found)[slot] = best_found(&found, &readers);
-            }
-            let search = searching.elapsed() + scan_share;
-            let tail = if estimates_tail(choice, opts) {
+            // An error target asks for the mass left out beside the window's and own tokens'.
+            let own = || {
+                let mut z: Vec<f32> = win_z.iter().chain(&fresh_z).map(|z| z * scale).collect();
+                let own_values = [&window.values[..], &fresh.values[h][..]].concat();
+                Partial::from_scores_on(isa, &mut z, &own_values, d)
+            };
+            let own_part = choice.error_target.map(|_| own());
+            let target = own_part.as_ref().zip(choice.error_target).map(|(own, share)| MassTarget {
+                share,
+                scale,
+                window_lse: own.lse(),
+            });
+            let (mut found, mut seeds) =
+                self.retrieve(&readers, &scanned, q, own_max, choice, opts, target, &previous, &mut stats)?;
+            let mut tail = if estimates_tail(choice, opts) || target.is_some() {
                 self.tail(&readers, &seeds, &found, scale, &mut stats)?
             } else {
                 None
             };
-            let prefetch = self.prefetch_values(&found, &readers);
+            let (mut estimated_error, mut retrieved) = (None, None);
+            if let (Some(own), Some(mut t), Some(e)) = (&own_part, target, choice.error_target) {
+                // The answer's estimate from the values it sums; a wider search while it
+                // misses the target. The last sum is the answer's retrieved part.
+                let mut rounds = 0;
+                while let Some(tl) = &tail {
+                    let part = self.retrieved_part(&readers, &found, scale, &mut stats)?;
+                    let est = estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part);
+                    retrieved = Some(part);
+                    estimated_error = Some(est.error as f32);
+                    let Some(wider) = t.refined(est, e).filter(|_| rounds < REFINEMENTS) else { break };
+                    t = wider;
+                    let from: Vec<(usize, u32)> = found.iter().map(|f| (f.0, f.1 - readers[f.0].seg.base)).collect();
+                    (found, seeds) =
+                        self.retrieve(&readers, &scanned, q, own_max, choice, opts, Some(wider), &from, &mut stats)?;
+                    tail = self.tail(&readers, &seeds, &found, scale, &mut stats)?;
+                    rounds += 1;
+                }
+            }
+            if !estimates_tail(choice, opts) {
+                tail = None;
+            }
+            if warm {
+                lock(&self.last_found)[slot] = best_found(&found, &readers);
+            }
+            let search = searching.elapsed() + scan_share;
+            let prefetch = if retrieved.is_none() { self.prefetch_values(&found, &readers) } else { None };
             heads.push(SearchedHead {
                 win_z,
                 fresh_z,
                 found,
                 tail,
+                estimated_error,
+                retrieved,
                 prefetch,
                 stats,
                 search,
@@ -697,50 +759,32 @@ impl Session {
         let d = self.shape.head_dim as usize;
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let isa = ctxfs_kernels::active();
-        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
         let mut out = Vec::with_capacity(heads.len());
-        for SearchedHead { mut win_z, mut fresh_z, found, tail, prefetch, mut stats, search, elapsed } in heads {
+        for SearchedHead {
+            mut win_z,
+            mut fresh_z,
+            found,
+            tail,
+            estimated_error,
+            retrieved,
+            prefetch,
+            mut stats,
+            search,
+            elapsed,
+        } in heads
+        {
             let reading = Instant::now();
             stats.blocks_read += prefetch.map_or(0, |p| p.wait()) as u64;
             let value_wait = reading.elapsed();
-            // The retrieved tokens' weights first; their values are then summed straight from
-            // the pinned data blocks, one batch per segment, never copied.
-            let mut ret_z: Vec<f32> = found.iter().map(|f| f.2 * scale).collect();
-            let retrieved = Partial::from_scores_summed(isa, &mut ret_z, d, |weights, o| {
-                for (si, file) in files.iter().enumerate() {
-                    let (local, w): (Vec<u32>, Vec<f32>) = found
-                        .iter()
-                        .zip(weights)
-                        .filter(|(f, _)| f.0 == si)
-                        .map(|(f, &w)| (f.1 - segments[si].base, w))
-                        .unzip();
-                    let layout = &layouts[si];
-                    let rows = layout.rows_per_block;
-                    // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of
-                    // a long prefix (full attention) streams it through a small data area.
-                    let mut from = 0;
-                    while from < local.len() {
-                        let (mut to, mut blocks) = (from + 1, 1);
-                        while to < local.len() {
-                            let next_block = local[to] / rows != local[to - 1] / rows;
-                            if next_block && blocks == PIN_BATCH {
-                                break;
-                            }
-                            blocks += usize::from(next_block);
-                            to += 1;
-                        }
-                        let batch = &w[from..to];
-                        let io = for_rows(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, row| {
-                            row.accumulate(o, batch[i])
-                        })?;
-                        io.add_to(&mut stats);
-                        from = to;
-                    }
+            let retrieved = match retrieved {
+                Some(part) => part,
+                None => {
+                    let file_refs: Vec<&FileBlocks> = files.iter().map(|f| &**f).collect();
+                    self.sum_retrieved(&file_refs, &layouts, &found, scale, &mut stats)?
                 }
-                Ok::<(), Error>(())
-            })?;
+            };
             let (retrieved, tail_ids, tail_time) = match tail {
                 Some(t) => (Partial::merge(&[retrieved, t.part]), t.seeds, t.spent),
                 None => (retrieved, Vec::new(), Duration::ZERO),
@@ -770,11 +814,81 @@ impl Session {
             let tail_seeds = tail_ids.len();
             let tail = if opts.detail { tail_ids } else { Vec::new() };
             let timing = HeadTiming { search, values, value_wait, total: elapsed + reading.elapsed() };
-            let report =
-                HeadReport { lse: f32::NAN, selected, retrieved: found.len(), tail_seeds, tail, stats, timing };
+            let report = HeadReport {
+                lse: f32::NAN,
+                selected,
+                retrieved: found.len(),
+                tail_seeds,
+                tail,
+                estimated_error,
+                stats,
+                timing,
+            };
             out.push((Parts { own, retrieved }, report));
         }
         Ok(out)
+    }
+
+    /// Attention over the retrieved tokens `found` (segment, token, q·k), their values summed
+    /// straight from the pinned data blocks, one batch per segment, never copied.
+    fn sum_retrieved(
+        &self,
+        files: &[&FileBlocks],
+        layouts: &[Layout],
+        found: &[(usize, u32, f32)],
+        scale: f32,
+        stats: &mut SearchStats,
+    ) -> Result<Partial> {
+        let d = self.shape.head_dim as usize;
+        let isa = ctxfs_kernels::active();
+        let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
+        let mut ret_z: Vec<f32> = found.iter().map(|f| f.2 * scale).collect();
+        Partial::from_scores_summed(isa, &mut ret_z, d, |weights, o| {
+            for (si, file) in files.iter().enumerate() {
+                let (local, w): (Vec<u32>, Vec<f32>) = found
+                    .iter()
+                    .zip(weights)
+                    .filter(|(f, _)| f.0 == si)
+                    .map(|(f, &w)| (f.1 - segments[si].base, w))
+                    .unzip();
+                let layout = &layouts[si];
+                let rows = layout.rows_per_block;
+                // Pins at most PIN_BATCH blocks at a time, so a plan that selects most of
+                // a long prefix (full attention) streams it through a small data area.
+                let mut from = 0;
+                while from < local.len() {
+                    let (mut to, mut blocks) = (from + 1, 1);
+                    while to < local.len() {
+                        let next_block = local[to] / rows != local[to - 1] / rows;
+                        if next_block && blocks == PIN_BATCH {
+                            break;
+                        }
+                        blocks += usize::from(next_block);
+                        to += 1;
+                    }
+                    let batch = &w[from..to];
+                    let io = for_rows(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, row| {
+                        row.accumulate(o, batch[i])
+                    })?;
+                    io.add_to(stats);
+                    from = to;
+                }
+            }
+            Ok::<(), Error>(())
+        })
+    }
+
+    /// [`Session::sum_retrieved`] over the segments a search reads.
+    fn retrieved_part(
+        &self,
+        readers: &[SegmentReader<'_>],
+        found: &[(usize, u32, f32)],
+        scale: f32,
+        stats: &mut SearchStats,
+    ) -> Result<Partial> {
+        let files: Vec<&FileBlocks> = readers.iter().map(|r| r.file).collect();
+        let layouts: Vec<Layout> = readers.iter().map(|r| *r.index.layout()).collect();
+        self.sum_retrieved(&files, &layouts, found, scale, stats)
     }
 
     /// Starts reading the value blocks of `found` (segment, token, score) that the pool lacks,
@@ -873,7 +987,8 @@ impl Session {
 
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
     /// token, and, when the plan estimates the tail, each segment's seed scores.
-    /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work.
+    /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work. With a
+    /// mass `target`, a DIPR plan cuts each segment's range where it meets it, not at β.
     #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &self,
@@ -883,15 +998,17 @@ impl Session {
         own_max: f32,
         choice: Choice,
         opts: &AttentionOptions,
+        target: Option<MassTarget>,
         previous: &[(usize, u32)],
         stats: &mut SearchStats,
     ) -> Result<(Found, Vec<SeedScores>)> {
         let plan = choice.plan;
-        let auto_dipr = !choice.forced && matches!(plan, Plan::Flat | Plan::Diprs);
-        let tail = estimates_tail(choice, opts);
+        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::Diprs);
+        let tail = estimates_tail(choice, opts) || target.is_some();
         let rules = &self.db.config().rules;
         let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
-        let mut beta = opts.beta;
+        // With a target, the widest range any segment cut (each against its own best).
+        let mut beta = if target.is_some() { 0.0 } else { opts.beta };
         let mut seeds = Vec::with_capacity(if tail { readers.len() } else { 0 });
         let prefix = self.prefix_tokens();
         let win = self.window;
@@ -902,7 +1019,7 @@ impl Session {
             let (seg, index) = (&r.seg, &r.index);
             let r: SearchResult = match plan {
                 Plan::Full => flat::dipr_of(scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
-                Plan::Flat => flat::dipr_of(scanned[si].0, opts.beta, best, scanned[si].1),
+                Plan::Flat => flat::dipr_or_target(scanned[si].0, opts.beta, best, target.as_ref(), scanned[si].1),
                 Plan::Diprs => diprs_from(
                     index,
                     q,
@@ -913,6 +1030,7 @@ impl Session {
                         prefix: seg.filter(),
                         expand_limit: budget.map(|b| b * 2 + in_window as usize),
                         range_target: budget.filter(|_| tail),
+                        target,
                         ..Default::default()
                     },
                     &previous.iter().filter(|p| p.0 == si).map(|p| p.1).collect::<Vec<_>>(),
@@ -932,7 +1050,11 @@ impl Session {
             if let Some(&top) = r.scores.first() {
                 best = best.max(top);
             }
-            beta = beta.min(r.narrowed_beta.unwrap_or(beta));
+            beta = match (target, r.chosen_beta) {
+                (Some(_), Some(cut)) => beta.max(cut),
+                (Some(_), None) => beta.max(opts.beta),
+                (None, chosen) => beta.min(chosen.unwrap_or(beta)),
+            };
             if tail {
                 seeds.push(match plan {
                     Plan::Flat => SeedScores {
@@ -1031,9 +1153,10 @@ struct Tail {
 }
 
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
-/// optimizer chose them.
+/// optimizer chose them or the caller gave an error target.
 fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
-    matches!(choice.plan, Plan::Diprs | Plan::Flat) && opts.tail.unwrap_or(!choice.forced)
+    matches!(choice.plan, Plan::Diprs | Plan::Flat)
+        && opts.tail.unwrap_or(!choice.forced || choice.error_target.is_some())
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

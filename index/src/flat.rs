@@ -3,6 +3,7 @@
 
 use crate::source::Keys;
 use crate::stats::{SearchResult, SearchStats};
+use crate::target::MassTarget;
 use ctxfs_buffer::BufferError;
 
 /// q · key for every key below `limit`.
@@ -69,6 +70,29 @@ pub fn dipr_of(scores: &[f32], beta: f32, window_max: f32, stats: SearchStats) -
     let best = scores.iter().copied().fold(window_max, f32::max);
     let pairs = scores.iter().enumerate().filter(|(_, &s)| s >= best - beta).map(|(i, &s)| (i as u32, s)).collect();
     SearchResult::from_pairs(pairs, stats)
+}
+
+/// [`dipr_of`], or with a mass target, the exact range that meets it: β chosen from every
+/// key's score ([`MassTarget::exact_beta`]), reported as the result's `chosen_beta`, and the
+/// share it leaves out as `missing_share`.
+pub fn dipr_or_target(
+    scores: &[f32],
+    beta: f32,
+    window_max: f32,
+    target: Option<&MassTarget>,
+    stats: SearchStats,
+) -> SearchResult {
+    let Some(t) = target else {
+        return dipr_of(scores, beta, window_max, stats);
+    };
+    let best = scores.iter().copied().fold(window_max, f32::max);
+    let beta = t.exact_beta(scores, best);
+    let mut r = dipr_of(scores, beta, window_max, stats);
+    let left_out: Vec<f32> = scores.iter().copied().filter(|&s| s < best - beta).collect();
+    let kept: f64 = r.scores.iter().map(|&s| t.weight(s, best)).sum();
+    r.missing_share = Some(t.missing_share(kept, &left_out, 1, best) as f32);
+    r.chosen_beta = Some(beta);
+    r
 }
 
 /// The exact top-k keys (below `prefix`, if given).

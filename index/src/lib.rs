@@ -22,6 +22,7 @@ pub mod search;
 mod source;
 mod stats;
 pub mod synth;
+pub mod target;
 
 pub use build::{build, BuildParams, BuildReport};
 pub use coarse::{Coarse, CoarseResult};
@@ -29,3 +30,4 @@ pub use mem::{MemGraph, MemKeys, NO_NODE};
 pub use search::DiprsParams;
 pub use source::{Graph, Keys, Pair, SourceResult};
 pub use stats::{SearchResult, SearchStats, SeedScores};
+pub use target::{Estimate, MassTarget};

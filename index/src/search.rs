@@ -5,6 +5,7 @@
 
 use crate::source::{Graph, Keys, SourceResult};
 use crate::stats::{SearchResult, SearchStats, SeedScores};
+use crate::target::MassTarget;
 use ctxfs_buffer::BufferError;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -16,10 +17,13 @@ pub struct DiprsParams {
     /// The width of a best-first climb through the graph from the best seeds (and the
     /// previous tokens) to the best keys, before the range phase; 0: no climb, the seed runs
     /// start the range. As wide as the keys, the climb is exhaustive: the search returns the
-    /// exact DIPR set. Off by default: on `ctxfs bench search`'s 128K-token heads a climb of
-    /// 16 takes 45–60 µs of a 150 µs search from cold caches, reading ~200 scattered rows,
-    /// while the seed runs find the same regions from a few sequential reads (DIPR recall
-    /// 0.976 without the climb against 0.961 with it, and searches ~1.5× faster).
+    /// exact DIPR set. 16 by default: on real attention the seed runs alone miss critical
+    /// keys that lie away from the best seeds, which the climb reaches through the graph
+    /// (`ctxfs bench search --data`, SmolLM2-135M at 8K and 32K tokens, β = 5√d: output error
+    /// 1.17–1.73× the exact DIPR set's without the climb, 1.09–1.17× with it, DIPR recall
+    /// 0.85–0.90 against 0.88–0.93, for 0.2–1.8 points more of the keys scored; at 8K, widths
+    /// 8 and 32 gave 1.12–1.14× and 1.06–1.08×). On the generator at 131,072 tokens it costs
+    /// ~14% of the median search.
     pub l0: usize,
     /// The best score of the caller's window (−∞ without one): DIPRS prunes against it from
     /// the start instead of discovering a high score late.
@@ -83,6 +87,10 @@ pub struct DiprsParams {
     /// token by token costs a search, reads and sums for little of its mass. `None`: β as
     /// given.
     pub range_target: Option<usize>,
+    /// Choose β per query instead: widen the range until the softmax mass the seed sample
+    /// estimates below it is at most the target's share ([`crate::target`]). β is then
+    /// ignored, and so is `range_target`. Needs seeds.
+    pub target: Option<MassTarget>,
 }
 
 /// How far ahead in its queue the range phase prefetches adjacency records.
@@ -107,7 +115,7 @@ impl Default for DiprsParams {
     fn default() -> Self {
         DiprsParams {
             beta: 4.0,
-            l0: 0,
+            l0: 16,
             window_max: f32::NEG_INFINITY,
             prefix: None,
             reach: 1.2,
@@ -118,6 +126,7 @@ impl Default for DiprsParams {
             range_run: 24,
             graph_band: 0.25,
             range_target: None,
+            target: None,
         }
     }
 }
@@ -358,8 +367,10 @@ pub fn diprs_from<S: Keys + Graph>(
         None => Seeds::default(),
     };
     let mut best = p.window_max.max(seeds.best());
-    let beta = match (p.range_target, p.seed_stride) {
-        (Some(target), Some(stride)) => seeds.narrowed(p.beta, best, target / stride.max(1) as usize),
+    let target = p.target.filter(|_| !seeds.scores.is_empty());
+    let mut beta = match (target, p.range_target, p.seed_stride) {
+        (Some(t), _, _) => seeds.target_beta(&t, 0.0, f32::NEG_INFINITY, best),
+        (None, Some(target), Some(stride)) => seeds.narrowed(p.beta, best, target / stride.max(1) as usize),
         _ => p.beta,
     };
     // The previous tokens and the seed runs, scored in one batch so their reads overlap.
@@ -427,15 +438,86 @@ pub fn diprs_from<S: Keys + Graph>(
             }
         }
     }
-    climbed.sort_unstable();
+    // Keys the range phase (or the climb) expanded: each is expanded once, however often a
+    // wider range queues it again.
+    let mut expanded = Visited::new(s.len());
+    for &node in &climbed {
+        expanded.insert(node);
+    }
+    let limit = p.expand_limit.unwrap_or(usize::MAX);
+    let mut admitted = 0;
+    let mut missing = None;
+    for round in 0.. {
+        range_phase(
+            s,
+            q,
+            p,
+            beta,
+            &mut best,
+            (&mut ex, &mut expanded),
+            (&seeds, &mut seen),
+            &mut batch,
+            (&mut admitted, limit),
+            &mut stats,
+        )?;
+        let Some(t) = target else { break };
+        let cut = best - beta;
+        let inside: f64 = seen
+            .iter()
+            .copied()
+            .chain(seeds.pairs())
+            .filter(|&(_, sc)| sc >= cut)
+            .map(|(_, sc)| t.weight(sc, best))
+            .sum();
+        let below = seeds.below(cut);
+        let m = t.missing_share(inside, &below, seeds.stride, best);
+        missing = Some(m as f32);
+        if m <= f64::from(t.share) || admitted >= limit || round == MAX_TARGET_ROUNDS {
+            break;
+        }
+        let wider = seeds.target_beta(&t, inside, cut, best);
+        if wider <= beta {
+            break;
+        }
+        beta = wider;
+    }
+    let pairs = seen.into_iter().chain(seeds.pairs()).filter(|&(_, sc)| sc >= best - beta).collect();
+    let mut result = SearchResult::from_pairs(pairs, stats);
+    result.chosen_beta = (target.is_some() || beta < p.beta).then_some(beta);
+    result.missing_share = missing;
+    result.seeds = seeds.into_scores();
+    Ok(result)
+}
+
+/// Widenings of a range a mass target may ask for: each costs a pass over the keys found.
+const MAX_TARGET_ROUNDS: usize = 16;
+
+/// DIPRS's range phase at `beta`: every key scored within `reach · β` of the best and not
+/// yet expanded is expanded, breadth-first, and its neighbours within the reach queued.
+#[allow(clippy::too_many_arguments)]
+fn range_phase<S: Keys + Graph>(
+    s: &S,
+    q: &[f32],
+    p: &DiprsParams,
+    beta: f32,
+    best: &mut f32,
+    (ex, expanded): (&mut Expander, &mut Visited),
+    (seeds, seen): (&Seeds, &mut Vec<(u32, f32)>),
+    batch: &mut Batch,
+    (admitted, limit): (&mut usize, usize),
+    stats: &mut SearchStats,
+) -> SourceResult {
     let reach = beta * p.reach.max(1.0);
     let graph_floor = beta * p.graph_band.clamp(0.0, 1.0);
     // In the order the keys were scored: the seeds, then the rest.
-    let mut queue: Vec<(u32, f32)> =
-        seeds.pairs().chain(seen.iter().copied()).filter(|&(_, sc)| sc >= best - reach).collect();
+    let mut queue: Vec<(u32, f32)> = seeds
+        .pairs()
+        .chain(seen.iter().copied())
+        .filter(|&(k, sc)| sc >= *best - reach && !expanded.contains(k))
+        .collect();
+    *admitted += queue.len();
     let mut i = 0;
-    let limit = p.expand_limit.unwrap_or(usize::MAX);
-    while i < queue.len() && queue.len() < limit {
+    while i < queue.len() && *admitted < limit {
         // Up to RANGE_BATCH nodes are expanded before their neighbours are scored, in one
         // batch: the scoring pipelines its memory reads across them.
         batch.keys.clear();
@@ -446,38 +528,35 @@ pub fn diprs_from<S: Keys + Graph>(
                 s.prefetch(ahead);
             }
             i += 1;
-            if sc < best - reach || climbed.binary_search(&node).is_ok() {
+            if sc < *best - reach || !expanded.insert(node) {
                 continue;
             }
             taken += 1;
-            if sc >= best - beta {
+            if sc >= *best - beta {
                 if p.range_run > 0 {
-                    ex.expand_along_sequence(node, p.range_run, &mut batch.fresh, &mut stats);
+                    ex.expand_along_sequence(node, p.range_run, &mut batch.fresh, stats);
                     batch.keys.extend_from_slice(&batch.fresh);
                 }
-                if sc >= best - graph_floor {
-                    ex.expand(s, node, &mut batch.fresh, &mut stats)?;
+                if sc >= *best - graph_floor {
+                    ex.expand(s, node, &mut batch.fresh, stats)?;
                     batch.keys.extend_from_slice(&batch.fresh);
                 }
             } else {
-                ex.expand_along_sequence(node, p.sequence_run, &mut batch.fresh, &mut stats);
+                ex.expand_along_sequence(node, p.sequence_run, &mut batch.fresh, stats);
                 batch.keys.extend_from_slice(&batch.fresh);
             }
         }
-        score_all(s, q, (&batch.keys, &mut batch.scores), &mut stats)?;
+        score_all(s, q, (&batch.keys, &mut batch.scores), stats)?;
         for (&k, &sc) in batch.keys.iter().zip(&batch.scores) {
             seen.push((k, sc));
-            best = best.max(sc);
-            if sc >= best - reach {
+            *best = best.max(sc);
+            if sc >= *best - reach {
                 queue.push((k, sc));
+                *admitted += 1;
             }
         }
     }
-    let pairs = seen.into_iter().chain(seeds.pairs()).filter(|&(_, sc)| sc >= best - beta).collect();
-    let mut result = SearchResult::from_pairs(pairs, stats);
-    result.narrowed_beta = (beta < p.beta).then_some(beta);
-    result.seeds = seeds.into_scores();
-    Ok(result)
+    Ok(())
 }
 
 /// Keys scored besides the seeds, sized so a typical search never grows it.
@@ -519,6 +598,19 @@ impl Seeds {
 
     fn best(&self) -> f32 {
         self.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// The scores of the seeds below `cut`, ascending.
+    fn below(&self, cut: f32) -> Vec<f32> {
+        let mut below: Vec<f32> = self.scores.iter().copied().filter(|&sc| sc < cut).collect();
+        below.sort_unstable_by(f32::total_cmp);
+        below
+    }
+
+    /// The β a mass target asks for, given the weight of the keys scored within the range
+    /// cut at `cut` (`inside`) and the seeds below it.
+    fn target_beta(&self, t: &MassTarget, inside: f64, cut: f32, best: f32) -> f32 {
+        t.sampled_beta(inside, &self.below(cut), self.stride, best)
     }
 
     /// `beta`, or less when more than `keep` seeds (at least 1) score within it of `best`:

@@ -30,9 +30,13 @@ pub struct SearchResult {
     /// The scores of the seeds a DIPRS search scored (empty for other searches): a sample of
     /// the keys, every `stride`-th, from which attention estimates what it did not retrieve.
     pub seeds: SeedScores,
-    /// The β the range was cut at, when DIPRS narrowed the caller's for a diffuse range
-    /// ([`crate::search::DiprsParams::range_target`]).
-    pub narrowed_beta: Option<f32>,
+    /// The β the range was cut at, when DIPRS chose it: narrowed from the caller's for a
+    /// diffuse range ([`crate::search::DiprsParams::range_target`]), or to meet a mass
+    /// target ([`crate::search::DiprsParams::target`]).
+    pub chosen_beta: Option<f32>,
+    /// With a mass target: the share of the softmax mass the search estimates it left out
+    /// (the window's counted in the whole).
+    pub missing_share: Option<f32>,
 }
 
 /// Scores of every `stride`-th qualifying token: `scores[j]` is token `j · stride`'s.

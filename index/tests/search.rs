@@ -3,7 +3,7 @@
 use ctxfs_index::search::{diprs, diprs_from, topk};
 use ctxfs_index::synth::Rng;
 use ctxfs_index::Pair;
-use ctxfs_index::{build, flat, BuildParams, DiprsParams, MemGraph, MemKeys};
+use ctxfs_index::{build, flat, BuildParams, DiprsParams, MassTarget, MemGraph, MemKeys};
 use half::f16;
 use std::collections::BTreeSet;
 
@@ -276,7 +276,7 @@ fn diprs_narrows_a_wide_range_to_its_target_from_the_seeds() {
             let best = all.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let within = seeds.iter().filter(|&&s| s >= best - beta).count();
             let plain = diprs(&idx, q, &DiprsParams { range_target: None, ..p }).unwrap();
-            match got.narrowed_beta {
+            match got.chosen_beta {
                 None => {
                     assert!(within <= 10, "{within} seeds within β {beta}, not narrowed");
                     assert_eq!(got.ids, plain.ids);
@@ -321,3 +321,46 @@ fn diprs_without_seeds_climbs_from_the_entry() {
 
 /// Measured 0.729, less about 0.05: a regression floor.
 const RECALL_WITHOUT_SEEDS: f64 = 0.68;
+
+/// The mass a range at `beta` below the best leaves out, as a share of the whole (scores in
+/// inner-product units, weights exp(scale · score)).
+fn left_out_share(keys: &MemKeys, q: &[f32], beta: f32, scale: f32) -> f64 {
+    let scores = flat::scan(keys, q, u32::MAX, &mut Default::default()).unwrap();
+    let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let w = |s: f32| (f64::from(scale) * f64::from(s - best)).exp();
+    let total: f64 = scores.iter().map(|&s| w(s)).sum();
+    scores.iter().filter(|&&s| s < best - beta).map(|&s| w(s)).sum::<f64>() / total
+}
+
+/// With a mass target, the scan cuts where exactly the share is left out, and DIPRS widens
+/// its range until its seed estimate says so; an exhaustive climb makes DIPRS's range the
+/// scan's range or wider.
+#[test]
+fn a_mass_target_chooses_beta_per_query() {
+    let (keys, queries, graph) = built(2000, 16, 5);
+    let idx = Pair { keys: &keys, graph: &graph };
+    let scale = 0.25;
+    for q in queries.chunks(16).take(20) {
+        for share in [0.001f32, 0.05, 0.3] {
+            let t = MassTarget { share, scale, window_lse: f32::NEG_INFINITY };
+            let scores = flat::scan(&keys, q, u32::MAX, &mut Default::default()).unwrap();
+            let exact = flat::dipr_or_target(&scores, 1.0, f32::NEG_INFINITY, Some(&t), Default::default());
+            let beta = exact.chosen_beta.expect("a target reports its β");
+            let out = left_out_share(&keys, q, beta, scale);
+            assert!(out <= f64::from(share) + 1e-9, "the scan left out {out} > {share}");
+            assert!((exact.missing_share.unwrap() as f64 - out).abs() < 1e-4);
+            let p = DiprsParams { target: Some(t), seed_stride: Some(16), ..Default::default() };
+            let found = diprs(&idx, q, &p).unwrap();
+            let estimate = found.missing_share.expect("DIPRS reports its estimate");
+            assert!(found.chosen_beta.is_some() && (0.0..=1.0).contains(&estimate));
+            let exhaustive = diprs(&idx, q, &DiprsParams { l0: 2000, ..p }).unwrap();
+            assert!(
+                set(&exhaustive.ids).is_subset(&set(&flat::dipr(&keys, q, 1e9, f32::NEG_INFINITY, None).unwrap().ids))
+            );
+            assert!(
+                exhaustive.ids.len() >= exact.ids.len() || estimate <= share,
+                "DIPRS stopped early: {estimate} > {share}"
+            );
+        }
+    }
+}

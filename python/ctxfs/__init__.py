@@ -109,6 +109,7 @@ class Session:
         self._calls = 0
         self._rows = 0
         self._retrieved = 0
+        self._estimated_max: float | None = None
         self._scored = 0
         self._plans: dict[str, int] = {}
 
@@ -131,6 +132,7 @@ class Session:
         budget: int | None = None,
         scale: float | None = None,
         tail: bool | None = None,
+        target_error: float | None = None,
         return_lse: bool = False,
     ):
         """Attention of one decode step's queries over ``layer``: ``q`` is ``[q_heads,
@@ -142,21 +144,33 @@ class Session:
         DIPRS's range below the best inner product, ``budget`` caps retrieved tokens,
         ``scale`` is the softmax scale (default 1/sqrt(head_dim)). ``tail`` turns on or off
         the estimate of the softmax mass a DIPR plan left out, from the index's seed sample
-        (default: on for the optimizer's plans, off for forced ones)."""
+        (default: on for the optimizer's plans and with a target, off for forced ones).
+        ``target_error`` asks for an output error at most this, relative to exact attention's,
+        instead of a fixed ``beta``: the range is cut per query where it is estimated to meet
+        it (``stats()["estimated_error_max"]`` is the largest estimate seen)."""
         a = as_f32(q, "q")
         shape = a.shape
         if a.ndim not in (2, 3):
             raise InputError(f"q has shape {shape}: expected [q_heads, head_dim] or [rows, q_heads, head_dim]")
         rows = 1 if a.ndim == 2 else shape[0]
         out, lse, reports = self._native.attention(
-            layer, a.reshape(rows, -1), plan=plan, beta=beta, budget=budget, scale=scale, tail=tail
+            layer,
+            a.reshape(rows, -1),
+            plan=plan,
+            beta=beta,
+            budget=budget,
+            scale=scale,
+            tail=tail,
+            target_error=target_error,
         )
         self._calls += 1
         self._rows += rows
-        for label, retrieved, scored in reports:
+        for label, retrieved, scored, estimated in reports:
             self._plans[label] = self._plans.get(label, 0) + 1
             self._retrieved += retrieved
             self._scored += scored
+            if estimated is not None:
+                self._estimated_max = max(self._estimated_max or 0.0, estimated)
         out = out.reshape(shape)
         if a.ndim == 2:
             lse = lse[0]
@@ -190,6 +204,7 @@ class Session:
             attention_calls=self._calls,
             attention_rows=self._rows,
             retrieved_tokens=self._retrieved,
+            estimated_error_max=self._estimated_max,
             keys_scored=self._scored,
             plans=dict(self._plans),
             pool=self._store.pool_stats(),

@@ -195,8 +195,8 @@ class CtxfsCache(Cache):
     It reuses the longest stored prefix of ``input_ids`` (all of a stored context, or part of
     one; at most all tokens but the last, which ``generate()`` must feed to the model). New
     tokens' keys and values go to the session through ``Session.update``; attention over the
-    prefix runs through the optimizer's plan, or ``plan`` when forced. ``beta``, ``budget``
-    and ``tail`` pass to every attention call (``Session.attention``)."""
+    prefix runs through the optimizer's plan, or ``plan`` when forced. ``beta``, ``budget``,
+    ``tail`` and ``target_error`` pass to every attention call (``Session.attention``)."""
 
     def __init__(
         self,
@@ -207,13 +207,14 @@ class CtxfsCache(Cache):
         beta: float | None = None,
         budget: int | None = None,
         tail: bool | None = None,
+        target_error: float | None = None,
     ):
         self.tokens = _token_list(input_ids)
         if len(self.tokens) < 2:
             raise InputError("a CtxfsCache needs a prompt of at least 2 tokens")
         self.session, self.prefix = store.create_session(self.tokens, max_reuse=len(self.tokens) - 1)
         self.store_handle = store
-        self.options = {"plan": plan, "beta": beta, "budget": budget, "tail": tail}
+        self.options = {"plan": plan, "beta": beta, "budget": budget, "tail": tail, "target_error": target_error}
         layers = self.session.shape["layers"]
         super().__init__(layers=[CtxfsLayer(self, i) for i in range(layers)])
 

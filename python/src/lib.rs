@@ -8,7 +8,7 @@
 mod errors;
 mod source;
 
-use ctxfs_attention::{describe, AttentionOptions, Db, DbConfig, Plan, Window};
+use ctxfs_attention::{describe, AttentionOptions, Db, DbConfig, Plan, Request, Window};
 use ctxfs_vfs::{DType, DeviceChoice, ModelShape};
 use errors::{to_py, Failure};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArrayDyn};
@@ -219,15 +219,17 @@ impl Session {
 }
 
 /// One attention call's answer: outputs `[rows, q_heads, head_dim]`, log-sum-exps `[rows,
-/// q_heads]`, and per row the plan and the tokens retrieved and keys scored.
-type AttentionOut<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>, Vec<(String, u64, u64)>);
+/// q_heads]`, and per row the plan, the tokens retrieved, the keys scored and, with an error
+/// target, the largest error any head estimated.
+type AttentionOut<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>, Vec<(String, u64, u64, Option<f32>)>);
 
 #[pymethods]
 impl Session {
     /// Attention of `rows` decode queries `[rows, q_heads * head_dim]` over `layer`, each row
     /// on its own (as one decode step). `plan` forces a plan; `beta`, `budget` and `scale`
-    /// override the optimizer's; `tail` turns the tail estimate on or off.
-    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None))]
+    /// override the optimizer's; `tail` turns the tail estimate on or off; `target_error`
+    /// asks for an output error instead of a fixed β.
+    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None, target_error=None))]
     fn attention<'py>(
         &self,
         py: Python<'py>,
@@ -238,6 +240,7 @@ impl Session {
         budget: Option<usize>,
         scale: Option<f32>,
         tail: Option<bool>,
+        target_error: Option<f32>,
     ) -> PyResult<AttentionOut<'py>> {
         let mut opts = AttentionOptions::default();
         if let Some(p) = plan {
@@ -249,6 +252,7 @@ impl Session {
         opts.budget = budget;
         opts.scale = scale;
         opts.tail = tail;
+        opts.target_error = target_error;
         let shape = self.read().shape();
         let width = shape.q_heads as usize * shape.head_dim as usize;
         let q = slice("q", &q)?;
@@ -271,7 +275,8 @@ impl Session {
                     lse.extend(a.heads.iter().map(|h| h.lse));
                     let retrieved = a.heads.iter().map(|h| h.retrieved as u64).sum();
                     let scored = a.heads.iter().map(|h| h.stats.keys_scored).sum();
-                    reports.push((a.plan(), retrieved, scored));
+                    let estimated = a.heads.iter().filter_map(|h| h.estimated_error).reduce(f32::max);
+                    reports.push((a.plan(), retrieved, scored, estimated));
                 }
                 Ok((out, lse, reports))
             })
@@ -322,10 +327,10 @@ impl Session {
                 session.shape().layers
             )));
         }
-        let c = session.choice(layer, forced);
+        let c = session.choice(layer, Request { forced, error_target: None });
         json_to_py(
             py,
-            &serde_json::json!({"plan": c.label(), "reason": c.reason, "filtered": c.filtered, "forced": c.forced}),
+            &serde_json::json!({"plan": c.label(), "reason": c.reason, "filtered": c.filtered, "forced": c.forced, "error_target": c.error_target}),
         )
     }
 

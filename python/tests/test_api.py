@@ -173,3 +173,20 @@ def test_threads_serve_sessions_in_parallel(store):
     assert not errors and len(results) == 80
     for r in results:
         np.testing.assert_array_equal(r, alone)
+
+
+def test_an_error_target_is_met_and_reported(store):
+    layers = kv_layers()
+    session, _ = store.create_session(list(range(N)) + [3])
+    rng = np.random.default_rng(11)
+    errors = []
+    for _ in range(4):
+        q = rng.standard_normal((QH, D), dtype=np.float32) * 2
+        out = session.attention(1, q, plan="flat", target_error=0.02)
+        ref, _ = exact(q, layers[1][0], layers[1][1], 1 / np.sqrt(D))
+        errors += list(np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1))
+    assert np.mean(errors) <= 0.02, errors
+    estimated = session.stats()["estimated_error_max"]
+    assert estimated is not None and 0 <= estimated
+    with pytest.raises(ctxfs.InputError, match="error target"):
+        session.attention(1, q, target_error=-1.0)

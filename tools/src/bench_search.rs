@@ -32,10 +32,13 @@ use ctxfs_attention::{KvSource, SafetensorsKv};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
+use ctxfs_index::flat::GroupScan;
+use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs, diprs_from, topk};
 use ctxfs_index::synth::{head, HeadData, Rng, SynthParams};
+use ctxfs_index::target::{estimate, REFINEMENTS};
 use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemGraph, MemKeys};
-use ctxfs_index::{Keys, Pair, SearchResult, SearchStats};
+use ctxfs_index::{Estimate, Keys, MassTarget, Pair, SearchResult, SearchStats};
 use ctxfs_kernels::Partial;
 use ctxfs_vfs::DType;
 use half::f16;
@@ -68,6 +71,11 @@ pub struct Args {
     /// Measure only the `--data` sets, not the generator.
     #[arg(long, requires = "data")]
     no_generator: bool,
+    /// The output error the target rows ask for (against exact attention): the flat scan
+    /// and DIPRS choose β per query to meet it, and each is compared with the oracle, the
+    /// fewest best-scoring tokens that meet it.
+    #[arg(long, default_value_t = 0.01)]
+    target_error: f32,
     #[arg(long)]
     json: bool,
 }
@@ -187,13 +195,15 @@ const TUNING_SEED: u64 = 1;
 /// How a row selects its tokens.
 #[derive(Clone, Copy)]
 enum Method {
-    /// Exact DIPR by the session's flat plan, over the first `prefix` tokens if given.
-    Flat { beta: f32, prefix: Option<u32> },
+    /// Exact DIPR by the session's flat plan, over the first `prefix` tokens if given; with
+    /// an output error target, β is chosen per query to meet it.
+    Flat { beta: f32, prefix: Option<u32>, target: Option<f32> },
     /// Graph top-k, keeping the best `k` outside the window.
     Topk(usize),
     /// DIPRS; `warm`: also from the best tokens of the same q head's last decode step, as
-    /// sessions search ([`ctxfs_index::search::diprs_from`]).
-    Diprs { beta: f32, prefix: Option<u32>, warm: bool },
+    /// sessions search ([`ctxfs_index::search::diprs_from`]); with an output error target,
+    /// β is chosen per query to meet it ([`ctxfs_index::target`]).
+    Diprs { beta: f32, prefix: Option<u32>, warm: bool, target: Option<f32> },
     /// DIPRS without a filter on the graph of the first tokens only (of [`PREFIX_SHARES`]).
     PrefixGraph { beta: f32, share: usize },
     /// A coarse index (of [`COARSE`]) at a token budget.
@@ -207,6 +217,12 @@ impl Method {
             Method::Flat { prefix: Some(p), .. } | Method::Diprs { prefix: Some(p), .. } => p as usize,
             Method::PrefixGraph { share, .. } => prefix_len(n, PREFIX_SHARES[share]),
             _ => n,
+        }
+    }
+    fn target(self) -> Option<f32> {
+        match self {
+            Method::Flat { target, .. } | Method::Diprs { target, .. } => target,
+            _ => None,
         }
     }
     fn beta(self, reference: f32) -> f32 {
@@ -238,28 +254,39 @@ struct Row {
     meta_bytes: Vec<f64>,
     data_bytes: Vec<f64>,
     meta_per_token: Vec<f64>,
+    /// The output error the row targets.
+    target: Option<f32>,
+    /// Per query, with a target: 1 when the output error met it.
+    target_met: Vec<f64>,
+    /// Per query: tokens retrieved beyond the window over the oracle's.
+    vs_oracle: Vec<f64>,
+    /// Per query: the output error estimated without the tail estimate.
+    estimate: Vec<f64>,
 }
 
 /// The rows, in order: the graph and flat searches, then per budget graph top-k and the
 /// coarse indexes.
-fn methods(n: usize, sqrt_d: f32) -> Vec<(String, Method)> {
+fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
     let beta = 5.0 * sqrt_d;
-    let plain = |beta: f32, prefix: Option<u32>| Method::Diprs { beta, prefix, warm: false };
+    let plain = |beta: f32, prefix: Option<u32>| Method::Diprs { beta, prefix, warm: false, target: None };
+    let target = Some(target_error);
     let mut m: Vec<(String, Method)> = vec![
-        (FLAT_ROW.into(), Method::Flat { beta, prefix: None }),
+        (FLAT_ROW.into(), Method::Flat { beta, prefix: None, target: None }),
         ("topk k=100".into(), Method::Topk(100)),
         ("topk k=2000".into(), Method::Topk(2000)),
         ("diprs beta=2·√d".into(), plain(2.0 * sqrt_d, None)),
         ("diprs beta=3·√d".into(), plain(3.0 * sqrt_d, None)),
         (DIPRS_ROW.into(), plain(beta, None)),
         (ALL_COLD_ROW.into(), plain(beta, None)),
-        (WARM_ROW.into(), Method::Diprs { beta, prefix: None, warm: true }),
+        (WARM_ROW.into(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
+        (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
+        (DIPRS_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
         let p = Some(prefix_len(n, percent) as u32);
         m.push((filtered_row(percent), plain(beta, p)));
         m.push((prefix_graph_row(percent), Method::PrefixGraph { beta, share }));
-        m.push((flat_prefix_row(percent), Method::Flat { beta, prefix: p }));
+        m.push((flat_prefix_row(percent), Method::Flat { beta, prefix: p, target: None }));
     }
     for budget in BUDGETS {
         let k = budget / 1024;
@@ -277,6 +304,9 @@ const FLAT_ROW: &str = "flat";
 const DIPRS_ROW: &str = "diprs beta=5·√d";
 /// The row of DIPRS started from the last decode step's best tokens.
 const WARM_ROW: &str = "diprs beta=5·√d warm";
+/// The rows that choose β per query to meet `--target-error`.
+const FLAT_TARGET_ROW: &str = "flat target";
+const DIPRS_TARGET_ROW: &str = "diprs target";
 
 fn filtered_row(percent: usize) -> String {
     format!("diprs filtered {percent}%")
@@ -324,6 +354,9 @@ fn evict_caches(buf: &mut [u64]) {
 /// One head's indexes, as the methods search them.
 struct HeadIndexes {
     keys: MemKeys,
+    /// The values, row after row: the target rows estimate their error from the window's,
+    /// the retrieved tokens' and the seeds'.
+    values: Vec<f16>,
     graph: MemGraph,
     /// In the order of [`COARSE`].
     coarse: Vec<Box<dyn Coarse>>,
@@ -334,7 +367,7 @@ struct HeadIndexes {
 impl HeadIndexes {
     /// The graph (trained on `prefill`), the coarse indexes and the prefix graphs of `keys`,
     /// and how long each build took (the graph's by phase).
-    fn build(keys: MemKeys, prefill: &[f32]) -> Result<(HeadIndexes, serde_json::Value)> {
+    fn build(keys: MemKeys, values: Vec<f16>, prefill: &[f32]) -> Result<(HeadIndexes, serde_json::Value)> {
         let started = Instant::now();
         let (graph, report) = build(&keys, prefill, &BuildParams::default());
         let graph_seconds = started.elapsed().as_secs_f64();
@@ -368,7 +401,7 @@ impl HeadIndexes {
             "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
             "coarse_seconds": seconds,
         });
-        Ok((HeadIndexes { keys, graph, coarse, prefix_graphs }, timing))
+        Ok((HeadIndexes { keys, values, graph, coarse, prefix_graphs }, timing))
     }
 }
 
@@ -398,6 +431,9 @@ struct Selection {
     meta_bytes: u64,
     /// Bytes per token the index holds.
     per_token: f64,
+    /// With an error target: the tail estimate merged into the answer (as sessions merge
+    /// it), and the output error estimated without it.
+    target: Option<(Partial, Estimate)>,
 }
 
 /// Runs `method` for a GQA group's queries `qs` on `ix`: the window's scores (their maximum
@@ -414,14 +450,24 @@ fn run_group(
     let d = ix.keys.dim();
     let n = ix.keys.len() as usize;
     let window = windows.get(method.tokens(n));
-    let win_max: Vec<f32> = qs
+    let scale = 1.0 / (d as f32).sqrt();
+    // Each q head's window scores, maximum and (in softmax units) log-sum-exp.
+    let win_z: Vec<Vec<f32>> = qs
         .chunks_exact(d)
         .map(|q| {
             let mut z = vec![0.0f32; window.ids.len()];
             ctxfs_kernels::scores(&window.keys, q, 1.0, &mut z);
-            z.into_iter().fold(f32::NEG_INFINITY, f32::max)
+            z
         })
         .collect();
+    let win_max: Vec<f32> = win_z.iter().map(|z| z.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+    let win_lse: Vec<f32> = win_z.iter().map(|z| attend(&window.ids, z, &ix.values, d, scale).lse()).collect();
+    let mass_target =
+        |target: Option<f32>, i: usize| target.map(|share| MassTarget { share, scale, window_lse: win_lse[i] });
+    // A target row's answer is checked against its error estimate and, when that misses the
+    // target, searched again for the refined mass target (as sessions do).
+    let estimated =
+        |f: &SearchResult, seeds: &[f32], i: usize| estimate_of(f, seeds, window, &win_z[i], &ix.values, d, scale);
     let graph_meta =
         |s: &SearchStats, graph: &MemGraph| s.keys_scored * 2 * d as u64 + s.hops * 4 * graph.degree as u64;
     let graph_per_token = |graph: &MemGraph| (2 * d + 4 * graph.degree) as f64;
@@ -429,18 +475,31 @@ fn run_group(
         keys_scored: f.stats.keys_scored,
         meta_bytes: graph_meta(&f.stats, graph),
         per_token: graph_per_token(graph),
+        target: None,
         ids: f.ids,
     };
     let mut out = Vec::with_capacity(qs.len() / d);
     match method {
-        Method::Flat { beta, prefix } => {
-            for f in flat_group(&ix.keys, qs, prefix, beta, &win_max)? {
+        Method::Flat { beta, prefix, target } => {
+            let targets: Vec<Option<MassTarget>> = (0..win_max.len()).map(|i| mass_target(target, i)).collect();
+            let scan = flat::scan_many(&ix.keys, qs, prefix.unwrap_or(u32::MAX))?;
+            for (i, mut f) in flat_group(&scan, beta, &win_max, &targets).into_iter().enumerate() {
+                if let (Some(e), Some(mut t)) = (target, targets[i]) {
+                    let seeds = seeds_of(scan.scores(i));
+                    for _ in 0..REFINEMENTS {
+                        let Some(wider) = t.refined(estimated(&f, &seeds, i).1, e) else { break };
+                        t = wider;
+                        f = flat::dipr_or_target(scan.scores(i), beta, win_max[i], Some(&t), scan.stats);
+                    }
+                }
                 let scored = f.stats.keys_scored;
+                let estimate = target.map(|_| estimated(&f, &seeds_of(scan.scores(i)), i));
                 out.push(Selection {
                     ids: f.ids,
                     keys_scored: scored,
                     meta_bytes: scored * 2 * d as u64,
                     per_token: (2 * d) as f64,
+                    target: estimate,
                 });
             }
         }
@@ -453,16 +512,32 @@ fn run_group(
                 ));
             }
         }
-        Method::Diprs { beta, prefix, warm } => {
+        Method::Diprs { beta, prefix, warm, target } => {
             let idx = Pair { keys: &ix.keys, graph: &ix.graph };
             for (i, q) in qs.chunks_exact(d).enumerate() {
-                let params = DiprsParams { beta, window_max: win_max[i], prefix, ..Default::default() };
-                let f = if warm { diprs_from(&idx, q, &params, &previous[i])? } else { diprs(&idx, q, &params)? };
+                let params = DiprsParams {
+                    beta,
+                    window_max: win_max[i],
+                    prefix,
+                    target: mass_target(target, i),
+                    ..Default::default()
+                };
+                let mut f = if warm { diprs_from(&idx, q, &params, &previous[i])? } else { diprs(&idx, q, &params)? };
+                if let (Some(e), Some(mut t)) = (target, params.target) {
+                    for _ in 0..REFINEMENTS {
+                        let Some(wider) = t.refined(estimated(&f, &f.seeds.scores, i).1, e) else { break };
+                        t = wider;
+                        let stats = f.stats;
+                        f = diprs_from(&idx, q, &DiprsParams { target: Some(t), ..params }, &f.ids)?;
+                        f.stats += stats;
+                    }
+                }
                 if warm {
                     // A search's tokens come best first.
                     previous[i] = f.ids.iter().copied().take(WARM_START_TOKENS).collect();
                 }
-                out.push(searched(f, &ix.graph));
+                let estimate = target.map(|_| estimated(&f, &f.seeds.scores, i));
+                out.push(Selection { target: estimate, ..searched(f, &ix.graph) });
             }
         }
         Method::PrefixGraph { beta, share } => {
@@ -482,6 +557,7 @@ fn run_group(
                     keys_scored: f.stats.keys_scored,
                     meta_bytes: f.metadata_bytes,
                     per_token: c.metadata_bytes_per_token(),
+                    target: None,
                 });
             }
         }
@@ -491,16 +567,54 @@ fn run_group(
 
 /// The baseline: the session's flat plan for a GQA group's queries `qs` (one pass over the
 /// keys below `prefix` for all of them, `flat::scan_many`), then each q head's exact DIPR set
-/// from its scores and its window maximum.
-fn flat_group<K: Keys>(
-    keys: &K,
-    qs: &[f32],
-    prefix: Option<u32>,
-    beta: f32,
-    win_max: &[f32],
-) -> Result<Vec<SearchResult>> {
-    let scan = flat::scan_many(keys, qs, prefix.unwrap_or(u32::MAX))?;
-    Ok(win_max.iter().enumerate().map(|(i, &best)| flat::dipr_of(scan.scores(i), beta, best, scan.stats)).collect())
+/// from its scores and its window maximum (β chosen to meet its mass target, if it has one).
+fn flat_group(scan: &GroupScan, beta: f32, win_max: &[f32], targets: &[Option<MassTarget>]) -> Vec<SearchResult> {
+    win_max
+        .iter()
+        .enumerate()
+        .map(|(i, &best)| flat::dipr_or_target(scan.scores(i), beta, best, targets[i].as_ref(), scan.stats))
+        .collect()
+}
+
+/// A target row's error estimate ([`ctxfs_index::target::estimate`]): attention over the
+/// window (scores `win_z`) and the retrieved tokens against the tail estimate, the seeds
+/// (every [`SEED_STRIDE`]-th token; `seeds` their scores) neither holds.
+fn estimate_of(
+    f: &SearchResult,
+    seeds: &[f32],
+    window: &Window,
+    win_z: &[f32],
+    values: &[f16],
+    d: usize,
+    scale: f32,
+) -> (Partial, Estimate) {
+    let mut kept = vec![false; values.len() / d];
+    for &t in &window.ids {
+        kept[t as usize] = true;
+    }
+    let (mut ids, mut z) = (window.ids.clone(), win_z.to_vec());
+    for (&t, &s) in f.ids.iter().zip(&f.scores) {
+        if !std::mem::replace(&mut kept[t as usize], true) {
+            ids.push(t);
+            z.push(s);
+        }
+    }
+    let (seed_ids, seed_z): (Vec<u32>, Vec<f32>) =
+        seeds.iter().enumerate().map(|(j, &s)| (j as u32 * SEED_STRIDE, s)).filter(|&(t, _)| !kept[t as usize]).unzip();
+    let tail = {
+        let rows: Vec<f16> =
+            seed_ids.iter().flat_map(|&t| values[t as usize * d..(t as usize + 1) * d].iter().copied()).collect();
+        let log_stride = (SEED_STRIDE as f32).ln();
+        let mut zs: Vec<f32> = seed_z.iter().map(|s| s * scale + log_stride).collect();
+        Partial::from_scores_on(ctxfs_kernels::active(), &mut zs, &rows, d)
+    };
+    let e = estimate(&attend(&ids, &z, values, d, scale), &tail);
+    (tail, e)
+}
+
+/// The seeds' scores (every [`SEED_STRIDE`]-th) among every key's.
+fn seeds_of(scores: &[f32]) -> Vec<f32> {
+    scores.iter().step_by(SEED_STRIDE as usize).copied().collect()
 }
 
 /// The windows of every length the rows answer over, made before the timers start.
@@ -522,9 +636,13 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 fn p99(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 * 0.99).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0)
+    quantile(v.to_vec(), 0.99)
+}
+
+/// The `q` quantile (nearest rank) of `v`, 0 when empty.
+fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0)
 }
 
 /// Attention over `ids` (scores `z` in inner-product units), as a partial.
@@ -533,6 +651,48 @@ fn attend(ids: &[u32], z: &[f32], values: &[f16], d: usize, scale: f32) -> Parti
         ids.iter().flat_map(|&t| values[t as usize * d..(t as usize + 1) * d].iter().copied()).collect();
     let mut zs: Vec<f32> = z.iter().map(|x| x * scale).collect();
     Partial::from_scores_on(ctxfs_kernels::active(), &mut zs, &rows, d)
+}
+
+/// The oracle of an output error target: the fewest of the best-scoring tokens outside the
+/// window (scores `all`, in inner-product units) that, attended with the window, give an
+/// output within `target` of `exact` (relative, as [`err`] measures); all of them when none
+/// fewer do.
+fn oracle_tokens(
+    all: &[f32],
+    values: &[f16],
+    d: usize,
+    scale: f32,
+    window: &Window,
+    exact: &[f32],
+    target: f32,
+) -> usize {
+    let in_window: BTreeSet<u32> = window.ids.iter().copied().collect();
+    let mut order: Vec<u32> = (0..all.len() as u32).filter(|t| !in_window.contains(t)).collect();
+    order.sort_unstable_by(|&a, &b| all[b as usize].total_cmp(&all[a as usize]).then(a.cmp(&b)));
+    let best = all.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let norm = exact.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt().max(1e-30);
+    let (mut z, mut acc) = (0.0f64, vec![0.0f64; d]);
+    let add = |t: u32, z: &mut f64, acc: &mut [f64]| {
+        let w = (f64::from(scale) * f64::from(all[t as usize] - best)).exp();
+        *z += w;
+        for (a, v) in acc.iter_mut().zip(&values[t as usize * d..(t as usize + 1) * d]) {
+            *a += w * f64::from(v.to_f32());
+        }
+    };
+    for &t in &window.ids {
+        add(t, &mut z, &mut acc);
+    }
+    let meets = |acc: &[f64], z: f64| {
+        let e2: f64 = acc.iter().zip(exact).map(|(a, &x)| (a / z - f64::from(x)).powi(2)).sum();
+        e2.sqrt() / norm <= f64::from(target)
+    };
+    for (n, &t) in order.iter().enumerate() {
+        if z > 0.0 && meets(&acc, z) {
+            return n;
+        }
+        add(t, &mut z, &mut acc);
+    }
+    order.len()
 }
 
 fn err(o: &[f32], exact: &[f32]) -> f64 {
@@ -611,7 +771,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
     let scale = 1.0 / (d as f32).sqrt();
     let sqrt_d = (d as f32).sqrt();
     let reference_beta = 5.0 * sqrt_d;
-    let all_methods = methods(n, sqrt_d);
+    let all_methods = methods(n, sqrt_d, a.target_error);
     let mut rows: Vec<Row> = all_methods
         .iter()
         .map(|(name, m)| Row {
@@ -621,6 +781,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                 Method::Coarse { budget, .. } => Some(budget),
                 _ => None,
             },
+            target: m.target(),
             ..Default::default()
         })
         .collect();
@@ -630,19 +791,19 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
     let warm_up = {
         let p = SynthParams { tokens: WARM_UP_TOKENS, head_dim: d, group, seed: TUNING_SEED.wrapping_add(1000) };
         let h = head(&p, 1, 0, WARM_UP_TOKENS / 4 / group, 1);
-        let ix = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?.0;
+        let ix = HeadIndexes::build(MemKeys::new(d, h.keys), h.values, &h.prefill.concat())?.0;
         let qs: Vec<f32> = h.decode.iter().flat_map(|q| q[..d].iter().copied()).collect();
         let windows = WindowSet::of(&ix);
         (ix, qs, windows)
     };
-    let warm_up_methods = methods(WARM_UP_TOKENS, sqrt_d);
+    let warm_up_methods = methods(WARM_UP_TOKENS, sqrt_d, a.target_error);
     // Nanoseconds per row of each probe.
     let mut probe_row_ns = Vec::new();
     {
         for head_no in 0..src.heads() {
             let BenchHead { label, sharpness, data: h } = src.head(head_no, a.queries)?;
             let steps = h.decode[0].len() / d;
-            let (ix, timing) = HeadIndexes::build(MemKeys::new(d, h.keys), &h.prefill.concat())?;
+            let (ix, timing) = HeadIndexes::build(MemKeys::new(d, h.keys), h.values, &h.prefill.concat())?;
             let mut build = label.clone();
             build["sharpness"] = json!(sharpness);
             build.as_object_mut().expect("an object").extend(timing.as_object().expect("an object").clone());
@@ -671,9 +832,11 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                 let references: Vec<(usize, Vec<Reference>)> = lengths
                     .map(|len| {
                         let w = windows.get(len);
-                        (len, all.iter().map(|z| reference(z, &h.values, d, scale, len, w, reference_beta)).collect())
+                        (len, all.iter().map(|z| reference(z, &ix.values, d, scale, len, w, reference_beta)).collect())
                     })
                     .collect();
+                // Each q head's oracle for the target rows, made when first asked for.
+                let mut oracles: Vec<Option<usize>> = vec![None; group];
                 evict_caches(&mut flush);
                 let t = Instant::now();
                 ix.keys.score(&probe, &qs[..d], &mut probe_scores, &mut SearchStats::default())?;
@@ -697,7 +860,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                     r.micros.push(micros);
                     r.head_micros[head_no] += micros;
                     for (qi, sel) in sels.into_iter().enumerate() {
-                        let Selection { ids, keys_scored, meta_bytes, per_token } = sel;
+                        let Selection { ids, keys_scored, meta_bytes, per_token, target } = sel;
                         let mut retrieved: Vec<u32> = ids.iter().copied().filter(|t| !win_set.contains(t)).collect();
                         if let Method::Topk(k) = *method {
                             retrieved.truncate(k);
@@ -708,7 +871,10 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                         let per_block = if matches!(method, Method::Coarse { .. }) { 2 } else { 1 };
                         let selected: Vec<u32> = window.ids.iter().copied().chain(retrieved.iter().copied()).collect();
                         let z: Vec<f32> = selected.iter().map(|&t| all[qi][t as usize]).collect();
-                        let part = attend(&selected, &z, &h.values, d, scale);
+                        let mut part = attend(&selected, &z, &ix.values, d, scale);
+                        if let Some((tail, _)) = &target {
+                            part = Partial::merge(&[part, tail.clone()]);
+                        }
                         // The reference's DIPR set is at β = 5√d; the other β rows are
                         // measured against their own β's set.
                         let rf = &refs[qi];
@@ -716,14 +882,23 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                         let dipr = if beta == reference_beta {
                             &rf.dipr
                         } else {
-                            dipr_own = reference(&all[qi], &h.values, d, scale, p_len, window, beta).dipr;
+                            dipr_own = reference(&all[qi], &ix.values, d, scale, p_len, window, beta).dipr;
                             &dipr_own
                         };
                         let got: BTreeSet<u32> = selected.iter().copied().collect();
                         r.recall
                             .push(dipr.iter().filter(|t| got.contains(t)).count() as f64 / dipr.len().max(1) as f64);
                         r.recovery.push((part.lse() as f64 - rf.exact.lse() as f64).exp());
-                        r.error.push(err(&part.o, &rf.exact.o));
+                        let error = err(&part.o, &rf.exact.o);
+                        r.error.push(error);
+                        if let Some(e) = method.target() {
+                            let oracle = *oracles[qi].get_or_insert_with(|| {
+                                oracle_tokens(&all[qi], &ix.values, d, scale, window, &rf.exact.o, e)
+                            });
+                            r.target_met.push(f64::from(u8::from(error <= f64::from(e))));
+                            r.vs_oracle.push(retrieved.len() as f64 / oracle.max(1) as f64);
+                            r.estimate.push(target.as_ref().map_or(f64::NAN, |t| t.1.error));
+                        }
                         r.exact_dipr_error.push(err(&rf.exact_dipr.o, &rf.exact.o));
                         r.scored.push(keys_scored as f64 / p_len as f64);
                         r.selected.push(selected.len() as f64);
@@ -779,6 +954,17 @@ fn report(
                 "meta_bytes_per_query": mean(&r.meta_bytes), "data_bytes_per_query": mean(&r.data_bytes),
                 "bytes_per_query": mean(&r.meta_bytes) + mean(&r.data_bytes),
                 "metadata_bytes_per_token": mean(&r.meta_per_token),
+                "target_error": r.target.map(|t| t.to_string().parse::<f64>().unwrap_or(f64::from(t))),
+                "target_met": r.target.map(|_| mean(&r.target_met)),
+                "tokens_vs_oracle": r.target.map(|_| mean(&r.vs_oracle)),
+                "tokens_vs_oracle_median": r.target.map(|_| median(r.vs_oracle.clone())),
+                "estimated_error": r.target.map(|_| mean(&r.estimate)),
+                "error_over_estimate_p95": r.target.map(|_| quantile(
+                    r.error.iter().zip(&r.estimate).map(|(e, m)| e / m.max(1e-9)).collect(), 0.95
+                )),
+                "error_over_estimate_median": r.target.map(|_| median(
+                    r.error.iter().zip(&r.estimate).map(|(e, m)| e / m.max(1e-9)).collect()
+                )),
             })
         })
         .collect();
@@ -855,6 +1041,20 @@ fn print_dataset(v: &serde_json::Value) {
             f("speedup_vs_flat")
         );
     }
+    for r in v["rows"].as_array().unwrap_or(&empty).iter().filter(|r| !r["target_error"].is_null()) {
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+        println!(
+            "{}: output error ≤ {} on {:.1}% of queries (mean {:.4}); {:.2}× the oracle's tokens (median {:.2}×); estimated error without the tail estimate {:.4}, error ÷ estimate median {:.2}",
+            r["method"].as_str().unwrap_or(""),
+            f("target_error"),
+            f("target_met") * 100.0,
+            f("output_error"),
+            f("tokens_vs_oracle"),
+            f("tokens_vs_oracle_median"),
+            f("estimated_error"),
+            f("error_over_estimate_median")
+        );
+    }
     for h in v["per_head"].as_array().unwrap_or(&empty) {
         println!(
             "{}: flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×",
@@ -918,16 +1118,20 @@ fn head_label(h: &serde_json::Value) -> String {
     }
 }
 
-/// The headline figures of every dataset side by side.
+/// The row of a dataset's report named `method`.
+fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_json::Value> {
+    report["rows"].as_array().and_then(|rows| rows.iter().find(|r| r["method"] == method))
+}
+
+/// The headline figures of every dataset side by side: DIPRS at the reference β, then the
+/// rows that choose β to meet the error target.
 fn print_side_by_side(reports: &[serde_json::Value]) {
     println!(
         "{:<28} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
         "dataset (DIPRS β=5·√d)", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
     );
     for v in reports {
-        let Some(row) = v["rows"].as_array().and_then(|r| r.iter().find(|r| r["method"] == DIPRS_ROW)) else {
-            continue;
-        };
+        let Some(row) = row_of(v, DIPRS_ROW) else { continue };
         let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
         println!(
             "{:<28} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
@@ -940,6 +1144,29 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
             ratio(f("output_error"), f("exact_dipr_output_error")),
             v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
         );
+    }
+    println!();
+    println!(
+        "{:<28} {:<13} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "dataset", "row", "target", "met", "÷ oracle", "selected", "scored", "estimate", "err÷est"
+    );
+    for v in reports {
+        for name in [FLAT_TARGET_ROW, DIPRS_TARGET_ROW] {
+            let Some(row) = row_of(v, name) else { continue };
+            let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
+            println!(
+                "{:<28} {:<13} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
+                v["dataset"].as_str().unwrap_or(""),
+                name,
+                f("target_error"),
+                f("target_met") * 100.0,
+                f("tokens_vs_oracle"),
+                f("selected_tokens"),
+                f("keys_scored_fraction") * 100.0,
+                f("estimated_error"),
+                f("error_over_estimate_median")
+            );
+        }
     }
 }
 
@@ -1006,7 +1233,8 @@ mod tests {
         let counted = Counted { keys: &keys, calls: Cell::new((0, 0, 0)) };
         let beta = 5.0 * (d as f32).sqrt();
         let win_max = [f32::NEG_INFINITY; GROUP];
-        let got = flat_group(&counted, &qs, Some(2000), beta, &win_max).unwrap();
+        let scan = flat::scan_many(&counted, &qs, 2000).unwrap();
+        let got = flat_group(&scan, beta, &win_max, &[None; 4]);
         assert_eq!(counted.calls.get(), (1, 0, 0), "one batched scan for {GROUP} q heads, nothing else");
         for (i, q) in qs.chunks_exact(d).enumerate() {
             let alone = flat::dipr(&keys, q, beta, f32::NEG_INFINITY, Some(2000)).unwrap();

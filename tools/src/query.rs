@@ -63,6 +63,12 @@ pub struct Args {
     /// seed sample (default: on for `--mode auto`, off for a forced mode).
     #[arg(long, value_parser = parse_on_off)]
     tail: Option<bool>,
+    /// Ask for an output error at most E (relative to exact attention's) instead of a fixed
+    /// --beta: the range is cut per query where the mass it leaves out meets E, the answer's
+    /// error is estimated (`estimated_error` in --json) and the range widened while the
+    /// estimate misses (at most 3 times). `--mode auto` serves it with the flat scan.
+    #[arg(long, value_name = "E")]
+    target_error: Option<f32>,
     /// Buffer pool budget.
     #[arg(long, default_value = "256M", value_parser = crate::units::parse_size)]
     pool: u64,
@@ -113,6 +119,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         budget: args.budget,
         scale: args.scale,
         tail: args.tail,
+        target_error: args.target_error,
         detail: true,
         ..Default::default()
     };
@@ -131,6 +138,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
                     "layer": l, "head": h, "query": qi, "selected": r.selected, "output": &a.output[h * d..(h + 1) * d],
                     "lse": r.lse, "keys_scored": r.stats.keys_scored, "blocks_read": r.stats.blocks_read,
                     "micros": a.micros, "plan": plan, "tail_seeds": r.tail_seeds,
+                    "estimated_error": r.estimated_error,
                 });
                 if args.json {
                     // As an io::Error, a closed pipe is recognised as the reader stopping.

@@ -532,6 +532,21 @@ fn import_then_query_matches_exact_attention() {
     assert!(tailed.iter().all(|r| r["tail_seeds"].as_u64().unwrap() > 0), "a range left no seed out");
     let bad_tail = ctxfs(&[&base[..], &["--tail", "maybe"]].concat());
     assert!(String::from_utf8_lossy(&bad_tail.stderr).contains("expected on or off"));
+    // --target-error: β is cut per query where the output error is estimated to meet it; the
+    // answer is then close to exact attention, and reports its estimate.
+    let (mut met, mut estimated) = (0, 0);
+    let targeted = run(&["--mode", "flat", "--target-error", "0.02"]);
+    for r in &targeted {
+        let (qh, qi) = (r["head"].as_u64().unwrap() as usize, r["query"].as_u64().unwrap() as usize);
+        let (o, _) = exact_attention(&ctx, &queries, 1, qh, qi, 2, 3000);
+        met += usize::from(rel_err(&r["output"], &o) <= 0.02);
+        estimated += usize::from(r["estimated_error"].as_f64().is_some_and(|e| (0.0..1.0).contains(&e)));
+    }
+    assert_eq!(estimated, targeted.len(), "every answer reports its estimate");
+    assert!(met * 10 >= targeted.len() * 9, "met on {met} of {}", targeted.len());
+    assert!(sparse.iter().all(|r| r["estimated_error"].is_null()), "no target, no estimate");
+    let bad_target = ctxfs(&[&base[..], &["--target-error", "0"]].concat());
+    assert!(String::from_utf8_lossy(&bad_target.stderr).contains("error target"));
     // A reused prefix: only tokens below it, and the window is that of the prefix.
     for r in run(&["--mode", "diprs", "--prefix", "1000"]) {
         let sel: Vec<u64> = r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
@@ -943,4 +958,12 @@ fn bench_search_measures_captured_attention_beside_the_generator() {
     let diprs = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "diprs beta=5·√d").unwrap();
     let recall = diprs["dipr_recall"].as_f64().unwrap();
     assert!((0.5..=1.0).contains(&recall), "{recall}");
+    // The target rows: the share of queries that met --target-error (default 0.01), and the
+    // tokens retrieved against the oracle's (the fewest best-scoring tokens that meet it).
+    for name in ["flat target", "diprs target"] {
+        let row = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == name).unwrap();
+        assert_eq!(row["target_error"].as_f64(), Some(0.01), "{row}");
+        let met = row["target_met"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&met) && row["tokens_vs_oracle"].as_f64().unwrap() > 0.0, "{row}");
+    }
 }
