@@ -239,7 +239,9 @@ struct SearchedHead {
     found: Found,
     tail: Option<Tail>,
     estimated_error: Option<f32>,
-    /// Attention over `found`, when an error target's estimate already summed it.
+    /// Attention over the window and own tokens, and over `found`, when an error target's
+    /// estimate already computed them.
+    own: Option<Partial>,
     retrieved: Option<Partial>,
     prefetch: Option<Prefetched>,
     stats: SearchStats,
@@ -682,12 +684,9 @@ impl Session {
             // Taken, not copied: this search replaces them.
             let previous = if warm { std::mem::take(&mut lock(&self.last_found)[slot]) } else { Vec::new() };
             // An error target asks for the mass left out beside the window's and own tokens'.
-            let own = || {
-                let mut z: Vec<f32> = win_z.iter().chain(&fresh_z).map(|z| z * scale).collect();
-                let own_values = [&window.values[..], &fresh.values[h][..]].concat();
-                Partial::from_scores_on(isa, &mut z, &own_values, d)
-            };
-            let own_part = choice.error_target.map(|_| own());
+            let own_part = choice
+                .error_target
+                .map(|_| own_attention(isa, (&win_z, &window.values), (&fresh_z, &fresh.values[h]), scale, d));
             let target = own_part.as_ref().zip(choice.error_target).map(|(own, share)| MassTarget {
                 share,
                 scale,
@@ -733,6 +732,7 @@ impl Session {
                 found,
                 tail,
                 estimated_error,
+                own: own_part,
                 retrieved,
                 prefetch,
                 stats,
@@ -763,11 +763,12 @@ impl Session {
         let prefix = self.prefix_tokens();
         let mut out = Vec::with_capacity(heads.len());
         for SearchedHead {
-            mut win_z,
-            mut fresh_z,
+            win_z,
+            fresh_z,
             found,
             tail,
             estimated_error,
+            own,
             retrieved,
             prefetch,
             mut stats,
@@ -791,15 +792,10 @@ impl Session {
             };
             let values = reading.elapsed() + tail_time;
             // The window and own tokens: here, or on the GPU (which merges the retrieved part in).
-            let own = if own_on_cpu {
-                win_z.iter_mut().for_each(|z| *z *= scale);
-                fresh_z.iter_mut().for_each(|z| *z *= scale);
-                Partial::merge(&[
-                    Partial::from_scores_on(isa, &mut win_z, &window.values, d),
-                    Partial::from_scores_on(isa, &mut fresh_z, &fresh.values[h], d),
-                ])
-            } else {
-                Partial::empty(d)
+            let own = match own {
+                _ if !own_on_cpu => Partial::empty(d),
+                Some(part) => part,
+                None => own_attention(isa, (&win_z, &window.values), (&fresh_z, &fresh.values[h]), scale, d),
             };
             let selected = if opts.detail {
                 let mut ids: Vec<u32> = self.window_ids.clone();
@@ -1141,6 +1137,22 @@ impl Session {
         })?;
         Ok(Some(Tail { part, seeds: ids, spent: started.elapsed() }))
     }
+}
+
+/// Attention over the window and the session's own tokens: their scores (q · k, unscaled)
+/// and values.
+fn own_attention(
+    isa: ctxfs_kernels::Isa,
+    (win_z, win_values): (&[f32], &[f32]),
+    (fresh_z, fresh_values): (&[f32], &[f32]),
+    scale: f32,
+    d: usize,
+) -> Partial {
+    let scaled = |z: &[f32]| z.iter().map(|z| z * scale).collect::<Vec<f32>>();
+    Partial::merge(&[
+        Partial::from_scores_on(isa, &mut scaled(win_z), win_values, d),
+        Partial::from_scores_on(isa, &mut scaled(fresh_z), fresh_values, d),
+    ])
 }
 
 /// The tail estimate of one q head ([`AttentionOptions::tail`]).

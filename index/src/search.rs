@@ -475,7 +475,7 @@ pub fn diprs_from<S: Keys + Graph>(
         if m <= f64::from(t.share) || admitted >= limit || round == MAX_TARGET_ROUNDS {
             break;
         }
-        let wider = seeds.target_beta(&t, inside, cut, best);
+        let wider = t.sampled_beta(inside, &below, seeds.stride, best);
         if wider <= beta {
             break;
         }

@@ -74,14 +74,14 @@ impl MassTarget {
     /// within the current range, and the seeds below it (`below`, ascending), each standing
     /// for `stride` tokens.
     pub fn sampled_beta(&self, inside: f64, below: &[f32], stride: u32, best: f32) -> f32 {
-        let total = self.estimated_total(inside, below, stride, best);
+        let total = self.window_mass(best) + inside + self.left_out(below, stride, best);
         self.cut(below, f64::from(stride), total, best)
     }
 
     /// The estimated share of the mass left out: the seeds `below` the range against the
     /// keys scored inside it and the window.
     pub fn missing_share(&self, inside: f64, below: &[f32], stride: u32, best: f32) -> f64 {
-        let left_out = f64::from(stride) * below.iter().map(|&s| self.weight(s, best)).sum::<f64>();
+        let left_out = self.left_out(below, stride, best);
         let total = self.window_mass(best) + inside + left_out;
         if total > 0.0 {
             left_out / total
@@ -101,8 +101,9 @@ impl MassTarget {
         Some(MassTarget { share: share as f32, ..*self })
     }
 
-    fn estimated_total(&self, inside: f64, below: &[f32], stride: u32, best: f32) -> f64 {
-        self.window_mass(best) + inside + f64::from(stride) * below.iter().map(|&s| self.weight(s, best)).sum::<f64>()
+    /// The mass the seeds `below` the range stand for, each for `stride` tokens.
+    fn left_out(&self, below: &[f32], stride: u32, best: f32) -> f64 {
+        f64::from(stride) * below.iter().map(|&s| self.weight(s, best)).sum::<f64>()
     }
 
     /// Leaves out the lowest of `ascending` (each weighing `each` keys) while their mass stays
