@@ -129,7 +129,16 @@ mod tests {
         }
         let image = compile((9, 0)).unwrap();
         assert!(image.starts_with(b"\x7fELF"));
-        for name in ["attend_d64", "attend_d80", "attend_d96", "attend_d128", "attend_d256", "merge"] {
+        for name in [
+            "attend_d64",
+            "attend_d80",
+            "attend_d96",
+            "attend_d128",
+            "attend_d256",
+            "attend_cluster_d64",
+            "attend_cluster_d128",
+            "merge",
+        ] {
             assert!(image.windows(name.len()).any(|w| w == name.as_bytes()), "{name} missing from the image");
         }
     }

@@ -2,12 +2,16 @@
 // layouts and the launch geometry). NVRTC compiles this at run time, so it includes no header:
 // f16 is read as raw bits and converted with PTX, as cuda_fp16.h itself does.
 
-#define THREADS 128    // threads per block, both kernels
+#define THREADS 128    // threads per block, every kernel
 #define WARPS (THREADS / 32)
 #define TILE 32        // tokens a block attends at a time: one per lane in the softmax step
-#define GMAX 8         // q heads per block; a larger GQA group is spread over blockIdx.z
+// q heads per block; a GQA group is spread over blockIdx.z. One: an attention block's time is
+// its chain of dependent instructions, which grows with its q heads, and the q heads of a group
+// read their kv head's rows from L2 after the first.
+#define GMAX 1
 #define MAX_PARTS 257  // the window's splits (at most 256) and the host's partial
 #define MERGE_BATCH 16 // splits whose partials a merging thread loads at once
+#define MAX_CLUSTER 16 // splits of a cluster launch (attend_cluster): at most MERGE_BATCH
 
 // Eight f16, loaded as one 16-byte access.
 struct alignas(16) Vec16 {
@@ -171,172 +175,224 @@ __device__ __forceinline__ void merge_heads(const float* __restrict__ split_o, c
     }
 }
 
-// Partial attention of one split of the window (tiles_per_block tiles of TILE tokens) for the
-// q heads [first, first + heads) of kv head blockIdx.y's group: normalised o, m = max z and
-// l = sum exp(z - m), written to split_o [q_heads][splits][D] and split_ml [q_heads][splits][2].
-//
-// With fused, the last block of a (kv head, q-head chunk) to finish also merges that chunk's
-// splits (and the host's partials) into out, as the merge kernel would: one launch instead of
-// two. Each block counts itself in done[blockIdx.y * gridDim.z + blockIdx.z]; the last resets
-// the counter to 0 for the next launch, which the stream orders after this one.
-//
-// The window is token-major, [capacity][kv_heads][D] f16. LANES threads share a row (16 bytes
-// each), so a pass of the block covers ROWS rows and a tile PASSES passes. The K/V tile is read
-// once for all q heads of the group. Every load of a tile is issued before the first is used:
-// the first tile's before the queries are read, each next tile's keys as soon as the current
-// keys are scored, and its values once the current values are summed.
+// The attention kernels' geometry for head dim D. The window is token-major,
+// [capacity][kv_heads][D] f16. LANES threads share a row (16 bytes each), so a pass of the
+// block covers ROWS rows and a tile PASSES passes.
 template <int D>
-__device__ __forceinline__ void attend(const Vec16* __restrict__ keys, const Vec16* __restrict__ values,
-                                       const float* __restrict__ q, float* __restrict__ split_o,
-                                       float* __restrict__ split_ml, int len, int kv_heads, int group,
-                                       int tiles_per_block, float scale, int fused,
-                                       const float* __restrict__ host, int has_host, float* __restrict__ out,
-                                       unsigned int* __restrict__ done) {
-    constexpr int VECS = D / 8;
-    constexpr int LANES = VECS <= 8 ? 8 : (VECS <= 16 ? 16 : 32);
-    constexpr int ROWS = THREADS / LANES;
-    constexpr int PASSES = TILE / ROWS;
+struct Geometry {
+    static constexpr int VECS = D / 8;
+    static constexpr int LANES = VECS <= 8 ? 8 : (VECS <= 16 ? 16 : 32);
+    static constexpr int ROWS = THREADS / LANES;
+    static constexpr int PASSES = TILE / ROWS;
+    // The warps' sums of o, and later the merge's weights: one buffer, used in turn.
+    static constexpr int RED = WARPS * GMAX * D, MERGE = GMAX * MAX_PARTS;
+    static constexpr int SCRATCH = RED > MERGE ? RED : MERGE;
     static_assert(D % 8 == 0 && VECS <= 32, "head dim: a multiple of 8, at most 256");
+};
 
-    __shared__ float q_s[GMAX][D];
-    __shared__ float p_s[GMAX][TILE];
-    __shared__ float m_s[GMAX], l_s[GMAX], corr_s[GMAX];
-    // The warps' sums of o, and later (fused) the merge's weights: one buffer, used in turn.
-    constexpr int RED = WARPS * GMAX * D, MERGE = GMAX * MAX_PARTS;
-    __shared__ float scratch[RED > MERGE ? RED : MERGE];
-    __shared__ float ml_s[2 * GMAX];
-    __shared__ int last_s;
-    float(*red_s)[GMAX][D] = reinterpret_cast<float(*)[GMAX][D]>(scratch);
+// An attention block's shared memory.
+template <int D>
+struct alignas(16) Shared {
+    // The q heads' queries; once the tiles are done, the block's partial o (normalised).
+    float q[GMAX][D];
+    // The scores of a tile, in two buffers that tiles use in turn.
+    float p[2][GMAX][TILE];
+    float m[GMAX], l[GMAX];
+    float scratch[Geometry<D>::SCRATCH];
+    float ml[2 * GMAX];
+    int last;
+};
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int c = tid % LANES;  // the row's 16-byte vector this thread reads
-    const int r = tid / LANES;  // the row of a pass this thread reads
-    const bool reads = c < VECS;
-    const int split = blockIdx.x, splits = gridDim.x;
-    const int kvh = blockIdx.y;
-    const int first = blockIdx.z * GMAX;
-    const int heads = min(GMAX, group - first);
-    const int q0 = kvh * group + first;
-    const size_t token_stride = (size_t)kv_heads * VECS;
-    const int tiles = (len + TILE - 1) / TILE;
-    const int tile_end = min(tiles, (split + 1) * tiles_per_block);
-    int tile = split * tiles_per_block;
+// One tile of TILE tokens from t0 (kv/vv: this thread's vectors of its keys and values) into
+// scores buffer BUF: scores, the online softmax (m, l) and the weighted values added to acc.
+// One barrier: every warp computes the softmax of every head itself (the same values in
+// each), and takes the weights of its rows from the lanes that hold them; the next tile
+// writes the other scores buffer, and the one after it this one only once every warp has
+// passed the next tile's barrier, so after reading this one.
+template <int D, int BUF>
+__device__ __forceinline__ void attend_tile(Shared<D>& s, const Vec16 (&kv)[Geometry<D>::PASSES],
+                                            const Vec16 (&vv)[Geometry<D>::PASSES], float (&acc)[GMAX][8],
+                                            float (&m)[GMAX], float (&l)[GMAX], int t0, int len, int heads,
+                                            float scale) {
+    using G = Geometry<D>;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int c = tid % G::LANES, r = tid / G::LANES;
+    const bool reads = c < G::VECS;
 
-    Vec16 kv[PASSES], vv[PASSES];
-    if (tile < tile_end) {
-        load_tile<PASSES, ROWS, VECS>(kv, keys, tile * TILE, len, r, c, token_stride, kvh);
-        load_tile<PASSES, ROWS, VECS>(vv, values, tile * TILE, len, r, c, token_stride, kvh);
-    }
-    for (int i = tid; i < heads * D; i += THREADS) q_s[i / D][i % D] = q[(size_t)q0 * D + i];
-    if (tid < GMAX) {
-        m_s[tid] = neg_inf();
-        l_s[tid] = 0.f;
-    }
-    __syncthreads();
-
-    float acc[GMAX][8];
+    // Scores: each thread's 8 products, summed over the row's LANES threads by shuffles.
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-
-    for (; tile < tile_end; ++tile) {
-        const int t0 = tile * TILE;
-        const bool more = tile + 1 < tile_end;
-
-        // Scores: each thread's 8 products, summed over the row's LANES threads by shuffles.
-#pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            float k[8];
-            unpack8(kv[p], k);
-            const int t = p * ROWS + r;
-#pragma unroll
-            for (int g = 0; g < GMAX; ++g) {
-                if (g < heads) {
-                    float s = 0.f;
-                    if (reads) {
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) s = fmaf(k[i], q_s[g][c * 8 + i], s);
-                    }
-#pragma unroll
-                    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                    if (c == 0) p_s[g][t] = t0 + t < len ? s * scale : neg_inf();
-                }
-            }
-        }
-        if (more) load_tile<PASSES, ROWS, VECS>(kv, keys, t0 + TILE, len, r, c, token_stride, kvh);
-        __syncthreads();
-
-        // Online softmax over the tile: warp w takes heads w, w + WARPS, ...; lane = token.
-        for (int g = warp; g < heads; g += WARPS) {
-            const float z = p_s[g][lane];
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, warp_max(z));
-            const float e = z == neg_inf() ? 0.f : __expf(z - m_new);
-            const float sum = warp_sum(e);
-            p_s[g][lane] = e;
-            if (lane == 0) {
-                const float corr = m_old == neg_inf() ? 0.f : __expf(m_old - m_new);
-                corr_s[g] = corr;
-                l_s[g] = l_s[g] * corr + sum;
-                m_s[g] = m_new;
-            }
-        }
-        __syncthreads();
-
-        // Values: rescale what the earlier tiles summed, add this tile's weighted rows.
+    for (int p = 0; p < G::PASSES; ++p) {
+        float k[8];
+        unpack8(kv[p], k);
+        const int t = p * G::ROWS + r;
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
             if (g < heads) {
-                const float corr = corr_s[g];
+                float sc = 0.f;
+                if (reads) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] *= corr;
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            float v[8];
-            unpack8(vv[p], v);
-            const int t = p * ROWS + r;
-#pragma unroll
-            for (int g = 0; g < GMAX; ++g) {
-                if (g < heads) {
-                    const float w = p_s[g][t];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(w, v[i], acc[g][i]);
+                    for (int i = 0; i < 8; ++i) sc = fmaf(k[i], s.q[g][c * 8 + i], sc);
                 }
+#pragma unroll
+                for (int off = G::LANES / 2; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+                if (c == 0) s.p[BUF][g][t] = t0 + t < len ? sc * scale : neg_inf();
             }
         }
-        if (more) load_tile<PASSES, ROWS, VECS>(vv, values, t0 + TILE, len, r, c, token_stride, kvh);
-        __syncthreads();  // the next tile rewrites p_s and corr_s
+    }
+    __syncthreads();
+
+    // Online softmax over the tile, lane = token; what the earlier tiles summed is rescaled.
+    float e[GMAX];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        e[g] = 0.f;
+        if (g < heads) {
+            const float z = s.p[BUF][g][lane];
+            const float m_new = fmaxf(m[g], warp_max(z));
+            e[g] = z == neg_inf() ? 0.f : __expf(z - m_new);
+            const float sum = warp_sum(e[g]);
+            const float corr = m[g] == neg_inf() ? 0.f : __expf(m[g] - m_new);
+            l[g] = l[g] * corr + sum;
+            m[g] = m_new;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] *= corr;
+        }
+    }
+
+    // Values: this tile's rows, weighted.
+#pragma unroll
+    for (int p = 0; p < G::PASSES; ++p) {
+        float v[8];
+        unpack8(vv[p], v);
+        const int t = p * G::ROWS + r;
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+            if (g < heads) {
+                const float w = __shfl_sync(0xffffffffu, e[g], t);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(w, v[i], acc[g][i]);
+            }
+        }
+    }
+}
+
+// Partial attention of one split of the window (tokens [split · tokens_per_block,
+// (split + 1) · tokens_per_block) ∩ [0, len), in tiles of TILE tokens) for the q heads
+// [q0, q0 + heads) of kv head kvh: leaves the normalised o in s.q, m = max z in s.m and
+// l = sum exp(z - m) in s.l.
+//
+// The K/V tile is read once for all q heads of the group. Two tiles' loads are in flight:
+// the first two are issued before the queries are read, and each next one as its tile
+// before last is attended.
+template <int D>
+__device__ __forceinline__ void attend_split(Shared<D>& s, const Vec16* __restrict__ keys,
+                                             const Vec16* __restrict__ values, const float* __restrict__ q, int len,
+                                             int kv_heads, int kvh, int q0, int heads, int split, int tokens_per_block,
+                                             float scale) {
+    using G = Geometry<D>;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int c = tid % G::LANES;  // the row's 16-byte vector this thread reads
+    const int r = tid / G::LANES;  // the row of a pass this thread reads
+    const size_t token_stride = (size_t)kv_heads * G::VECS;
+    const int start = split * tokens_per_block, end = min(len, start + tokens_per_block);
+    const int tiles = (end - start + TILE - 1) / TILE;
+    int tile = 0;
+
+    Vec16 ka[G::PASSES], va[G::PASSES], kb[G::PASSES], vb[G::PASSES];
+    const auto load = [&](Vec16(&k)[G::PASSES], Vec16(&v)[G::PASSES], int at) {
+        load_tile<G::PASSES, G::ROWS, G::VECS>(k, keys, start + at * TILE, end, r, c, token_stride, kvh);
+        load_tile<G::PASSES, G::ROWS, G::VECS>(v, values, start + at * TILE, end, r, c, token_stride, kvh);
+    };
+    if (tiles > 0) load(ka, va, 0);
+    if (tiles > 1) load(kb, vb, 1);
+    for (int i = tid; i < heads * D; i += THREADS) s.q[i / D][i % D] = q[(size_t)q0 * D + i];
+    __syncthreads();
+
+    float acc[GMAX][8], m[GMAX], l[GMAX];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    }
+
+    // Tiles alternate between the two register buffers and the two scores buffers: a and 0
+    // take even ones, b and 1 odd ones.
+    while (tile < tiles) {
+        attend_tile<D, 0>(s, ka, va, acc, m, l, start + tile * TILE, end, heads, scale);
+        if (tile + 2 < tiles) load(ka, va, tile + 2);
+        if (++tile == tiles) break;
+        attend_tile<D, 1>(s, kb, vb, acc, m, l, start + tile * TILE, end, heads, scale);
+        if (tile + 2 < tiles) load(kb, vb, tile + 2);
+        ++tile;
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+            s.m[g] = m[g];
+            s.l[g] = l[g];
+        }
     }
 
     // Sum the rows' accumulators: by shuffles within a warp, then across warps in shared memory.
+    float(*red)[GMAX][D] = reinterpret_cast<float(*)[GMAX][D]>(s.scratch);
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
         if (g < heads) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                float s = acc[g][i];
+                float sum = acc[g][i];
 #pragma unroll
-                for (int off = LANES; off < 32; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                if (lane < LANES && reads) red_s[warp][g][c * 8 + i] = s;
+                for (int off = G::LANES; off < 32; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if (lane < G::LANES && c < G::VECS) red[warp][g][c * 8 + i] = sum;
             }
         }
     }
     __syncthreads();
     for (int i = tid; i < heads * D; i += THREADS) {
         const int g = i / D, d = i % D;
-        float s = 0.f;
+        float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) s += red_s[w][g][d];
-        const float l = l_s[g];
-        split_o[((size_t)(q0 + g) * splits + split) * D + d] = l > 0.f ? s / l : 0.f;
+        for (int w = 0; w < WARPS; ++w) sum += red[w][g][d];
+        const float lg = s.l[g];
+        s.q[g][d] = lg > 0.f ? sum / lg : 0.f;
+    }
+    __syncthreads();
+}
+
+// Partial attention of one split of the window (attend_split) for the q heads
+// [first, first + heads) of kv head blockIdx.y's group, blockIdx.z · GMAX = first, written to
+// split_o [q_heads][splits][D] and split_ml [q_heads][splits][2].
+//
+// With fused, the last block of a (kv head, q-head chunk) to finish also merges that chunk's
+// splits (and the host's partials) into out, as the merge kernel would: one launch instead of
+// two. Each block counts itself in done[blockIdx.y * gridDim.z + blockIdx.z]; the last resets
+// the counter to 0 for the next launch, which the stream orders after this one.
+template <int D>
+__device__ __forceinline__ void attend(const Vec16* __restrict__ keys, const Vec16* __restrict__ values,
+                                       const float* __restrict__ q, float* __restrict__ split_o,
+                                       float* __restrict__ split_ml, int len, int kv_heads, int group,
+                                       int tokens_per_block, float scale, int fused,
+                                       const float* __restrict__ host, int has_host, float* __restrict__ out,
+                                       unsigned int* __restrict__ done) {
+    __shared__ Shared<D> s;
+    const int tid = threadIdx.x;
+    const int split = blockIdx.x, splits = gridDim.x;
+    const int kvh = blockIdx.y;
+    const int first = blockIdx.z * GMAX;
+    const int heads = min(GMAX, group - first);
+    const int q0 = kvh * group + first;
+    attend_split<D>(s, keys, values, q, len, kv_heads, kvh, q0, heads, split, tokens_per_block, scale);
+
+    for (int i = tid; i < heads * D; i += THREADS) {
+        const int g = i / D, d = i % D;
+        split_o[((size_t)(q0 + g) * splits + split) * D + d] = s.q[g][d];
     }
     if (tid < heads) {
         const size_t at = ((size_t)(q0 + tid) * splits + split) * 2;
-        split_ml[at] = m_s[tid];
-        split_ml[at + 1] = l_s[tid];
+        split_ml[at] = s.m[tid];
+        split_ml[at + 1] = s.l[tid];
     }
     if (!fused) return;
 
@@ -348,23 +404,216 @@ __device__ __forceinline__ void attend(const Vec16* __restrict__ keys, const Vec
         unsigned int* counter = done + blockIdx.y * gridDim.z + blockIdx.z;
         const bool last = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
         if (last) *counter = 0u;
-        last_s = last;
+        s.last = last;
     }
     __syncthreads();
-    if (!last_s) return;
+    if (!s.last) return;
     __threadfence();
-    merge_heads(split_o, split_ml, splits, host, has_host, out, kv_heads * group, D, q0, heads, scratch, ml_s);
+    merge_heads(split_o, split_ml, splits, host, has_host, out, kv_heads * group, D, q0, heads, s.scratch, s.ml);
+}
+
+// Distributed shared memory (thread-block clusters, sm_90): the shared-window address of p,
+// and that address in the block of rank `rank` of this block's cluster.
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+    unsigned int a;
+    asm("{.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ unsigned int cluster_address(unsigned int a, int rank) {
+    unsigned int r;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+
+// Stores to another block's shared memory (cluster addresses) that count their bytes on that
+// block's mbarrier `bar` (a cluster address too): no fence, the barrier's phase completes once
+// every byte it expects has landed.
+__device__ __forceinline__ void send4(unsigned int to, const F4& v, unsigned int bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :
+                 : "r"(to), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void send2(unsigned int to, float x, float y, unsigned int bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                 :
+                 : "r"(to), "f"(x), "f"(y), "r"(bar)
+                 : "memory");
+}
+
+// What the blocks of a cluster send each other to merge: every split's o of the items this
+// block merges, o[k · splits + split] for its k-th item, and every split's (m, l) per q head.
+// Then each warp's weights and (m, l) of the merge, per q head.
+template <int D>
+struct alignas(16) ClusterMerge {
+    F4 o[GMAX * D / 4 + MAX_CLUSTER];
+    float ml[GMAX][MAX_CLUSTER][2];
+    float w[WARPS][GMAX][MAX_CLUSTER + 1];
+    float merged[WARPS][GMAX][2];
+    unsigned long long bar;
+};
+
+// attend and the merge in one launch of thread-block clusters: the window's splits of a
+// (kv head, chunk of q heads) are one cluster (gridDim.x = splits <= MAX_CLUSTER blocks).
+// Block `split` merges the 4-float items split, split + splits, ... of the chunk's o: each
+// block sends its partial's slices of those items, and its (m, l), to the block that merges
+// them, straight into that block's shared memory (st.async, counted on its mbarrier), and the
+// merging block combines them with the host's partials exactly as merge_heads does (the same
+// weights, sums and order). No partial goes through global memory, and no block waits for
+// more than the bytes it merges; block 0 writes (m, l).
+template <int D>
+__device__ __forceinline__ void attend_cluster(const Vec16* __restrict__ keys, const Vec16* __restrict__ values,
+                                               const float* __restrict__ q, int len, int kv_heads, int group,
+                                               int tokens_per_block, float scale, const float* __restrict__ host,
+                                               int has_host, float* __restrict__ out) {
+    __shared__ Shared<D> s;
+    __shared__ ClusterMerge<D> cm;
+    constexpr int SLICES = D / 4;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x, splits = gridDim.x;
+    const int kvh = blockIdx.y;
+    const int first = blockIdx.z * GMAX;
+    const int heads = min(GMAX, group - first);
+    const int q0 = kvh * group + first;
+    const int q_heads = kv_heads * group;
+    const size_t ms = (size_t)q_heads * D;  // where m starts in host and out; l follows
+    const int items = heads * SLICES;
+
+    // The barrier counts what the cluster sends here: 16 bytes per item of this block and
+    // split, 8 per q head and split. Every block's barrier is set up before any block sends
+    // (the cluster barrier below: arrived at here, waited for once the window is attended).
+    const unsigned int bar = shared_address(&cm.bar);
+    if (tid == 0) {
+        const int mine = split < items ? (items - split + splits - 1) / splits : 0;
+        const unsigned int bytes = (unsigned int)(splits * (16 * mine + 8 * heads));
+        asm volatile(
+            "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+            "fence.mbarrier_init.release.cluster;\n\t"
+            "{.reg .b64 state;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n\t}" ::"r"(bar),
+            "r"(bytes)
+            : "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+
+    // The host's part, loaded now so that it arrives while the window is attended.
+    float host_m[GMAX], host_l[GMAX];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        host_m[g] = neg_inf();
+        host_l[g] = 0.f;
+        if (has_host && g < heads) {
+            host_m[g] = host[ms + q0 + g];
+            host_l[g] = host[ms + q_heads + q0 + g];
+        }
+    }
+    const int e0 = split + splits * tid;
+    F4 host_o{0.f, 0.f, 0.f, 0.f};
+    if (has_host && e0 < items)
+        host_o = *reinterpret_cast<const F4*>(host + (size_t)(q0 + e0 / SLICES) * D + 4 * (e0 % SLICES));
+
+    attend_split<D>(s, keys, values, q, len, kv_heads, kvh, q0, heads, split, tokens_per_block, scale);
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+
+    // Send this split's partial to the blocks that merge it.
+    for (int e = tid; e < items; e += THREADS) {
+        const int owner = e % splits, k = e / splits;
+        const F4 v = *reinterpret_cast<const F4*>(&s.q[e / SLICES][4 * (e % SLICES)]);
+        send4(cluster_address(shared_address(&cm.o[k * splits + split]), owner), v, cluster_address(bar, owner));
+    }
+    for (int i = tid; i < heads * splits; i += THREADS) {
+        const int g = i / splits, owner = i % splits;
+        send2(cluster_address(shared_address(&cm.ml[g][split][0]), owner), s.m[g], s.l[g],
+              cluster_address(bar, owner));
+    }
+    // Wait for what the cluster sent here.
+    for (unsigned int done = 0; !done;) {
+        asm volatile(
+            "{.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar)
+            : "memory");
+    }
+
+    // The weights, as merge_heads computes them, in every warp: part i in lane i.
+    const int parts = splits + (has_host ? 1 : 0);
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        if (g < heads) {
+            float m = neg_inf(), l = 0.f;
+            if (lane < splits) {
+                m = cm.ml[g][lane][0];
+                l = cm.ml[g][lane][1];
+            } else if (lane < parts) {
+                m = host_m[g];
+                l = host_l[g];
+            }
+            const float mx = warp_max(l > 0.f ? fmaxf(neg_inf(), m) : neg_inf());
+            const float w = l > 0.f ? expf(m - mx) * l : 0.f;
+            if (lane < parts) cm.w[warp][g][lane] = w;
+            const float sum = warp_sum(lane < parts ? w : 0.f);
+            if (lane == 0) {
+                cm.merged[warp][g][0] = mx;
+                cm.merged[warp][g][1] = sum;
+            }
+        }
+    }
+    __syncwarp();
+
+    for (int k = tid, e = e0; e < items; k += THREADS, e += splits * THREADS) {
+        const int g = e / SLICES, c = e % SLICES, h = q0 + g;
+        const float* w = cm.w[warp][g];
+        F4 acc{0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < MAX_CLUSTER; ++j) {
+            const float wj = j < splits ? w[j] : 0.f;
+            // A part of weight 0 adds nothing, whatever its o.
+            if (wj != 0.f) {
+                const F4 x = cm.o[k * splits + j];
+                acc.x = fmaf(wj, x.x, acc.x);
+                acc.y = fmaf(wj, x.y, acc.y);
+                acc.z = fmaf(wj, x.z, acc.z);
+                acc.w = fmaf(wj, x.w, acc.w);
+            }
+        }
+        if (has_host && w[splits] != 0.f) {
+            const F4 y = e == e0 ? host_o : *reinterpret_cast<const F4*>(host + (size_t)h * D + 4 * c);
+            acc.x = fmaf(w[splits], y.x, acc.x);
+            acc.y = fmaf(w[splits], y.y, acc.y);
+            acc.z = fmaf(w[splits], y.z, acc.z);
+            acc.w = fmaf(w[splits], y.w, acc.w);
+        }
+        const float l = cm.merged[warp][g][1];
+        const F4 r = l > 0.f ? F4{acc.x / l, acc.y / l, acc.z / l, acc.w / l} : F4{0.f, 0.f, 0.f, 0.f};
+        *reinterpret_cast<F4*>(out + (size_t)h * D + 4 * c) = r;
+    }
+    if (split == 0 && tid < heads) {
+        const float l = cm.merged[0][tid][1];
+        out[ms + q0 + tid] = l > 0.f ? cm.merged[0][tid][0] : neg_inf();
+        out[ms + q_heads + q0 + tid] = l;
+    }
 }
 
 #define ATTEND(D)                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
         attend_d##D(const Vec16* __restrict__ keys, const Vec16* __restrict__ values,                       \
                     const float* __restrict__ q, float* __restrict__ split_o, float* __restrict__ split_ml, \
-                    int len, int kv_heads, int group, int tiles_per_block, float scale, int fused,           \
+                    int len, int kv_heads, int group, int tokens_per_block, float scale, int fused,           \
                     const float* __restrict__ host, int has_host, float* __restrict__ out,                   \
                     unsigned int* __restrict__ done) {                                                        \
-        attend<D>(keys, values, q, split_o, split_ml, len, kv_heads, group, tiles_per_block, scale, fused,    \
+        attend<D>(keys, values, q, split_o, split_ml, len, kv_heads, group, tokens_per_block, scale, fused,    \
                   host, has_host, out, done);                                                                 \
+    }
+
+#define ATTEND_CLUSTER(D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                  \
+        attend_cluster_d##D(const Vec16* __restrict__ keys, const Vec16* __restrict__ values,            \
+                            const float* __restrict__ q, int len, int kv_heads, int group,                \
+                            int tokens_per_block, float scale, const float* __restrict__ host, int has_host, \
+                            float* __restrict__ out) {                                                     \
+        attend_cluster<D>(keys, values, q, len, kv_heads, group, tokens_per_block, scale, host, has_host, out); \
     }
 
 ATTEND(64)
@@ -372,6 +621,11 @@ ATTEND(80)
 ATTEND(96)
 ATTEND(128)
 ATTEND(256)
+ATTEND_CLUSTER(64)
+ATTEND_CLUSTER(80)
+ATTEND_CLUSTER(96)
+ATTEND_CLUSTER(128)
+ATTEND_CLUSTER(256)
 
 // One block per (kv head, chunk of at most GMAX q heads of its group), as the attention's
 // grid: merges the window's splits of those q heads with the host's partials (merge_heads).

@@ -29,7 +29,9 @@ mod window;
 
 pub use window::{GpuPartials, GpuQueries, GpuWindow};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{
+    self, CUdevice_attribute, CUevent_flags, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
 };
@@ -80,15 +82,27 @@ impl From<DriverError> for GpuError {
 /// properties.
 struct Device {
     ctx: Arc<CudaContext>,
-    /// The window-attention kernel for each of [`HEAD_DIMS`], in that order, and how many of its
-    /// blocks the device runs at once.
-    attend: Vec<(CudaFunction, usize)>,
+    /// The window-attention kernels for each of [`HEAD_DIMS`], in that order.
+    attend: Vec<AttendKernels>,
     merge: CudaFunction,
     name: String,
     capability: (u32, u32),
     multiprocessors: usize,
     memory_bandwidth: Option<f64>,
     nvrtc: String,
+}
+
+/// The window-attention kernels of one head dim.
+#[derive(Clone)]
+struct AttendKernels {
+    /// `attend_d{D}`: the splits' partials, merged by the last block when fused.
+    attend: CudaFunction,
+    /// How many blocks of `attend` the device runs at once.
+    resident: usize,
+    /// `attend_cluster_d{D}`, the attention and the merge in one launch of thread-block
+    /// clusters, and how many clusters of each size (the index) the device runs at once;
+    /// `None` where the device launches no clusters of at least 2 blocks.
+    cluster: Option<(CudaFunction, Vec<usize>)>,
 }
 
 /// A CUDA device with the ctxfs kernels loaded, and a stream of its own. Work submitted through
@@ -247,9 +261,8 @@ impl Gpu {
         }
     }
 
-    /// The window-attention kernel for `head_dim`, and how many of its blocks the device runs
-    /// at once.
-    fn attend_kernel(&self, head_dim: usize) -> Result<&(CudaFunction, usize), GpuError> {
+    /// The window-attention kernels for `head_dim`.
+    fn attend_kernels(&self, head_dim: usize) -> Result<&AttendKernels, GpuError> {
         HEAD_DIMS.iter().position(|&d| d == head_dim).map(|i| &self.device.attend[i]).ok_or_else(|| {
             GpuError::Invalid(format!("head dim {head_dim} has no GPU kernel (supported: {HEAD_DIMS:?})"))
         })
@@ -321,12 +334,56 @@ impl Device {
         let attend = HEAD_DIMS
             .iter()
             .map(|d| {
-                let kernel = function(&format!("attend_d{d}"))?;
-                let blocks = resident(&kernel)?;
-                Ok((kernel, blocks))
+                let attend = function(&format!("attend_d{d}"))?;
+                let resident = resident(&attend)?;
+                let cluster = function(&format!("attend_cluster_d{d}"))?;
+                let cluster = cluster_capacity(&cluster, capability).map(|capacity| (cluster, capacity));
+                Ok(AttendKernels { attend, resident, cluster })
             })
             .collect::<Result<_, GpuUnavailable>>()?;
         let merge = function("merge")?;
         Ok(Device { ctx, attend, merge, name, capability, multiprocessors, memory_bandwidth, nvrtc })
     }
+}
+
+/// For each cluster size up to [`window::MAX_CLUSTER`] blocks (the index), how many clusters
+/// of `kernel` the device runs at once (0: none, or not allowed); `None` where it runs no
+/// clusters of at least 2 blocks (before Hopper, sm_90, say). Sizes above 8 are non-portable:
+/// allowed on the kernel first, then the driver says whether they fit.
+fn cluster_capacity(kernel: &CudaFunction, capability: (u32, u32)) -> Option<Vec<usize>> {
+    if capability.0 < 9 {
+        return None;
+    }
+    let non_portable =
+        kernel.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).is_ok();
+    let active = |size: usize| {
+        if size > 8 && !non_portable {
+            return 0;
+        }
+        let mut attribute = window::cluster_attribute(size as u32);
+        let config = sys::CUlaunchConfig {
+            gridDimX: size as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: window::THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        let mut clusters = 0;
+        // SAFETY: `clusters` is a valid place for the count, `config` a complete launch
+        // configuration whose one attribute `attrs` points to (alive for the call), and the
+        // function handle is `kernel`'s, loaded in this context, which is current (`init`).
+        let asked = unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, kernel.cu_function(), &config) };
+        if asked.result().is_ok() {
+            clusters.max(0) as usize
+        } else {
+            0
+        }
+    };
+    let capacity: Vec<usize> = (0..=window::MAX_CLUSTER).map(|size| if size == 0 { 0 } else { active(size) }).collect();
+    capacity[2..].iter().any(|&n| n > 0).then_some(capacity)
 }

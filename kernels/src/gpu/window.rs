@@ -1,32 +1,60 @@
 //! A session's window in GPU memory, the device buffers its attention reads and writes, and
-//! the two launches: window attention (split over the window) and the merge.
+//! the launches: window attention (split over the window), the merge, and both in one launch.
 //!
 //! Launch geometry. The attention kernel runs one block of 128 threads per (split of the
-//! window, kv head, group of at most 8 q heads of that kv head's GQA group): the block reads
-//! each K/V row once, with 16-byte loads shared by all q heads of its group, over tiles of 32
-//! tokens whose loads are all issued before the first is used. Splits are chosen so that the
-//! grid fills the device once (as many blocks as it runs at a time: three per multiprocessor
-//! at head dim 128, by the register count; a 640-token window of 8 kv heads gets 20 splits of
-//! one tile, 160 blocks), since a decode step's window is far too small to keep the memory
-//! system busy otherwise. Each split leaves a partial (o, m, l) per q head; the merge, one
-//! block per (kv head, chunk of q heads) as in the attention's grid, combines them with the
-//! host's partial by the log-sum-exp rule. It runs as a second kernel after
-//! [`GpuWindow::attend`] (so that the host computes its part meanwhile), or inside the
-//! attention launch, by the last block of each chunk to finish ([`GpuWindow::attend_merged`]):
-//! one launch, and no wait between two.
+//! window, q head): the block reads its split's K/V rows of the q head's kv head with 16-byte
+//! loads, over tiles of 32 tokens, two tiles' loads in flight ahead of their use; the q heads
+//! of a GQA group read the same rows, all but the first from L2. A block's time is its chain
+//! of dependent instructions (a decode step's window gives each multiprocessor a few warps),
+//! so a block takes one q head, one barrier per tile, and as few tiles as the merge allows.
+//! Each split leaves a partial (o, m, l) per q head, combined with the host's partial by the
+//! log-sum-exp rule.
+//!
+//! With thread-block clusters (Hopper, sm_90), a window of at most 64 tiles is cut into the
+//! fewest tiles per split such that one cluster of at most 16 blocks takes a q head's splits
+//! and the device runs every cluster at once (a 640-token window of 32 q heads over 8 kv
+//! heads: 10 splits of 2 tiles, 320 blocks in 32 clusters of 10). [`GpuWindow::attend_merged`]
+//! then merges inside the cluster: each block sends its slices of the partial straight into
+//! the shared memory of the block that merges them (`st.async`, counted on that block's
+//! mbarrier), so no partial goes through global memory and no block waits for more than the
+//! bytes it merges. Without clusters, and for longer windows, the splits fill the device once
+//! (as many blocks as it runs at a time), each split's partial goes to global memory, and
+//! `attend_merged` merges in the last block of each q head to finish. [`GpuWindow::attend`]
+//! and [`GpuWindow::merge`] are the same attention and merge as two launches, so that the
+//! host computes its part in between.
 
 use super::{Gpu, GpuError};
 use crate::Partial;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
+use std::ffi::c_void;
 
 /// Threads per block, tokens per tile and q heads per block: `THREADS`, `TILE` and `GMAX` in
 /// kernels.cu.
 pub(super) const THREADS: u32 = 128;
 const TILE: usize = 32;
-const GMAX: usize = 8;
+const GMAX: usize = 1;
 /// At most this many splits per q head (`MAX_PARTS` − 1 in kernels.cu).
 const MAX_SPLITS: usize = 256;
+/// The most blocks of a cluster launch (`MAX_CLUSTER` in kernels.cu).
+pub(super) const MAX_CLUSTER: usize = 16;
+/// Windows of at most this many tiles per block of a cluster are split for the cluster launch
+/// (at most a cluster's size of splits); longer ones keep the split count that fills the
+/// device, and the fused launch merges in its last block.
+const CLUSTER_TILES: usize = 4;
+
+/// The launch attribute that makes a launch's blocks clusters of `size` along x.
+pub(super) fn cluster_attribute(size: u32) -> sys::CUlaunchAttribute {
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        // SAFETY: the value is a union of plain integers and structs of them: all zeros is a
+        // valid value of each.
+        value: unsafe { std::mem::zeroed() },
+    };
+    attribute.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: size, y: 1, z: 1 };
+    attribute
+}
 
 /// Per-head query vectors on the device, `[heads][dim]` f32: the input of
 /// [`GpuWindow::attend`].
@@ -130,6 +158,9 @@ pub struct GpuWindow {
     attend_kernel: CudaFunction,
     /// Attention blocks the device runs at once: the grid the split count aims for.
     resident_blocks: usize,
+    /// The cluster kernel (attention and merge) and how many clusters of each size the device
+    /// runs at once, where the device has clusters.
+    cluster: Option<(CudaFunction, Vec<usize>)>,
     q_heads: usize,
     kv_heads: usize,
     dim: usize,
@@ -163,14 +194,15 @@ impl GpuWindow {
         if !q_heads.is_multiple_of(kv_heads) {
             return Err(GpuError::Invalid(format!("{q_heads} q heads do not form groups of {kv_heads} kv heads")));
         }
-        let (attend_kernel, resident_blocks) = gpu.attend_kernel(head_dim)?.clone();
+        let kernels = gpu.attend_kernels(head_dim)?.clone();
         let capacity = capacity.max(1);
         let row = kv_heads * head_dim;
         let split_capacity = 1;
         Ok(GpuWindow {
             gpu: gpu.clone(),
-            attend_kernel,
-            resident_blocks,
+            attend_kernel: kernels.attend,
+            resident_blocks: kernels.resident,
+            cluster: kernels.cluster,
             q_heads,
             kv_heads,
             dim: head_dim,
@@ -283,16 +315,28 @@ impl GpuWindow {
         Ok(())
     }
 
-    /// (splits, tiles per split, q-head blocks per kv head) for the current length.
-    fn plan(&self) -> (usize, usize, usize) {
+    /// (splits, tokens per split, q-head blocks per kv head, whether a cluster takes each q
+    /// head's splits) for the current length: the same for `attend` and `attend_merged`, so
+    /// that both give the same partials.
+    fn plan(&self) -> (usize, usize, usize, bool) {
         let chunks = (self.q_heads / self.kv_heads).div_ceil(GMAX);
-        let tiles = self.len.div_ceil(TILE);
-        if tiles == 0 {
-            return (0, 0, chunks);
+        if self.len == 0 {
+            return (0, 0, chunks, false);
         }
         let wanted = self.resident_blocks.div_ceil(self.kv_heads * chunks).max(1);
-        let per_split = tiles.div_ceil(tiles.min(wanted).min(MAX_SPLITS));
-        (tiles.div_ceil(per_split), per_split, chunks)
+        let tiles = self.len.div_ceil(TILE);
+        let clusters = self.kv_heads * chunks;
+        // The fewest tiles per split such that a cluster takes every split and all clusters
+        // run at once.
+        let clustered = self.cluster.as_ref().and_then(|(_, capacity)| {
+            (1..=CLUSTER_TILES.min(tiles))
+                .find(|per| capacity.get(tiles.div_ceil(*per)).is_some_and(|&n| n >= clusters))
+        });
+        let per_split = match clustered {
+            Some(per) => per,
+            None => tiles.div_ceil(tiles.min(wanted).min(MAX_SPLITS)),
+        } * TILE;
+        (self.len.div_ceil(per_split), per_split, chunks, clustered.is_some())
     }
 
     /// Launches the window's attention for every q head (asynchronous): one partial per split
@@ -303,8 +347,10 @@ impl GpuWindow {
     }
 
     /// [`attend`](Self::attend) and [`merge`](Self::merge) in one launch, for callers that have
-    /// the host partials before the window's attention starts: the last block of each kv head's
-    /// splits merges them. `out` gets what `merge` would give.
+    /// the host partials before the window's attention starts: each cluster of a q head's splits
+    /// merges them (see the module's launch geometry), or else the last of those splits to
+    /// finish. `out` gets what `merge` would give, to the bit. A later `merge` needs an
+    /// `attend` first.
     pub fn attend_merged(
         &mut self,
         q: &GpuQueries,
@@ -332,9 +378,15 @@ impl GpuWindow {
         self.attended = None;
         self.gpu.check_same(&q.gpu, "the queries")?;
         expect_shape((q.heads, q.dim), (self.q_heads, self.dim), "queries")?;
-        let (splits, per_split, chunks) = self.plan();
+        let (splits, per_split, chunks, clustered) = self.plan();
         if splits == 0 {
             self.attended = Some(0);
+            return Ok(());
+        }
+        if let (Some((host, out)), Some((kernel, _)), true) = (&fused, &self.cluster, clustered) {
+            let grid = (splits as u32, self.kv_heads as u32, chunks as u32);
+            self.launch_cluster(kernel, grid, q, scale, per_split, *host, out)?;
+            // The splits' partials stayed in the cluster: `merge` needs an `attend` first.
             return Ok(());
         }
         if splits > self.split_capacity {
@@ -380,15 +432,15 @@ impl GpuWindow {
             .arg(&mut self.done);
         // SAFETY: the arguments match `attend_d{dim}(const Vec16* keys, const Vec16* values,
         // const float* q, float* split_o, float* split_ml, int len, int kv_heads, int group,
-        // int tiles_per_block, float scale, int fused, const float* host, int has_host,
+        // int tokens_per_block, float scale, int fused, const float* host, int has_host,
         // float* out, unsigned* done)` in order and type, and the kernel was chosen for this
-        // window's head dim. Block (s, h, z) reads tokens [s·per_split·32, (s+1)·per_split·32)
-        // ∩ [0, len) of kv head h < kv_heads: `keys` and `values` hold capacity ≥ len tokens of
+        // window's head dim. Block (s, h, z) reads tokens [s·per_split, (s+1)·per_split) ∩
+        // [0, len) of kv head h < kv_heads: `keys` and `values` hold capacity ≥ len tokens of
         // kv_heads × dim f16 (16-byte aligned allocations, dim a multiple of 8); it reads the q
-        // rows of q heads h·group + z·8 + [0, 8) ∩ group, within the q_heads × dim floats `q`
-        // holds (checked above); it writes split s < splits of those heads, within the
+        // rows of q heads h·group + z·GMAX + [0, GMAX) ∩ group, within the q_heads × dim floats
+        // `q` holds (checked above); it writes split s < splits of those heads, within the
         // q_heads × splits × dim and × 2 floats of `split_o` and `split_ml` (grown above).
-        // grid.x = splits covers every tile once (splits · per_split ≥ tiles), and grid.z =
+        // grid.x = splits covers every token once (splits · per_split ≥ len), and grid.z =
         // chunks covers the group. Fused, it counts in done[h·chunks + z] (kv_heads × chunks
         // zeroed u32 at `new`, each back to 0 when its last block has counted), and that last
         // block reads those splits and host's q_heads × (dim + 2) floats when has_host is 1,
@@ -397,6 +449,78 @@ impl GpuWindow {
         // Unfused it touches neither host, out nor done.
         unsafe { launch.launch(cfg) }?;
         self.attended = Some(splits);
+        Ok(())
+    }
+
+    /// The fused launch as clusters (`attend_cluster_d{dim}`): grid (splits, kv heads, chunks),
+    /// a cluster per (kv head, chunk) of its `splits` blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_cluster(
+        &self,
+        kernel: &CudaFunction,
+        grid: (u32, u32, u32),
+        q: &GpuQueries,
+        scale: f32,
+        per_split: usize,
+        host: Option<&GpuPartials>,
+        out: &GpuPartials,
+    ) -> Result<(), GpuError> {
+        let stream = &self.gpu.stream;
+        stream.context().bind_to_thread()?;
+        // Event tracking is off (mod.rs): the pointers come with nothing to record.
+        let (mut keys, mut values, mut queries) =
+            (self.keys.device_ptr(stream).0, self.values.device_ptr(stream).0, q.data.device_ptr(stream).0);
+        // Without host partials the kernel reads none; any device pointer fills the slot.
+        let mut host_data = host.map_or(&self.split_ml, |h| &h.data).device_ptr(stream).0;
+        let mut out_data = out.data.device_ptr(stream).0;
+        let (mut len, mut kv_heads, mut group, mut per_split, mut scale) =
+            (self.len as i32, self.kv_heads as i32, (self.q_heads / self.kv_heads) as i32, per_split as i32, scale);
+        let mut has_host = i32::from(host.is_some());
+        fn arg<T>(value: &mut T) -> *mut c_void {
+            (value as *mut T).cast()
+        }
+        let mut args = [
+            arg(&mut keys),
+            arg(&mut values),
+            arg(&mut queries),
+            arg(&mut len),
+            arg(&mut kv_heads),
+            arg(&mut group),
+            arg(&mut per_split),
+            arg(&mut scale),
+            arg(&mut host_data),
+            arg(&mut has_host),
+            arg(&mut out_data),
+        ];
+        let mut attribute = cluster_attribute(grid.0);
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: `args` points to one value per parameter of `attend_cluster_d{dim}(const
+        // Vec16* keys, const Vec16* values, const float* q, int len, int kv_heads, int group,
+        // int tokens_per_block, float scale, const float* host, int has_host, float* out)`, in
+        // order and of its type (device pointers are CUdeviceptr), all alive for the call, which
+        // copies them; the kernel was chosen for this window's head dim. The clusters are
+        // (splits, 1, 1) blocks, splits = grid.x a size the driver runs clusters of for this
+        // kernel (`plan` checks `cluster_capacity`, mod.rs) ≤ MAX_CLUSTER, so every block of a
+        // (kv head, chunk) is in one cluster, as the kernel's merge in shared memory requires. Block
+        // (s, h, z) reads what `attend_d{dim}` reads (see `launch_attend`): tokens of kv head
+        // h < kv_heads within len ≤ capacity, q rows h·group + z·GMAX + [0, GMAX) ∩ group of
+        // `q`'s q_heads × dim floats (checked by the caller); it reads host's q_heads × (dim + 2)
+        // floats only when has_host is 1, and writes those q heads of out's q_heads × (dim + 2)
+        // floats (both shapes checked by `check_merge_buffers`). The stream and the context
+        // (made current above) are this window's.
+        unsafe { sys::cuLaunchKernelEx(&config, kernel.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()?;
         Ok(())
     }
 
@@ -432,8 +556,8 @@ impl GpuWindow {
             .arg(&dim);
         // SAFETY: the arguments match `merge(const float* split_o, const float* split_ml, int
         // splits, const float* host, int has_host, float* out, int q_heads, int group, int dim)`
-        // in order and type. Block (h, z) reads splits [0, splits) of q heads h·group + z·8 +
-        // [0, 8) ∩ group, which the last attend wrote (splits ≤ split_capacity, so within the
+        // in order and type. Block (h, z) reads splits [0, splits) of q heads h·group + z·GMAX
+        // + [0, GMAX) ∩ group, which the last attend wrote (splits ≤ split_capacity, so within the
         // q_heads × split_capacity × dim and × 2 floats of `split_o` and `split_ml`; with no
         // splits it reads none); it reads `host` only when has_host is 1, and then within its
         // q_heads × (dim + 2) floats; it writes those heads of `out`, q_heads × (dim + 2)
