@@ -317,6 +317,26 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
         let (q, o) = (b.decode_step(layer, step), opts(Plan::Diprs, 50.0));
         assert_eq!(s.attention_with(layer, &q, &o).unwrap().output, big.attention_with(layer, &q, &o).unwrap().output);
     }
+    // The footprint's parts add up to the blocks held, against the context's K + V bytes.
+    let f = db.footprint("book").unwrap();
+    let full = db.warm("book").unwrap();
+    assert_eq!(f.resident_bytes(), full.resident_bytes, "{f:?} {full:?}");
+    assert_eq!(full.resident_bytes, full.held * 4096);
+    assert_eq!(f.kv_bytes, full.kv_bytes);
+    let shape = b.shape;
+    assert_eq!(f.kv_bytes, N as u64 * shape.layers as u64 * shape.kv_heads as u64 * shape.head_dim as u64 * 2 * 2);
+    assert!(f.graph > 0 && f.keys > 0 && f.seeds > 0 && f.coarse > 0, "{f:?}");
+    // A budget below that is refused before anything is read; one at it is met.
+    let over = |budget: f64| DbConfig { resident_budget: Some(budget), ..Default::default() };
+    let tight = Db::open_read_only(&store, DeviceChoice::Auto, over(f.ratio() * 0.99)).unwrap();
+    match tight.warm("book") {
+        Err(e @ ctxfs_attention::Error::OverBudget { .. }) => assert!(e.to_string().contains("\"book\""), "{e}"),
+        other => panic!("expected OverBudget, got {other:?}"),
+    }
+    assert_eq!(tight.pool_stats().index.misses, 0, "nothing read");
+    let at = Db::open_read_only(&store, DeviceChoice::Auto, over(f.ratio())).unwrap();
+    assert_eq!(at.warm("book").unwrap().resident_over_kv(), f.ratio());
+    assert!(Db::open_read_only(&store, DeviceChoice::Auto, over(-1.0)).is_err(), "a negative budget");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! `DB.store`).
 
 use crate::error::{Error, Result};
+use crate::footprint::{self, Footprint};
 use crate::layout::{segments, FileBlocks};
 use crate::plan::Rules;
 use crate::poison::{lock, read, write};
@@ -64,6 +65,20 @@ pub struct DbConfig {
     /// The product quantisation imports store beside Quest's and InfLLM's metadata (PQCache's
     /// m = 2, b = 6 by default; `PqParams::M4B8` is its other setting; None stores none).
     pub pq: Option<PqParams>,
+    /// The most a served context may hold resident, per byte of its KV cache (keys and
+    /// values of every token, layer and kv head): [`Db::warm`] refuses a context over it with
+    /// `Error::OverBudget`, before holding anything. None: no limit.
+    pub resident_budget: Option<f64>,
+}
+
+impl DbConfig {
+    /// Refuses settings no DB can run with (before a caller formats a store for it).
+    pub fn check(&self) -> Result<()> {
+        if let Some(b) = self.resident_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
+            return crate::error::input(format!("the resident budget must be a positive number, got {b}"));
+        }
+        Ok(())
+    }
 }
 
 impl Default for DbConfig {
@@ -78,6 +93,7 @@ impl Default for DbConfig {
             model: None,
             pq: Some(PqParams::M2B6),
             gpu: true,
+            resident_budget: None,
         }
     }
 }
@@ -144,6 +160,17 @@ pub struct WarmReport {
     /// Of those, the blocks held resident: all of them unless the index area ran out of
     /// room, in which case the rest are searched through pins.
     pub held: u64,
+    /// The bytes of pool frames the held blocks take.
+    pub resident_bytes: u64,
+    /// The context's KV cache: keys and values of every token, layer and kv head.
+    pub kv_bytes: u64,
+}
+
+impl WarmReport {
+    /// Resident bytes per KV byte.
+    pub fn resident_over_kv(&self) -> f64 {
+        crate::footprint::ratio(self.resident_bytes, self.kv_bytes)
+    }
 }
 
 /// A mounted context store. Cloning shares it; sessions keep it alive.
@@ -166,6 +193,7 @@ impl Db {
     }
 
     pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {
+        config.check()?;
         let pool = Arc::new(BufferPool::new(
             Arc::new(DeviceSource::new(store.device().clone())),
             PoolConfig {
@@ -273,12 +301,21 @@ impl Db {
     /// (the rest stay in the area while nothing pushes them out): what a server does once
     /// per context, so that sessions search memory without pinning and read only value
     /// blocks.
+    ///
+    /// A context whose index would take more than `DbConfig::resident_budget` of its KV bytes
+    /// is refused with `Error::OverBudget`, before any block is read.
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
         let ctx = snap.context(name)?;
         let shape = ctx.record().shape;
         let total = ctx.token_count() as u32;
-        let mut report = WarmReport::default();
+        let (kv_bytes, resident_bytes) = footprint::planned(&snap, name)?;
+        if let Some(budget) = self.inner.config.resident_budget {
+            if resident_bytes as f64 > budget * kv_bytes as f64 {
+                return Err(Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget });
+            }
+        }
+        let mut report = WarmReport { kv_bytes, ..WarmReport::default() };
         for seg in segments(&snap, ctx.record().id, total)? {
             for layer in 0..shape.layers {
                 for head in 0..shape.kv_heads {
@@ -310,7 +347,14 @@ impl Db {
                 }
             }
         }
+        report.resident_bytes = report.held * snap.block_size() as u64;
         Ok(report)
+    }
+
+    /// What serving `name` holds resident, part by part, against its KV bytes (reads each
+    /// vector file's index meta block).
+    pub fn footprint(&self, name: &str) -> Result<Footprint> {
+        footprint::measure(&self.inner.pool, &self.inner.store.snapshot(), name)
     }
 
     /// Deletes a context by name. Contexts stored on top of it keep its blocks alive.

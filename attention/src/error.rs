@@ -14,6 +14,13 @@ pub enum Error {
     /// The store lacks the space an import or store needs; nothing was written.
     #[error("store full: {0}")]
     Full(String),
+    /// Serving a context would hold more of its index resident than
+    /// `DbConfig::resident_budget` allows; nothing was held.
+    #[error(
+        "context {context:?} would hold {resident_bytes} bytes resident, {:.3} of its {kv_bytes} bytes of KV cache, over the budget of {budget} (DbConfig::resident_budget)",
+        *resident_bytes as f64 / (*kv_bytes).max(1) as f64
+    )]
+    OverBudget { context: String, resident_bytes: u64, kv_bytes: u64, budget: f64 },
     /// A stored index or data stream disagrees with its context.
     #[error("corrupt context: {0}")]
     Corrupt(String),

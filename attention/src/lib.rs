@@ -14,6 +14,7 @@
 mod db;
 pub mod describe;
 mod error;
+pub mod footprint;
 mod import;
 pub mod kv;
 pub mod layout;
@@ -25,6 +26,7 @@ pub mod trie;
 
 pub use db::{Db, DbConfig, WarmReport, Window};
 pub use error::{Error, Result};
+pub use footprint::Footprint;
 pub use import::WriteReport;
 pub use kv::{KvSource, SafetensorsKv};
 pub use plan::{Choice, Plan, Request, Rules};

@@ -369,7 +369,7 @@ pub fn diprs_from<S: Keys + Graph>(
     let mut best = p.window_max.max(seeds.best());
     let target = p.target.filter(|_| !seeds.scores.is_empty());
     let mut beta = match (target, p.range_target, p.seed_stride) {
-        (Some(t), _, _) => seeds.target_beta(&t, 0.0, f32::NEG_INFINITY, best),
+        (Some(t), _, _) => seeds.target_beta(&t, 0.0, f32::INFINITY, best),
         (None, Some(target), Some(stride)) => seeds.narrowed(p.beta, best, target / stride.max(1) as usize),
         _ => p.beta,
     };

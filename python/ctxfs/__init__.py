@@ -24,6 +24,7 @@ from ._native import (
     LockedError,
     NotAStoreError,
     NotFoundError,
+    OverBudgetError,
     ReadOnlyError,
     StoreFullError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "ReadOnlyError",
     "NotAStoreError",
     "IoError",
+    "OverBudgetError",
     "PLANS",
 ]
 
@@ -232,10 +234,11 @@ class Store:
         pool: int = 256 << 20,
         device: str = "auto",
         window: tuple[int, int] = (128, 512),
+        resident_budget: float | None = None,
     ) -> "Store":
         """Formats ``path`` (a file, created with ``size`` bytes when new; a block device) and
         opens it for writing. An existing store is overwritten only with ``force``."""
-        return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window))
+        return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window, resident_budget))
 
     @classmethod
     def open(
@@ -246,11 +249,13 @@ class Store:
         *,
         read_only: bool = False,
         window: tuple[int, int] = (128, 512),
+        resident_budget: float | None = None,
     ) -> "Store":
         """Mounts a store. ``pool`` is the buffer pool's byte budget; ``device`` is ``auto``,
         ``uring`` or ``sync``; ``window`` is the (first, last) tokens every plan attends
-        exactly."""
-        return cls(_native.Store.open(str(path), pool, device, read_only, window))
+        exactly; ``resident_budget`` is the most a served context may hold resident per byte
+        of its KV cache (``warm`` refuses one over it with ``OverBudgetError``)."""
+        return cls(_native.Store.open(str(path), pool, device, read_only, window, resident_budget))
 
     @property
     def path(self) -> str:
@@ -273,8 +278,15 @@ class Store:
         self._native.delete(name)
 
     def warm(self, name: str) -> dict:
-        """Reads a context's index into the pool and holds it resident."""
+        """Reads a context's index into the pool and holds it resident: blocks, read, held,
+        resident_bytes, kv_bytes, resident_over_kv. Raises ``OverBudgetError`` (holding
+        nothing) when the index would exceed the store's ``resident_budget``."""
         return self._native.warm(name)
+
+    def footprint(self, name: str) -> dict:
+        """What serving a context holds resident against its KV cache: tokens, kv_bytes,
+        resident_bytes, resident_over_kv, and parts (meta, graph, keys, seeds, coarse: bytes)."""
+        return self._native.footprint(name)
 
     def pool_stats(self) -> dict:
         return self._native.pool_stats()

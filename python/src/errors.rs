@@ -25,6 +25,12 @@ create_exception!(ctxfs, LockedError, Error, "Another writer holds the store.");
 create_exception!(ctxfs, ReadOnlyError, Error, "The store is open read-only.");
 create_exception!(ctxfs, NotAStoreError, Error, "The path holds no ctxfs store (or one this build cannot read).");
 create_exception!(ctxfs, IoError, Error, "The device failed an I/O.");
+create_exception!(
+    ctxfs,
+    OverBudgetError,
+    Error,
+    "Serving the context would hold more of its index resident than the store's resident_budget allows."
+);
 
 /// A failure of any layer below, as one type for `?` in the binding.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +65,7 @@ pub fn to_py(e: Failure) -> PyErr {
         Failure::Attention(A::Input(_)) => InputError::new_err,
         Failure::Attention(A::Full(_)) => StoreFullError::new_err,
         Failure::Attention(A::Corrupt(_)) => CorruptError::new_err,
+        Failure::Attention(A::OverBudget { .. }) => OverBudgetError::new_err,
         Failure::Attention(A::Buffer(_)) => IoError::new_err,
     };
     make(e.to_string())
@@ -76,5 +83,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ReadOnlyError", py.get_type::<ReadOnlyError>())?;
     m.add("NotAStoreError", py.get_type::<NotAStoreError>())?;
     m.add("IoError", py.get_type::<IoError>())?;
+    m.add("OverBudgetError", py.get_type::<OverBudgetError>())?;
     Ok(())
 }

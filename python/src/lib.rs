@@ -48,7 +48,7 @@ struct Store {
 impl Store {
     /// Formats `path` (a file, created and sized when new) and opens it for writing.
     #[staticmethod]
-    #[pyo3(signature = (path, size=None, block_size=4096, force=false, pool=256 << 20, device="auto", window=(128, 512)))]
+    #[pyo3(signature = (path, size=None, block_size=4096, force=false, pool=256 << 20, device="auto", window=(128, 512), resident_budget=None))]
     fn create(
         py: Python<'_>,
         path: PathBuf,
@@ -58,11 +58,13 @@ impl Store {
         pool: u64,
         device: &str,
         window: (u32, u32),
+        resident_budget: Option<f64>,
     ) -> PyResult<Store> {
         let choice = device_choice(device)?;
-        let config = config(pool, window);
+        let config = config(pool, window, resident_budget);
         let db = py
             .detach(|| -> Result<Db, Failure> {
+                config.check()?;
                 let store = ctxfs_vfs::mkfs::format_path(&path, size, block_size, force, choice)?;
                 Ok(Db::with_store(store, config)?)
             })
@@ -72,7 +74,7 @@ impl Store {
 
     /// Opens a store: for writing (one writer per store), or read-only beside a writer.
     #[staticmethod]
-    #[pyo3(signature = (path, pool=256 << 20, device="auto", read_only=false, window=(128, 512)))]
+    #[pyo3(signature = (path, pool=256 << 20, device="auto", read_only=false, window=(128, 512), resident_budget=None))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -80,9 +82,10 @@ impl Store {
         device: &str,
         read_only: bool,
         window: (u32, u32),
+        resident_budget: Option<f64>,
     ) -> PyResult<Store> {
         let choice = device_choice(device)?;
-        let config = config(pool, window);
+        let config = config(pool, window, resident_budget);
         let db = py
             .detach(|| match read_only {
                 true => Db::open_read_only(&path, choice, config),
@@ -119,7 +122,17 @@ impl Store {
     /// once per context before serving it).
     fn warm(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         let r = py.detach(|| self.db.warm(name)).map_err(|e| to_py(e.into()))?;
-        json_to_py(py, &serde_json::json!({"blocks": r.blocks, "read": r.read, "held": r.held}))
+        json_to_py(
+            py,
+            &serde_json::json!({"blocks": r.blocks, "read": r.read, "held": r.held,
+                "resident_bytes": r.resident_bytes, "kv_bytes": r.kv_bytes, "resident_over_kv": r.resident_over_kv()}),
+        )
+    }
+
+    /// What serving a context holds resident, part by part, against its KV bytes.
+    fn footprint(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        let f = py.detach(|| self.db.footprint(name)).map_err(|e| to_py(e.into()))?;
+        json_to_py(py, &f.to_json())
     }
 
     fn pool_stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -190,8 +203,13 @@ impl Store {
     }
 }
 
-fn config(pool: u64, window: (u32, u32)) -> DbConfig {
-    DbConfig { pool_bytes: pool, window: Window { init: window.0, recent: window.1 }, ..Default::default() }
+fn config(pool: u64, window: (u32, u32), resident_budget: Option<f64>) -> DbConfig {
+    DbConfig {
+        pool_bytes: pool,
+        window: Window { init: window.0, recent: window.1 },
+        resident_budget,
+        ..Default::default()
+    }
 }
 
 fn write_report(py: Python<'_>, r: &ctxfs_attention::WriteReport) -> PyResult<Py<PyAny>> {

@@ -190,3 +190,18 @@ def test_an_error_target_is_met_and_reported(store):
     assert estimated is not None and 0 <= estimated
     with pytest.raises(ctxfs.InputError, match="error target"):
         session.attention(1, q, target_error=-1.0)
+
+
+def test_a_resident_budget_is_reported_and_enforced(store, store_path):
+    f = store.footprint("doc")
+    assert f["kv_bytes"] == N * L * KV * D * 2 * 2
+    assert f["resident_bytes"] == sum(f["parts"].values()) > 0
+    warm = store.warm("doc")
+    assert warm["resident_bytes"] == f["resident_bytes"] == warm["held"] * 4096
+    assert warm["resident_over_kv"] == pytest.approx(f["resident_over_kv"])
+    reader = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["resident_over_kv"] / 2)
+    with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):
+        reader.warm("doc")
+    assert reader.pool_stats()["index"]["misses"] == 0
+    with pytest.raises(ctxfs.InputError, match="resident budget"):
+        ctxfs.Store.open(store_path, read_only=True, resident_budget=0.0)

@@ -122,6 +122,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let t = Instant::now();
     let warmed = db.warm(NAME)?;
     let warm_s = t.elapsed().as_secs_f64();
+    let footprint = db.footprint(NAME)?;
     // ctxfs: session open, then decode steps through the optimizer's plans.
     let t = Instant::now();
     let session = db.open_session(NAME, None)?;
@@ -216,7 +217,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "step_vs_dram_exact": dram_step / steady,
         "step_vs_exact": exact_step / steady,
     });
-    let v = json!({
+    let mut v = json!({
         "tokens": n, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "layers_built": layers, "extrapolated_from_layers": layers, "model_layers": MODEL_LAYERS, "steps": steps,
         "decode_step_seconds": steady, "cold_step_seconds": cold,
@@ -236,6 +237,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "import": import.as_ref().map(|r| json!({"seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64})),
         "ratios": ratios,
     });
+    // Beside the object above: one more field there exceeds json!'s recursion limit.
+    v["footprint"] = footprint.to_json();
+    v["resident_over_kv"] = json!(footprint.ratio());
     if args.json {
         println!("{v}");
         return Ok(());
@@ -250,6 +254,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         cache >> 20,
         args.data_cache * 100.0
     );
+    crate::inspect::print_footprint(NAME, &footprint);
     println!("{:<44} {:>12}", "32-layer decode step", "seconds");
     println!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold);
     println!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady);

@@ -207,6 +207,24 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// One context's resident index by part against its KV bytes.
+pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
+    use crate::units::human_bytes;
+    let per_token = |b: u64| f.per_token_and_head(b);
+    println!(
+        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.0}, coarse {:.0}, meta {:.0})",
+        human_bytes(f.resident_bytes()),
+        human_bytes(f.kv_bytes),
+        f.ratio(),
+        per_token(f.resident_bytes()),
+        per_token(f.graph),
+        per_token(f.keys),
+        per_token(f.seeds),
+        per_token(f.coarse),
+        per_token(f.meta),
+    );
+}
+
 /// Loads every index block of every context through a buffer pool, as a server opening the
 /// store would, and reports what it cost and whether the index stays resident.
 fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
@@ -225,17 +243,35 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     }
     let secs = started.elapsed().as_secs_f64();
     let stats = pool.stats();
+    let mut footprints = Vec::new();
+    for c in snap.contexts() {
+        match ctxfs_attention::footprint::measure(&pool, &snap, &c.name) {
+            Ok(f) => footprints.push((c.name.clone(), f)),
+            Err(e) => failed.push(format!("context {:?}: {e}", c.name)),
+        }
+    }
     let fits = stats.index.evictions == 0 && failed.is_empty();
     if json {
+        let contexts: Vec<_> = footprints
+            .iter()
+            .map(|(name, f)| {
+                let mut v = f.to_json();
+                v["name"] = json!(name);
+                v
+            })
+            .collect();
         let v = json!({
             "index_blocks": index_blocks, "seconds": secs, "index_resident": fits,
-            "errors": failed, "stats": ctxfs_attention::describe::pool_json(&stats),
+            "contexts": contexts, "errors": failed, "stats": ctxfs_attention::describe::pool_json(&stats),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!("loaded {} index blocks of {} contexts in {secs:.3} s", index_blocks, snap.contexts().count());
     crate::bench_buffer::print_stats(&stats);
+    for (name, f) in &footprints {
+        print_footprint(name, f);
+    }
     if fits {
         println!("the whole index stays resident in this budget");
     } else {

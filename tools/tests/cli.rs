@@ -336,6 +336,16 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     assert_eq!(v["index_resident"], true);
     assert_eq!(v["stats"]["index"]["misses"], index_blocks);
     assert_eq!(v["stats"]["index"]["bytes_read"], index_blocks * 4096);
+    // The context's resident index, part by part, against its K + V bytes.
+    let ctx = &v["contexts"][0];
+    let parts: u64 =
+        ["meta", "graph", "keys", "seeds", "coarse"].iter().map(|k| ctx["parts"][k].as_u64().unwrap()).sum();
+    assert_eq!((ctx["resident_bytes"].as_u64(), parts), (Some(index_blocks * 4096), index_blocks * 4096));
+    // 4096 tokens × 2 layers × 2 kv heads × d = 128, K and V, 2 bytes each.
+    let kv = 4096 * 2 * 2 * 128 * 2 * 2;
+    assert_eq!(ctx["kv_bytes"], kv);
+    let ratio = ctx["resident_over_kv"].as_f64().unwrap();
+    assert!((ratio - (index_blocks * 4096) as f64 / kv as f64).abs() < 1e-9, "{ratio}");
     let small = json(&["inspect", p(&store), "--buffer", "--budget", "2M", "--json"]);
     assert_eq!(small["index_resident"], false);
     assert!(small["stats"]["index"]["evictions"].as_u64().unwrap() > 0);

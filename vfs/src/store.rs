@@ -265,6 +265,9 @@ impl Snapshot {
     pub fn superblock(&self) -> &Superblock {
         &self.superblock
     }
+    pub fn block_size(&self) -> usize {
+        self.dev.block_size()
+    }
     /// Committed contexts, by name. Retired contexts are not listed: their names are free.
     pub fn contexts(&self) -> impl Iterator<Item = &ContextRecord> {
         self.contexts.values().map(|c| &c.record)
