@@ -1,6 +1,6 @@
 //! import → reopen → session → attention, against exact attention computed independently.
 
-use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, Rules, SafetensorsKv};
+use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, Request, Rules, SafetensorsKv, Session};
 use ctxfs_integration::{book, exact, mkfs, rel_err, widen, Book};
 use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
 use half::f16;
@@ -325,17 +325,16 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     assert_eq!(f.kv_bytes, full.kv_bytes);
     let shape = b.shape;
     assert_eq!(f.kv_bytes, N as u64 * shape.layers as u64 * shape.kv_heads as u64 * shape.head_dim as u64 * 2 * 2);
-    assert!(f.graph > 0 && f.keys > 0 && f.seeds > 0 && f.coarse > 0, "{f:?}");
-    // A budget below that is refused before anything is read; one at it is met.
+    assert!(f.graph > 0 && f.keys > 0 && f.seeds > 0 && f.quest > 0 && f.infllm > 0 && f.pq > 0, "{f:?}");
+    // A budget the whole index meets holds it all; one below holds the compact parts.
     let over = |budget: f64| DbConfig { resident_budget: Some(budget), ..Default::default() };
-    let tight = Db::open_read_only(&store, DeviceChoice::Auto, over(f.ratio() * 0.99)).unwrap();
-    match tight.warm("book") {
-        Err(e @ ctxfs_attention::Error::OverBudget { .. }) => assert!(e.to_string().contains("\"book\""), "{e}"),
-        other => panic!("expected OverBudget, got {other:?}"),
-    }
-    assert_eq!(tight.pool_stats().index.misses, 0, "nothing read");
     let at = Db::open_read_only(&store, DeviceChoice::Auto, over(f.ratio())).unwrap();
-    assert_eq!(at.warm("book").unwrap().resident_over_kv(), f.ratio());
+    let whole = at.warm("book").unwrap();
+    assert_eq!((whole.resident_over_kv(), whole.compact), (f.ratio(), false));
+    let tight = Db::open_read_only(&store, DeviceChoice::Auto, over(f.ratio() * 0.99)).unwrap();
+    let compact = tight.warm("book").unwrap();
+    assert!(compact.compact && compact.resident_bytes == f.compact_bytes(), "{compact:?} {f:?}");
+    assert_eq!(tight.pool_stats().index.resident_pins, compact.held);
     assert!(Db::open_read_only(&store, DeviceChoice::Auto, over(-1.0)).is_err(), "a negative budget");
 }
 
@@ -518,12 +517,58 @@ fn an_error_target_is_met_on_real_attention() {
     let src = SafetensorsKv::open(Path::new(data), DType::F16).unwrap();
     db.import("prose", &src, |_| {}).unwrap();
     let session = db.open_session("prose", None).unwrap();
+    let (met, answers, share) = target_answers(&session, &src, Some(Plan::Flat), 0.01);
+    println!("flat: error ≤ 0.01 on {met} of {answers} answers, {:.1}% of the tokens beyond the window", share * 100.0);
+    assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
+    assert!(share < 0.5, "the target retrieved {:.1}% of the tokens", share * 100.0);
+    // A target must be a positive number.
+    let d = session.shape().head_dim as usize;
+    let bad = AttentionOptions { target_error: Some(f32::NAN), ..Default::default() };
+    let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &bad).unwrap_err();
+    assert!(err.to_string().contains("error target"), "{err}");
+    drop((session, db));
+
+    // Under a resident budget of an eighth of the KV, the context is served compact: only its
+    // meta blocks, seed tables and PQ codes are held, and the optimizer answers from the
+    // codes with the same target, reading its candidates' keys on demand.
+    let rules = Rules { short_context: 0, scan_context: 0, ..Default::default() };
+    let budget = DbConfig { resident_budget: Some(0.125), rules, ..Default::default() };
+    let compact = Db::open_read_only(&store, DeviceChoice::Auto, budget).unwrap();
+    let warm = compact.warm("prose").unwrap();
+    let f = compact.footprint("prose").unwrap();
+    assert!(warm.compact && warm.resident_over_kv() <= 0.125, "{warm:?}");
+    assert_eq!(warm.resident_bytes, f.compact_bytes(), "{f:?}");
+    assert!(f.ratio() > 0.125, "the whole index would not fit: {f:?}");
+    let session = compact.open_session("prose", None).unwrap();
+    assert!(session.is_compact());
+    let choice = session.choice(3, Request { forced: None, error_target: Some(0.01) });
+    assert_eq!((choice.plan, choice.error_target), (Plan::Pq, Some(0.01)));
+    let (met, answers, share) = target_answers(&session, &src, None, 0.01);
+    println!(
+        "compact: error ≤ 0.01 on {met} of {answers} answers, {:.1}% of the tokens beyond the window",
+        share * 100.0
+    );
+    assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
+    assert!(share < 0.6, "the codes retrieved {:.1}% of the tokens", share * 100.0);
+    // A budget below even the codes is refused, holding nothing.
+    let tiny = DbConfig { resident_budget: Some(f.compact_ratio() * 0.9), ..Default::default() };
+    let tiny = Db::open_read_only(&store, DeviceChoice::Auto, tiny).unwrap();
+    match tiny.warm("prose") {
+        Err(e @ ctxfs_attention::Error::OverBudget { .. }) => assert!(e.to_string().contains("\"prose\""), "{e}"),
+        other => panic!("expected OverBudget, got {other:?}"),
+    }
+    assert_eq!(tiny.pool_stats().index.resident_pins, 0, "nothing held");
+}
+
+/// Answers of layer 0 for the first 8 decode steps of `src` with an output error target
+/// (and `plan`, or the optimizer's): how many met it against exact attention, of how many,
+/// and the share of the tokens beyond the window retrieved.
+fn target_answers(session: &Session, src: &SafetensorsKv, plan: Option<Plan>, target: f32) -> (usize, usize, f64) {
     let shape = session.shape();
     let (d, kv) = (shape.head_dim as usize, shape.kv_heads as usize);
     let group = (shape.q_heads / shape.kv_heads) as usize;
     let n = src.token_count() as u32;
     let all: Vec<u32> = (0..n).collect();
-    let target = 0.01;
     let keys: Vec<Vec<f32>> = (0..kv).map(|h| widen(&to_halves(&src.keys(0, h).unwrap()))).collect();
     let values: Vec<Vec<f32>> = (0..kv).map(|h| widen(&to_halves(&src.values(0, h).unwrap()))).collect();
     let decode: Vec<Vec<Vec<f32>>> = (0..kv).map(|h| src.decode_queries(0, h).unwrap().unwrap()).collect();
@@ -536,7 +581,7 @@ fn an_error_target_is_met_on_real_attention() {
                 q.extend_from_slice(&g[step * d..(step + 1) * d]);
             }
         }
-        let opts = AttentionOptions { plan: Some(Plan::Flat), target_error: Some(target), ..Default::default() };
+        let opts = AttentionOptions { plan, target_error: Some(target), ..Default::default() };
         let a = session.attention_with(0, &q, &opts).unwrap();
         for (qh, r) in a.heads.iter().enumerate() {
             let h = qh / group;
@@ -549,14 +594,7 @@ fn an_error_target_is_met_on_real_attention() {
             retrieved += r.retrieved;
         }
     }
-    let share = retrieved as f64 / (answers as f64 * (n as f64 - 640.0));
-    println!("error ≤ {target} on {met} of {answers} answers, {:.1}% of the tokens beyond the window", share * 100.0);
-    assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
-    assert!(share < 0.5, "the target retrieved {:.1}% of the tokens", share * 100.0);
-    // A target must be a positive number.
-    let bad = AttentionOptions { target_error: Some(f32::NAN), ..Default::default() };
-    let err = session.attention_with(0, &vec![0.1; shape.q_heads as usize * d], &bad).unwrap_err();
-    assert!(err.to_string().contains("error target"), "{err}");
+    (met, answers, retrieved as f64 / (answers as f64 * (n as f64 - 640.0)))
 }
 
 fn to_halves(x: &[f32]) -> Vec<f16> {

@@ -3,20 +3,22 @@
 //! `DB.store`).
 
 use crate::error::{Error, Result};
-use crate::footprint::{self, Footprint};
+use crate::footprint::{self, Footprint, IndexParts};
 use crate::layout::{segments, FileBlocks};
 use crate::plan::Rules;
 use crate::poison::{lock, read, write};
 use crate::session::{Reuse, Session};
 use crate::trie::PrefixTrie;
-use ctxfs_buffer::{BlockClass, BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher};
+use ctxfs_buffer::{
+    BlockClass, BlockRequest, BufferPool, DeviceSource, PoolConfig, PoolStats, Prefetcher, ResidentBlocks,
+};
 use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_index::BuildParams;
 use ctxfs_kernels::gpu::Gpu;
 use ctxfs_vfs::{DeviceChoice, ModelShape, Snapshot, Store};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// The tokens every plan attends exactly: the first `init` and the last `recent`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,13 +64,38 @@ pub struct DbConfig {
     /// Attend session windows on the GPU when one is present (`CTXFS_GPU=off` also disables
     /// it).
     pub gpu: bool,
-    /// The product quantisation imports store beside Quest's and InfLLM's metadata (PQCache's
-    /// m = 2, b = 6 by default; `PqParams::M4B8` is its other setting; None stores none).
-    pub pq: Option<PqParams>,
+    /// The product quantisation imports store beside Quest's and InfLLM's metadata: the
+    /// codes the `pq` plan ranks and compact serving scans ([`PqCodes::Scan`] by default).
+    pub pq: PqCodes,
     /// The most a served context may hold resident, per byte of its KV cache (keys and
     /// values of every token, layer and kv head): [`Db::warm`] refuses a context over it with
     /// `Error::OverBudget`, before holding anything. None: no limit.
     pub resident_budget: Option<f64>,
+}
+
+/// Which product quantisation an import stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PqCodes {
+    /// None: the `pq` plan is refused on the contexts imported, and they cannot be served
+    /// compact (`DbConfig::resident_budget`).
+    Off,
+    /// A subspace of 4 dimensions per byte ([`PqParams::scan_codes`]): `d / 4` bytes per
+    /// token, a sixteenth of its keys and values in f16, close enough to the keys for an
+    /// error target's candidates (`ctxfs_index::approx`).
+    Scan,
+    /// These parameters (PQCache's: [`PqParams::M2B6`], [`PqParams::M4B8`]).
+    Params(PqParams),
+}
+
+impl PqCodes {
+    /// The parameters for keys of `dim` elements.
+    pub fn params(self, dim: usize) -> Option<PqParams> {
+        match self {
+            PqCodes::Off => None,
+            PqCodes::Scan => Some(PqParams::scan_codes(dim)),
+            PqCodes::Params(p) => Some(p),
+        }
+    }
 }
 
 impl DbConfig {
@@ -91,7 +118,7 @@ impl Default for DbConfig {
             rules: Rules::default(),
             build: BuildParams::default(),
             model: None,
-            pq: Some(PqParams::M2B6),
+            pq: PqCodes::Scan,
             gpu: true,
             resident_budget: None,
         }
@@ -145,6 +172,23 @@ impl Inner {
         Ok(())
     }
 
+    /// Every vector file of `name` and of the prefix it stands on, each with its name for
+    /// errors.
+    pub fn files_of(&self, snap: &Snapshot, name: &str) -> Result<Vec<(Arc<FileBlocks>, String)>> {
+        let ctx = snap.context(name)?;
+        let shape = ctx.record().shape;
+        let mut out = Vec::new();
+        for seg in segments(snap, ctx.record().id, ctx.token_count() as u32)? {
+            for layer in 0..shape.layers {
+                for head in 0..shape.kv_heads {
+                    let what = format!("context {} layer {layer} head {head}", seg.context);
+                    out.push((self.file(snap, seg.context, layer, head)?, what));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     pub fn forget_files(&self, context: u32) {
         lock(&self.files).retain(|k, _| k.0 != context);
     }
@@ -164,6 +208,9 @@ pub struct WarmReport {
     pub resident_bytes: u64,
     /// The context's KV cache: keys and values of every token, layer and kv head.
     pub kv_bytes: u64,
+    /// Served compact: its whole index exceeds `DbConfig::resident_budget`, so only the meta
+    /// blocks, seed tables and PQ codes were held.
+    pub compact: bool,
 }
 
 impl WarmReport {
@@ -302,53 +349,49 @@ impl Db {
     /// per context, so that sessions search memory without pinning and read only value
     /// blocks.
     ///
-    /// A context whose index would take more than `DbConfig::resident_budget` of its KV bytes
-    /// is refused with `Error::OverBudget`, before any block is read.
+    /// Under `DbConfig::resident_budget`, a context whose whole index exceeds the budget is
+    /// served compact: only each vector file's meta block, seed table and PQ codes are held
+    /// (`WarmReport::compact`), and its sessions scan the codes (`Session::is_compact`). One
+    /// that does not fit even so, or has no PQ codes, is refused with `Error::OverBudget`
+    /// before any block is held.
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
-        let ctx = snap.context(name)?;
-        let shape = ctx.record().shape;
-        let total = ctx.token_count() as u32;
-        let (kv_bytes, resident_bytes) = footprint::planned(&snap, name)?;
-        if let Some(budget) = self.inner.config.resident_budget {
-            if resident_bytes as f64 > budget * kv_bytes as f64 {
-                return Err(Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget });
+        let (kv_bytes, whole) = footprint::planned(&snap, name)?;
+        let budget = self.inner.config.resident_budget;
+        let compact = budget.is_some_and(|b| whole as f64 > b * kv_bytes as f64);
+        let files = self.inner.files_of(&snap, name)?;
+        let pool = &self.inner.pool;
+        let bs = snap.block_size() as u64;
+        let mut report = WarmReport { kv_bytes, compact, ..WarmReport::default() };
+        if let (true, Some(budget)) = (compact, budget) {
+            let over =
+                |resident_bytes| Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget };
+            let mut holds = Vec::with_capacity(files.len());
+            for (file, what) in &files {
+                let parts = IndexParts::read(pool, file, what)?;
+                holds.push(parts.compact(file).ok_or_else(|| over(whole))?);
+            }
+            let bytes = holds.iter().map(|h| h.len() as u64 * bs).sum::<u64>();
+            if bytes as f64 > budget * kv_bytes as f64 {
+                return Err(over(bytes));
+            }
+            for ((file, _), blocks) in files.iter().zip(&holds) {
+                hold(pool, blocks, &file.compact, &mut report)?;
+            }
+        } else {
+            for (file, _) in &files {
+                hold(pool, &file.index, &file.resident, &mut report)?;
             }
         }
-        let mut report = WarmReport { kv_bytes, ..WarmReport::default() };
-        for seg in segments(&snap, ctx.record().id, total)? {
-            for layer in 0..shape.layers {
-                for head in 0..shape.kv_heads {
-                    let file = self.inner.file(&snap, seg.context, layer, head)?;
-                    if file.resident.get().is_none() {
-                        let pool = &self.inner.pool;
-                        match pool.make_resident(&file.index)? {
-                            Some(held) => {
-                                report.read += held.read() as u64;
-                                // A concurrent warm may have won: its holds serve, these go back.
-                                let _ = file.resident.set(held);
-                            }
-                            // No room to hold it: read it into the frames left, in batches
-                            // small enough to leave room for other readers.
-                            None => {
-                                let batch = (pool.pinnable(BlockClass::Index) / 4).clamp(1, 256);
-                                for chunk in file.index.chunks(batch) {
-                                    for g in pool.get_many(chunk) {
-                                        report.read += u64::from(g?.read_here());
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    report.blocks += file.index.len() as u64;
-                    if file.resident.get().is_some() {
-                        report.held += file.index.len() as u64;
-                    }
-                }
-            }
-        }
-        report.resident_bytes = report.held * snap.block_size() as u64;
+        report.resident_bytes = report.held * bs;
         Ok(report)
+    }
+
+    /// Whether sessions on `name` are served compact: a resident budget its whole index
+    /// exceeds (see [`Db::warm`]).
+    pub fn is_compact(&self, name: &str) -> Result<bool> {
+        let (kv_bytes, whole) = footprint::planned(&self.inner.store.snapshot(), name)?;
+        Ok(self.inner.config.resident_budget.is_some_and(|b| whole as f64 > b * kv_bytes as f64))
     }
 
     /// What serving `name` holds resident, part by part, against its KV bytes (reads each
@@ -370,6 +413,38 @@ impl Db {
         }
         Ok(())
     }
+}
+
+/// Holds `blocks` resident in `slot` (once: a concurrent warm may have won, and its holds
+/// serve), or, when the index area has no room to hold them, reads them into the frames left
+/// in batches small enough to leave room for other readers.
+fn hold(
+    pool: &Arc<BufferPool>,
+    blocks: &[BlockRequest],
+    slot: &OnceLock<ResidentBlocks>,
+    r: &mut WarmReport,
+) -> Result<()> {
+    if slot.get().is_none() {
+        match pool.make_resident(blocks)? {
+            Some(held) => {
+                r.read += held.read() as u64;
+                let _ = slot.set(held);
+            }
+            None => {
+                let batch = (pool.pinnable(BlockClass::Index) / 4).clamp(1, 256);
+                for chunk in blocks.chunks(batch) {
+                    for g in pool.get_many(chunk) {
+                        r.read += u64::from(g?.read_here());
+                    }
+                }
+            }
+        }
+    }
+    r.blocks += blocks.len() as u64;
+    if slot.get().is_some() {
+        r.held += blocks.len() as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -5,13 +5,20 @@
 //! block costs one frame of the device's block size. The KV bytes are what a server that
 //! kept the cache in memory would hold: keys and values of every token, layer and kv head,
 //! in the context's element type.
+//!
+//! A context whose whole index exceeds the budget is served **compact**: only each vector
+//! file's meta block, seed table (keys and values) and PQ codes are held, and the pq plan
+//! with an output error target answers from the codes, scoring its candidates' keys from
+//! blocks read on demand (`ctxfs_index::approx`).
 
 use crate::error::{Error, Result};
 use crate::layout::{segments, FileBlocks};
-use ctxfs_buffer::BufferPool;
+use ctxfs_buffer::{BlockRequest, BufferPool};
+use ctxfs_index::coarse::{run_of, CoarseKind};
 use ctxfs_index::paged::Layout;
-use ctxfs_vfs::Snapshot;
+use ctxfs_vfs::{ModelShape, Snapshot};
 use serde_json::{json, Value};
+use std::ops::Range;
 
 /// A context's resident index by part, and its KV bytes. Parts are in bytes of pool frames.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -30,18 +37,32 @@ pub struct Footprint {
     pub keys: u64,
     /// The seed table's keys and values.
     pub seeds: u64,
-    /// Quest, InfLLM and PQ runs.
-    pub coarse: u64,
+    /// Quest's page bounds.
+    pub quest: u64,
+    /// InfLLM's block representatives.
+    pub infllm: u64,
+    /// The PQ codes and centroids.
+    pub pq: u64,
 }
 
 impl Footprint {
     pub fn resident_bytes(&self) -> u64 {
-        self.meta + self.graph + self.keys + self.seeds + self.coarse
+        self.compact_bytes() + self.graph + self.keys + self.quest + self.infllm
+    }
+
+    /// What a compact context holds: meta blocks, seeds and PQ codes.
+    pub fn compact_bytes(&self) -> u64 {
+        self.meta + self.seeds + self.pq
     }
 
     /// Resident bytes per KV byte.
     pub fn ratio(&self) -> f64 {
         ratio(self.resident_bytes(), self.kv_bytes)
+    }
+
+    /// Compact bytes per KV byte.
+    pub fn compact_ratio(&self) -> f64 {
+        ratio(self.compact_bytes(), self.kv_bytes)
     }
 
     /// `bytes` per token of one (layer, kv head): the unit of the budget's arithmetic (64 at
@@ -52,9 +73,11 @@ impl Footprint {
 
     pub fn to_json(&self) -> Value {
         json!({
-            "tokens": self.tokens, "heads": self.heads, "kv_bytes": self.kv_bytes, "resident_bytes": self.resident_bytes(),
-            "resident_over_kv": self.ratio(),
-            "parts": {"meta": self.meta, "graph": self.graph, "keys": self.keys, "seeds": self.seeds, "coarse": self.coarse},
+            "tokens": self.tokens, "heads": self.heads, "kv_bytes": self.kv_bytes,
+            "resident_bytes": self.resident_bytes(), "resident_over_kv": self.ratio(),
+            "compact_bytes": self.compact_bytes(), "compact_over_kv": self.compact_ratio(),
+            "parts": {"meta": self.meta, "graph": self.graph, "keys": self.keys, "seeds": self.seeds,
+                "quest": self.quest, "infllm": self.infllm, "pq": self.pq},
         })
     }
 }
@@ -67,8 +90,8 @@ pub(crate) fn ratio(resident: u64, kv: u64) -> f64 {
     }
 }
 
-/// The KV bytes of `name` (all its tokens) and the index blocks serving it would hold, with
-/// no block read.
+/// The KV bytes of `name` (all its tokens) and the bytes of its whole index, with no block
+/// read.
 pub(crate) fn planned(snap: &Snapshot, name: &str) -> Result<(u64, u64)> {
     let ctx = snap.context(name)?;
     let shape = ctx.record().shape;
@@ -85,12 +108,63 @@ pub(crate) fn planned(snap: &Snapshot, name: &str) -> Result<(u64, u64)> {
     Ok((kv_bytes(&shape, tokens), blocks * snap.block_size() as u64))
 }
 
-fn kv_bytes(shape: &ctxfs_vfs::ModelShape, tokens: u64) -> u64 {
+fn kv_bytes(shape: &ModelShape, tokens: u64) -> u64 {
     let per_token = 2 * shape.layers as u64 * shape.kv_heads as u64 * shape.head_dim as u64 * shape.dtype.size() as u64;
     tokens * per_token
 }
 
-/// Measures `name`'s footprint, reading each vector file's index meta block through `pool`.
+/// One vector file's index stream, part by part, as ranges of its logical blocks.
+pub(crate) struct IndexParts {
+    pub layout: Layout,
+    /// The seed table's key and value blocks.
+    pub seeds: Range<usize>,
+    /// The coarse runs after the graph index, in stream order.
+    pub runs: Vec<(CoarseKind, Range<usize>)>,
+}
+
+impl IndexParts {
+    /// Reads the meta block and each coarse run's meta block of `file` through `pool`.
+    /// `what` names the file in errors.
+    pub fn read(pool: &BufferPool, file: &FileBlocks, what: &str) -> Result<IndexParts> {
+        let corrupt = |e: String| Error::Corrupt(format!("{what}: {e}"));
+        let first = file.index.first().ok_or_else(|| corrupt("an empty index stream".into()))?;
+        let layout =
+            Layout::decode(pool.get(first)?.payload()).map_err(|e| corrupt(format!("index meta block: {e}")))?;
+        let graph_end = layout.index_blocks() as usize;
+        if graph_end > file.index.len() {
+            return Err(corrupt(format!("{} index blocks for a graph index of {graph_end}", file.index.len())));
+        }
+        let seeds_from = graph_end - (layout.seed_blocks() + layout.seed_value_blocks()) as usize;
+        let (mut runs, mut at) = (Vec::new(), graph_end);
+        while at < file.index.len() {
+            let (kind, blocks) = run_of(pool.get(&file.index[at])?.payload())
+                .map_err(|e| corrupt(format!("the coarse run at index block {at}: {e}")))?;
+            if blocks == 0 || at + blocks > file.index.len() {
+                return Err(corrupt(format!("a coarse run of {blocks} blocks at block {at} overruns the stream")));
+            }
+            runs.push((kind, at..at + blocks));
+            at += blocks;
+        }
+        Ok(IndexParts { layout, seeds: seeds_from..graph_end, runs })
+    }
+
+    /// The PQ run, if the file has one.
+    pub fn pq(&self) -> Option<Range<usize>> {
+        self.runs.iter().find(|r| r.0 == CoarseKind::Pq).map(|r| r.1.clone())
+    }
+
+    /// The blocks a compact context holds: the meta block, the seed table and the PQ run
+    /// (`None` without a PQ run).
+    pub fn compact(&self, file: &FileBlocks) -> Option<Vec<BlockRequest>> {
+        let pq = self.pq()?;
+        let mut blocks = vec![file.index[0]];
+        blocks.extend_from_slice(&file.index[self.seeds.clone()]);
+        blocks.extend_from_slice(&file.index[pq]);
+        Some(blocks)
+    }
+}
+
+/// Measures `name`'s footprint, reading each vector file's meta blocks through `pool`.
 pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str) -> Result<Footprint> {
     let ctx = snap.context(name)?;
     let shape = ctx.record().shape;
@@ -102,17 +176,24 @@ pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str) -> Result<Footpri
         for layer in 0..shape.layers {
             for head in 0..shape.kv_heads {
                 let file = FileBlocks::locate(snap, seg.context, layer, head)?;
-                let Some(first) = file.index.first() else { continue };
-                let meta = pool.get(first)?;
-                let layout = Layout::decode(meta.payload()).map_err(|e| {
-                    Error::Corrupt(format!("context {} layer {layer} head {head}: index meta block: {e}", seg.context))
-                })?;
+                if file.index.is_empty() {
+                    continue;
+                }
+                let what = format!("context {} layer {layer} head {head}", seg.context);
+                let p = IndexParts::read(pool, &file, &what)?;
+                let blocks = |n: u32| u64::from(n) * bs;
                 f.meta += bs;
-                f.graph += u64::from(layout.adjacency_blocks()) * bs;
-                f.keys += u64::from(layout.key_blocks()) * bs;
-                f.seeds += u64::from(layout.seed_blocks() + layout.seed_value_blocks()) * bs;
-                // The coarse runs follow the graph index's blocks.
-                f.coarse += (file.index.len() as u64).saturating_sub(u64::from(layout.index_blocks())) * bs;
+                f.graph += blocks(p.layout.adjacency_blocks());
+                f.keys += blocks(p.layout.key_blocks());
+                f.seeds += p.seeds.len() as u64 * bs;
+                for (kind, run) in &p.runs {
+                    let part = match kind {
+                        CoarseKind::Quest => &mut f.quest,
+                        CoarseKind::Infllm => &mut f.infllm,
+                        CoarseKind::Pq => &mut f.pq,
+                    };
+                    *part += run.len() as u64 * bs;
+                }
             }
         }
     }

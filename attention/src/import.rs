@@ -183,7 +183,16 @@ impl Db {
                     &mut txn,
                     name,
                     shape.dtype,
-                    Head { layer, head, dim: d, payload, keys: &keys, values: &values, train, pq: self.config().pq },
+                    Head {
+                        layer,
+                        head,
+                        dim: d,
+                        payload,
+                        keys: &keys,
+                        values: &values,
+                        train,
+                        pq: self.config().pq.params(d),
+                    },
                     &params,
                     &mut report,
                 )?;
@@ -245,7 +254,7 @@ impl Db {
                     keys: &fresh.keys[head],
                     values: &fresh.values[head],
                     train: fresh.queries[head].clone(),
-                    pq: self.config().pq,
+                    pq: self.config().pq.params(d),
                 };
                 write_head(&mut txn, name, shape.dtype, h, &params, &mut report)?;
             }

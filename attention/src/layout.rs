@@ -62,6 +62,9 @@ pub struct FileBlocks {
     pub index_hints: Box<[FrameHint]>,
     /// The index blocks held resident, once the context is warmed ([`crate::Db::warm`]).
     pub resident: OnceLock<ResidentBlocks>,
+    /// The blocks a compact context holds instead (meta, seed table, PQ codes), which
+    /// searches read through pins that always hit.
+    pub compact: OnceLock<ResidentBlocks>,
 }
 
 impl FileBlocks {
@@ -79,6 +82,12 @@ impl FileBlocks {
         };
         let index = all(FileStream::Index)?;
         let index_hints = index.iter().map(|_| FrameHint::default()).collect();
-        Ok(FileBlocks { index, data: all(FileStream::Data)?, index_hints, resident: OnceLock::new() })
+        Ok(FileBlocks {
+            index,
+            data: all(FileStream::Data)?,
+            index_hints,
+            resident: OnceLock::new(),
+            compact: OnceLock::new(),
+        })
     }
 }

@@ -24,7 +24,7 @@ pub mod queries;
 mod session;
 pub mod trie;
 
-pub use db::{Db, DbConfig, WarmReport, Window};
+pub use db::{Db, DbConfig, PqCodes, WarmReport, Window};
 pub use error::{Error, Result};
 pub use footprint::Footprint;
 pub use import::WriteReport;

@@ -104,8 +104,9 @@ pub struct Choice {
     pub filtered: bool,
     /// The caller chose the plan (the optimizer's budgets do not apply).
     pub forced: bool,
-    /// The output error the plan targets instead of a fixed β: the caller's, or the
-    /// optimizer's for its scan plans (`Rules::error_target`). DIPR plans only.
+    /// The output error the plan targets instead of a fixed β or budget: the caller's, or
+    /// the optimizer's for its scan and compact plans (`Rules::error_target`). Flat, DIPRS
+    /// and PQ plans only.
     pub error_target: Option<f32>,
     pub reason: &'static str,
 }
@@ -130,62 +131,91 @@ pub struct Request {
     pub error_target: Option<f32>,
 }
 
-/// Chooses the plan for `layer` of a session reusing `prefix` stored tokens (`filtered`:
-/// part of a stored context; `ample`: the memory budget holds the prefix's values, so whole
-/// pages cost little to attend), unless the request forces one.
-pub fn choose(rules: &Rules, layer: usize, prefix: u32, filtered: bool, ample: bool, request: Request) -> Choice {
+/// What the optimizer knows of a session besides the call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Situation {
+    /// Stored tokens the session reuses.
+    pub prefix: u32,
+    /// Only part of a stored context is reused.
+    pub filtered: bool,
+    /// The memory budget holds the prefix's values, so whole pages cost little to attend.
+    pub ample: bool,
+    /// The context is served compact (`DbConfig::resident_budget`): only its PQ codes and
+    /// seed table are resident.
+    pub compact: bool,
+}
+
+/// Chooses the plan for `layer` of a session in situation `s`, unless the request forces
+/// one.
+pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Choice {
     let (plan, reason) = match request.forced {
         Some(p) => (p, "forced by the caller"),
-        None if prefix <= rules.short_context => (Plan::Full, "short context"),
+        None if s.prefix <= rules.short_context => (Plan::Full, "short context"),
+        // Only the codes are in memory: the keys of their candidates are read on demand.
+        None if s.compact => (Plan::Pq, "compact context: the codes meet an error target"),
         // The scan knows every score: it cuts the range exactly where a target asks, where
         // DIPRS's estimate misses the keys its range phase did not reach (`ctxfs bench search`,
         // real attention: the scan meets a 1% target on 95–99% of queries, DIPRS on 70–85%).
         None if request.error_target.is_some() => (Plan::Flat, "error target: the scan cuts the range exactly"),
-        None if prefix <= rules.scan_context => (Plan::Flat, "scannable context: the scan meets an error target"),
+        None if s.prefix <= rules.scan_context => (Plan::Flat, "scannable context: the scan meets an error target"),
         None if layer == 0 => (Plan::Flat, "layer 0 attends broadly"),
         // Quest is the best of the coarse types at equal budgets (`ctxfs bench search`: at a
         // 1K budget, DIPR recall 0.888 against InfLLM's 0.841 and PQ m=2 b=6's 0.428).
-        None if ample => (Plan::Quest, "ample memory budget: coarse pages"),
-        None if filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
+        None if s.ample => (Plan::Quest, "ample memory budget: coarse pages"),
+        None if s.filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
         None => (Plan::Diprs, "long context"),
     };
+    let unforced = request.forced.is_none();
     let error_target = match (request.error_target, plan) {
-        (Some(e), Plan::Flat | Plan::Diprs) => Some(e),
-        (None, Plan::Flat) if request.forced.is_none() && prefix <= rules.scan_context => Some(rules.error_target),
+        (Some(e), Plan::Flat | Plan::Diprs | Plan::Pq) => Some(e),
+        (None, Plan::Flat) if unforced && s.prefix <= rules.scan_context => Some(rules.error_target),
+        (None, Plan::Pq) if unforced && s.compact => Some(rules.error_target),
         _ => None,
     };
-    Choice { plan, filtered, forced: request.forced.is_some(), error_target, reason }
+    Choice { plan, filtered: s.filtered, forced: !unforced, error_target, reason }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn at(prefix: u32, filtered: bool, ample: bool) -> Situation {
+        Situation { prefix, filtered, ample, compact: false }
+    }
+
     #[test]
     fn follows_the_papers_rules_and_honours_overrides() {
         let r = Rules::default();
-        assert_eq!(choose(&r, 5, 1000, false, false, Request::default()).plan, Plan::Full);
-        let layer0 = choose(&r, 0, 100_000, false, false, Request::default());
+        assert_eq!(choose(&r, 5, at(1000, false, false), Request::default()).plan, Plan::Full);
+        let layer0 = choose(&r, 0, at(100_000, false, false), Request::default());
         assert_eq!((layer0.plan, layer0.error_target), (Plan::Flat, None));
         // Up to the scan's reach, the optimizer's plan is the scan with its error target.
-        let scanned = choose(&r, 3, 32_768, true, true, Request::default());
+        let scanned = choose(&r, 3, at(32_768, true, true), Request::default());
         assert_eq!((scanned.label(), scanned.error_target), ("flat+prefix".to_string(), Some(r.error_target)));
-        let c = choose(&r, 3, 100_000, true, false, Request::default());
+        let c = choose(&r, 3, at(100_000, true, false), Request::default());
         assert_eq!((c.plan, c.label()), (Plan::Diprs, "diprs+prefix".to_string()));
-        assert_eq!(choose(&r, 3, 100_000, false, false, Request::default()).label(), "diprs");
-        assert_eq!(choose(&r, 3, 100_000, false, true, Request::default()).label(), "quest");
-        assert_eq!(choose(&r, 0, 100_000, false, true, Request::default()).label(), "flat");
+        assert_eq!(choose(&r, 3, at(100_000, false, false), Request::default()).label(), "diprs");
+        assert_eq!(choose(&r, 3, at(100_000, false, true), Request::default()).label(), "quest");
+        assert_eq!(choose(&r, 0, at(100_000, false, true), Request::default()).label(), "flat");
         let forced = |p| Request { forced: Some(p), error_target: None };
-        assert_eq!(choose(&r, 0, 100_000, false, false, forced(Plan::Topk)).plan, Plan::Topk);
+        assert_eq!(choose(&r, 0, at(100_000, false, false), forced(Plan::Topk)).plan, Plan::Topk);
         let targeted = Request { forced: None, error_target: Some(0.05) };
-        let c = choose(&r, 3, 100_000, false, true, targeted);
+        let c = choose(&r, 3, at(100_000, false, true), targeted);
         assert_eq!((c.label(), c.error_target), ("flat".to_string(), Some(0.05)));
-        let c = choose(&r, 3, 1000, false, false, targeted);
+        let c = choose(&r, 3, at(1000, false, false), targeted);
         assert_eq!((c.label(), c.error_target), ("full".to_string(), None));
         let forced_target = Request { forced: Some(Plan::Diprs), error_target: Some(0.05) };
-        assert_eq!(choose(&r, 3, 100_000, false, false, forced_target).error_target, Some(0.05));
-        assert_eq!(choose(&r, 3, 100_000, false, false, forced(Plan::Flat)).error_target, None);
-        assert_eq!(choose(&r, 3, 100, true, false, Request::default()).label(), "full");
+        assert_eq!(choose(&r, 3, at(100_000, false, false), forced_target).error_target, Some(0.05));
+        assert_eq!(choose(&r, 3, at(100_000, false, false), forced(Plan::Flat)).error_target, None);
+        assert_eq!(choose(&r, 3, at(100, true, false), Request::default()).label(), "full");
+        // A compact context is served from its codes with the optimizer's target, or the
+        // caller's; a short one in full.
+        let compact = Situation { compact: true, ..at(100_000, false, true) };
+        let c = choose(&r, 0, compact, Request::default());
+        assert_eq!((c.plan, c.error_target), (Plan::Pq, Some(r.error_target)));
+        assert_eq!(choose(&r, 3, compact, targeted).error_target, Some(0.05));
+        assert_eq!(choose(&r, 3, Situation { prefix: 100, ..compact }, Request::default()).plan, Plan::Full);
+        assert_eq!(choose(&r, 3, compact, forced(Plan::Pq)).error_target, None);
         assert_eq!("topk".parse::<Plan>(), Ok(Plan::Topk));
         assert_eq!("pq".parse::<Plan>(), Ok(Plan::Pq));
         assert!("nope".parse::<Plan>().is_err());

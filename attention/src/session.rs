@@ -13,9 +13,10 @@ use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
 use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
-use crate::plan::{choose, Choice, Plan, Request};
+use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
+use ctxfs_index::approx;
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
@@ -287,6 +288,8 @@ pub struct Session {
     new_tokens: Vec<u32>,
     /// The pool's data area could hold every value of the reused prefix.
     ample: bool,
+    /// The reused context is served compact (`Db::warm`): from its PQ codes.
+    compact: bool,
     gpu: Option<SessionGpu>,
 }
 
@@ -312,6 +315,13 @@ impl Session {
         let config = db.config();
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
+        let compact = match (&reuse, config.resident_budget) {
+            (Some(r), Some(budget)) => {
+                let (kv, whole) = crate::footprint::planned(&snap, &r.name)?;
+                whole as f64 > budget * kv as f64
+            }
+            _ => false,
+        };
         // The GPU window holds f16; a bf16 context's window stays on the CPU.
         let gpu = db.inner.gpu.clone().filter(|_| shape.dtype == DType::F16).map(|device| SessionGpu {
             device,
@@ -322,6 +332,7 @@ impl Session {
         Ok(Session {
             gpu,
             ample,
+            compact,
             db,
             snap,
             reuse,
@@ -433,8 +444,19 @@ impl Session {
     /// The plan an attention call on `layer` runs: the request's forced plan, or the
     /// optimizer's choice.
     pub fn choice(&self, layer: usize, request: Request) -> Choice {
-        let filtered = self.reuse.as_ref().is_some_and(|r| r.filtered);
-        choose(&self.db.config().rules, layer, self.prefix_tokens(), filtered, self.ample, request)
+        let situation = Situation {
+            prefix: self.prefix_tokens(),
+            filtered: self.reuse.as_ref().is_some_and(|r| r.filtered),
+            ample: self.ample,
+            compact: self.compact,
+        };
+        choose(&self.db.config().rules, layer, situation, request)
+    }
+
+    /// Whether the reused context is served compact: a resident budget its whole index
+    /// exceeds, so the optimizer answers from its PQ codes (`Db::warm`).
+    pub fn is_compact(&self) -> bool {
+        self.compact
     }
 
     /// Attention of one decode step's queries (`[q_heads, head_dim]`) over the layer, with
@@ -664,6 +686,11 @@ impl Session {
             Plan::Quest => readers
                 .iter()
                 .map(|r| Ok(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?))
+                .collect::<Result<Vec<_>>>()?,
+            // The codes' approximate scores, which an error target's candidates come from.
+            Plan::Pq if choice.error_target.is_some() => readers
+                .iter()
+                .map(|r| Ok(self.open_pq(r)?.token_scores_many(qs, r.seg.filter())?))
                 .collect::<Result<Vec<_>>>()?,
             _ => Vec::new(),
         };
@@ -941,6 +968,12 @@ impl Session {
         PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
     }
 
+    /// A segment's PQ codes.
+    fn open_pq<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedPq<'a>> {
+        let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
+        PagedPq::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
+    }
+
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it
     /// chose (their keys are read from the graph index's key blocks). `scanned`: Quest's page
     /// bounds of `q`, computed for its GQA group, and the work that did it (always given for
@@ -966,10 +999,7 @@ impl Session {
                 let run = self.coarse_run(r, CoarseKind::Infllm, plan)?;
                 PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
             }
-            _ => {
-                let run = self.coarse_run(r, CoarseKind::Pq, plan)?;
-                PagedPq::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
-            }
+            _ => self.open_pq(r)?.select(q, budget, seg.filter())?,
         };
         *stats += selected.stats;
         let mut scores = vec![0.0; selected.ids.len()];
@@ -979,6 +1009,32 @@ impl Session {
         stats.blocks_touched += scoring.blocks_touched;
         stats.blocks_read += scoring.blocks_read;
         Ok(SearchResult::from_pairs(selected.ids.into_iter().zip(scores).collect(), SearchStats::default()))
+    }
+
+    /// The pq plan with a mass target, on one segment: the candidates of the codes'
+    /// approximate scores (`approx`, from `search_group`'s pass over the codes, and its work)
+    /// with the margin measured on the seed table's exact scores (`ctxfs_index::approx`),
+    /// scored exactly from their key blocks. The seeds' scores come back for the tail
+    /// estimate.
+    fn codes_target(
+        &self,
+        r: &SegmentReader<'_>,
+        q: &[f32],
+        (approx, work): (&[f32], SearchStats),
+        best: f32,
+        target: &MassTarget,
+        stats: &mut SearchStats,
+    ) -> Result<SearchResult> {
+        let (index, seg) = (&r.index, &r.seg);
+        let mut seeds = Vec::new();
+        index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
+        let seed_approx: Vec<f32> = (0..seeds.len()).map(|j| approx[j * SEED_STRIDE as usize]).collect();
+        let ids = approx::candidates(approx, best, target, approx::margin(&seeds, &seed_approx));
+        let mut scores = vec![0.0; ids.len()];
+        index.score(&ids, q, &mut scores, stats)?;
+        let mut found = SearchResult::from_pairs(ids.into_iter().zip(scores).collect(), work);
+        found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
+        Ok(found)
     }
 
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
@@ -1036,6 +1092,10 @@ impl Session {
                     let want = opts.k + in_window as usize;
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
+                Plan::Pq if target.is_some() => {
+                    let t = target.as_ref().expect("matched");
+                    self.codes_target(r, q, scanned[si], best, t, stats)?
+                }
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
                     let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
                     let budget = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
@@ -1075,6 +1135,7 @@ impl Session {
         }
         let cap = match plan {
             Plan::Topk => Some(budget.map_or(opts.k, |b| b.min(opts.k))),
+            Plan::Pq if target.is_some() => budget,
             Plan::Quest | Plan::Infllm | Plan::Pq => Some(budget.unwrap_or(COARSE_BUDGET)),
             _ => budget,
         };

@@ -13,6 +13,7 @@
 //!
 //! The search's steps and the crates around it: `docs/architecture.md` in the repository.
 
+pub mod approx;
 pub mod build;
 pub mod coarse;
 pub mod flat;

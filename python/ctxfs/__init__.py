@@ -254,7 +254,8 @@ class Store:
         """Mounts a store. ``pool`` is the buffer pool's byte budget; ``device`` is ``auto``,
         ``uring`` or ``sync``; ``window`` is the (first, last) tokens every plan attends
         exactly; ``resident_budget`` is the most a served context may hold resident per byte
-        of its KV cache (``warm`` refuses one over it with ``OverBudgetError``)."""
+        of its KV cache (``warm``: over it, a context is served compact from its PQ codes,
+        or refused with ``OverBudgetError`` when even those exceed it)."""
         return cls(_native.Store.open(str(path), pool, device, read_only, window, resident_budget))
 
     @property
@@ -279,13 +280,15 @@ class Store:
 
     def warm(self, name: str) -> dict:
         """Reads a context's index into the pool and holds it resident: blocks, read, held,
-        resident_bytes, kv_bytes, resident_over_kv. Raises ``OverBudgetError`` (holding
-        nothing) when the index would exceed the store's ``resident_budget``."""
+        resident_bytes, kv_bytes, resident_over_kv, compact. Over the store's
+        ``resident_budget`` only its PQ codes and seed tables are held (``compact``); raises
+        ``OverBudgetError`` (holding nothing) when even those exceed it."""
         return self._native.warm(name)
 
     def footprint(self, name: str) -> dict:
         """What serving a context holds resident against its KV cache: tokens, kv_bytes,
-        resident_bytes, resident_over_kv, and parts (meta, graph, keys, seeds, coarse: bytes)."""
+        resident_bytes, resident_over_kv, compact_bytes and compact_over_kv (what it holds
+        served compact), and parts (meta, graph, keys, seeds, quest, infllm, pq: bytes)."""
         return self._native.footprint(name)
 
     def pool_stats(self) -> dict:

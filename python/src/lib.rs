@@ -125,7 +125,8 @@ impl Store {
         json_to_py(
             py,
             &serde_json::json!({"blocks": r.blocks, "read": r.read, "held": r.held,
-                "resident_bytes": r.resident_bytes, "kv_bytes": r.kv_bytes, "resident_over_kv": r.resident_over_kv()}),
+                "resident_bytes": r.resident_bytes, "kv_bytes": r.kv_bytes, "resident_over_kv": r.resident_over_kv(),
+                "compact": r.compact}),
         )
     }
 

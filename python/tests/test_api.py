@@ -196,12 +196,24 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     f = store.footprint("doc")
     assert f["kv_bytes"] == N * L * KV * D * 2 * 2
     assert f["resident_bytes"] == sum(f["parts"].values()) > 0
+    assert f["compact_bytes"] == f["parts"]["meta"] + f["parts"]["seeds"] + f["parts"]["pq"]
     warm = store.warm("doc")
     assert warm["resident_bytes"] == f["resident_bytes"] == warm["held"] * 4096
-    assert warm["resident_over_kv"] == pytest.approx(f["resident_over_kv"])
+    assert warm["resident_over_kv"] == pytest.approx(f["resident_over_kv"]) and not warm["compact"]
+    # Below the whole index, the context is served compact from its PQ codes.
     reader = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["resident_over_kv"] / 2)
+    compact = reader.warm("doc")
+    assert compact["compact"] and compact["resident_bytes"] == f["compact_bytes"]
+    session, _ = reader.create_session(list(range(N)))
+    q = np.random.default_rng(7).standard_normal((QH, D), dtype=np.float32)
+    # (This context is short enough to be attended in full unless a plan is forced.)
+    out = session.attention(1, q, plan="pq", target_error=0.01)
+    ref, _ = exact(q, kv_layers()[1][0], kv_layers()[1][1], 1 / np.sqrt(D))
+    assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
+    # Below even the codes, it is refused, holding nothing.
+    tiny = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["compact_over_kv"] / 2)
     with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):
-        reader.warm("doc")
-    assert reader.pool_stats()["index"]["misses"] == 0
+        tiny.warm("doc")
+    assert tiny.pool_stats()["index"]["resident_pins"] == 0
     with pytest.raises(ctxfs.InputError, match="resident budget"):
         ctxfs.Store.open(store_path, read_only=True, resident_budget=0.0)

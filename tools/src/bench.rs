@@ -65,6 +65,34 @@ impl Serving {
     }
 }
 
+impl Serving {
+    /// A pool for a context served compact under `budget` (per KV byte of its `kv_bytes`):
+    /// the budget's bytes held, then caches of `data_share` of the index blocks (the keys
+    /// its candidates read) and of the data blocks.
+    pub fn compact(
+        path: &std::path::Path,
+        choice: ctxfs_vfs::DeviceChoice,
+        data_share: f64,
+        budget: f64,
+        kv_bytes: u64,
+    ) -> Result<Serving> {
+        let (index_bytes, data_bytes) = stream_bytes(path, choice)?;
+        let held = (budget * kv_bytes as f64) as u64;
+        let key_cache = (index_bytes as f64 * data_share) as u64;
+        let cache_bytes = (data_bytes as f64 * data_share) as u64;
+        let pool_bytes = held + key_cache + cache_bytes + (8 << 20);
+        let data_fraction = (cache_bytes + (4 << 20)) as f64 / pool_bytes as f64;
+        let config = ctxfs_attention::DbConfig {
+            pool_bytes,
+            data_fraction,
+            populate_pool: true,
+            resident_budget: Some(budget),
+            ..Default::default()
+        };
+        Ok(Serving { config, index_bytes: held + key_cache, cache_bytes })
+    }
+}
+
 /// Bytes of the index streams and of the data streams of every stored context.
 fn stream_bytes(path: &std::path::Path, choice: ctxfs_vfs::DeviceChoice) -> Result<(u64, u64)> {
     let store = ctxfs_vfs::Store::open_path_read_only(path, choice)?;

@@ -52,6 +52,11 @@ pub struct Args {
     /// Block size of the bench store, in bytes (a store of another block size is rebuilt).
     #[arg(long, default_value_t = 4096)]
     block_size: usize,
+    /// Serve under a resident budget (`DbConfig::resident_budget`, e.g. 0.125): the context
+    /// is served compact from its PQ codes, and the pool holds the budget plus the data cache's
+    /// share of the key blocks and of the value blocks, read on demand.
+    #[arg(long, value_name = "F")]
+    resident_budget: Option<f64>,
     #[arg(long)]
     json: bool,
 }
@@ -105,7 +110,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         // The generated file is only needed for its decode queries from here on.
     }
 
-    let serving = Serving::size(&path, choice, args.data_cache)?;
+    let serving = match args.resident_budget {
+        None => Serving::size(&path, choice, args.data_cache)?,
+        Some(budget) => Serving::compact(&path, choice, args.data_cache, budget, kv_bytes)?,
+    };
     let (pool_bytes, index_bytes, cache) = (serving.config.pool_bytes, serving.index_bytes, serving.cache_bytes);
     let config = serving.config;
     drop_page_cache(&path);

@@ -29,6 +29,7 @@ use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
 use ctxfs_attention::WARM_START_TOKENS;
 use ctxfs_attention::{KvSource, SafetensorsKv};
+use ctxfs_index::approx;
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
@@ -186,6 +187,8 @@ const BUDGETS: [usize; 3] = [1024, 2048, 4096];
 const BLOCK: usize = 4096;
 /// The coarse indexes, in the order they are built for each head.
 const COARSE: [&str; 4] = ["quest", "infllm", "pq m2b6", "pq m4b8"];
+/// The build time's name of the `pq target` row's codes.
+const SCAN_CODES: &str = "pq scan codes";
 /// Prefix shares of the filtered rows, in percent: each is also served by a graph built on
 /// the prefix alone and by a flat scan of the prefix, the two ways to answer without a filter.
 const PREFIX_SHARES: [usize; 2] = [20, 50];
@@ -208,6 +211,9 @@ enum Method {
     PrefixGraph { beta: f32, share: usize },
     /// A coarse index (of [`COARSE`]) at a token budget.
     Coarse { index: usize, budget: usize },
+    /// The scan's output error target on PQ codes ([`PqParams::scan_codes`]): candidates
+    /// from the approximate scores ([`ctxfs_index::approx`]), scored exactly.
+    CodesTarget { target: f32 },
 }
 
 impl Method {
@@ -222,6 +228,7 @@ impl Method {
     fn target(self) -> Option<f32> {
         match self {
             Method::Flat { target, .. } | Method::Diprs { target, .. } => target,
+            Method::CodesTarget { target } => Some(target),
             _ => None,
         }
     }
@@ -281,6 +288,7 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
         (WARM_ROW.into(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
         (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
         (DIPRS_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
+        (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
         let p = Some(prefix_len(n, percent) as u32);
@@ -307,6 +315,9 @@ const WARM_ROW: &str = "diprs beta=5·√d warm";
 /// The rows that choose β per query to meet `--target-error`.
 const FLAT_TARGET_ROW: &str = "flat target";
 const DIPRS_TARGET_ROW: &str = "diprs target";
+const CODES_TARGET_ROW: &str = "pq target";
+/// The target rows, in the order the target table lists them.
+const TARGET_ROWS: [&str; 3] = [FLAT_TARGET_ROW, DIPRS_TARGET_ROW, CODES_TARGET_ROW];
 
 fn filtered_row(percent: usize) -> String {
     format!("diprs filtered {percent}%")
@@ -360,6 +371,8 @@ struct HeadIndexes {
     graph: MemGraph,
     /// In the order of [`COARSE`].
     coarse: Vec<Box<dyn Coarse>>,
+    /// The codes the `pq target` row scans ([`PqParams::scan_codes`]).
+    codes: Pq,
     /// The keys and graph of each prefix of [`PREFIX_SHARES`], built on its own.
     prefix_graphs: Vec<(MemKeys, MemGraph)>,
 }
@@ -386,6 +399,9 @@ impl HeadIndexes {
             seconds.insert(name.into(), json!(started.elapsed().as_secs_f64()));
         }
         let d = keys.dim();
+        let started = Instant::now();
+        let codes = Pq::build(&keys, &PqParams::scan_codes(d)).map_err(anyhow::Error::msg)?;
+        seconds.insert(SCAN_CODES.into(), json!(started.elapsed().as_secs_f64()));
         let n = keys.len() as usize;
         let prefix_graphs = PREFIX_SHARES
             .map(|percent| {
@@ -401,7 +417,7 @@ impl HeadIndexes {
             "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
             "coarse_seconds": seconds,
         });
-        Ok((HeadIndexes { keys, values, graph, coarse, prefix_graphs }, timing))
+        Ok((HeadIndexes { keys, values, graph, coarse, codes, prefix_graphs }, timing))
     }
 }
 
@@ -546,6 +562,48 @@ fn run_group(
             for (i, q) in qs.chunks_exact(d).enumerate() {
                 let params = DiprsParams { beta, window_max: win_max[i], ..Default::default() };
                 out.push(searched(diprs(&idx, q, &params)?, graph));
+            }
+        }
+        Method::CodesTarget { target } => {
+            let seed_ids: Vec<u32> = (0..n as u32).step_by(SEED_STRIDE as usize).collect();
+            let per_token = ix.codes.metadata_bytes_per_token();
+            for (i, q) in qs.chunks_exact(d).enumerate() {
+                let approx = ix.codes.token_scores(q, None)?;
+                // The seeds' exact scores: the resident sample the margin is measured on.
+                let mut stats = SearchStats::default();
+                let mut seeds = vec![0.0f32; seed_ids.len()];
+                ix.keys.score(&seed_ids, q, &mut seeds, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                let seed_approx: Vec<f32> = seed_ids.iter().map(|&t| approx[t as usize]).collect();
+                let margin = approx::margin(&seeds, &seed_approx);
+                // Exact scores of the candidates so far (NaN: not scored): a widened target
+                // scores only its new candidates.
+                let mut exact = vec![f32::NAN; n];
+                let mut select = |t: &MassTarget| -> Result<SearchResult> {
+                    let ids = approx::candidates(&approx, win_max[i], t, margin);
+                    let new: Vec<u32> = ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
+                    let mut scores = vec![0.0f32; new.len()];
+                    ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                    for (&t, &s) in new.iter().zip(&scores) {
+                        exact[t as usize] = s;
+                    }
+                    let pairs = ids.into_iter().map(|t| (t, exact[t as usize])).collect();
+                    Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
+                };
+                let mut t = mass_target(Some(target), i).expect("a target");
+                let mut f = select(&t)?;
+                for _ in 0..REFINEMENTS {
+                    let Some(wider) = t.refined(estimated(&f, &seeds, i).1, target) else { break };
+                    t = wider;
+                    f = select(&t)?;
+                }
+                let estimate = estimated(&f, &seeds, i);
+                out.push(Selection {
+                    ids: f.ids,
+                    keys_scored: stats.keys_scored,
+                    meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
+                    per_token,
+                    target: Some(estimate),
+                });
             }
         }
         Method::Coarse { index, budget } => {
@@ -868,7 +926,9 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                         let mut blocks: Vec<usize> = retrieved.iter().map(|&t| t as usize / rows_per_block).collect();
                         blocks.sort_unstable();
                         blocks.dedup();
-                        let per_block = if matches!(method, Method::Coarse { .. }) { 2 } else { 1 };
+                        // Coarse and code rows read key blocks for exact scores as well.
+                        let per_block =
+                            if matches!(method, Method::Coarse { .. } | Method::CodesTarget { .. }) { 2 } else { 1 };
                         let selected: Vec<u32> = window.ids.iter().copied().chain(retrieved.iter().copied()).collect();
                         let z: Vec<f32> = selected.iter().map(|&t| all[qi][t as usize]).collect();
                         let mut part = attend(&selected, &z, &ix.values, d, scale);
@@ -1077,7 +1137,12 @@ fn print_dataset(v: &serde_json::Value) {
         let c = &b["coarse_seconds"];
         println!(
             "  coarse builds: {}",
-            COARSE.map(|name| format!("{name} {:.2} s", c[name].as_f64().unwrap_or(0.0))).join(", ")
+            COARSE
+                .iter()
+                .chain([&SCAN_CODES])
+                .map(|name| format!("{name} {:.2} s", c[name].as_f64().unwrap_or(0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let r = |k: &str| v["ratios"][k].as_f64().unwrap_or(0.0);
@@ -1151,7 +1216,7 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
         "dataset", "row", "target", "met", "÷ oracle", "selected", "scored", "estimate", "err÷est"
     );
     for v in reports {
-        for name in [FLAT_TARGET_ROW, DIPRS_TARGET_ROW] {
+        for name in TARGET_ROWS {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
             println!(

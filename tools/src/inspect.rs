@@ -207,12 +207,13 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// One context's resident index by part against its KV bytes.
+/// One context's resident index by part against its KV bytes, and what it holds served
+/// compact.
 pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
     use crate::units::human_bytes;
     let per_token = |b: u64| f.per_token_and_head(b);
     println!(
-        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.0}, coarse {:.0}, meta {:.0})",
+        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2})",
         human_bytes(f.resident_bytes()),
         human_bytes(f.kv_bytes),
         f.ratio(),
@@ -220,8 +221,16 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
         per_token(f.graph),
         per_token(f.keys),
         per_token(f.seeds),
-        per_token(f.coarse),
+        per_token(f.quest),
+        per_token(f.infllm),
+        per_token(f.pq),
         per_token(f.meta),
+    );
+    println!(
+        "  served compact (meta, seeds and PQ codes): {} = {:.3} of the KV ({:.1} B per token and kv head)",
+        human_bytes(f.compact_bytes()),
+        f.compact_ratio(),
+        per_token(f.compact_bytes())
     );
 }
 

@@ -72,6 +72,12 @@ pub struct Args {
     /// Buffer pool budget.
     #[arg(long, default_value = "256M", value_parser = crate::units::parse_size)]
     pool: u64,
+    /// The most the context may hold resident per byte of its KV cache (0.125: an eighth).
+    /// When its whole index exceeds it, it is served compact: its PQ codes and seed table
+    /// are held, and `--mode auto` answers from the codes with an output error target
+    /// (plan `pq`). A context that does not fit even so is refused.
+    #[arg(long, value_name = "F")]
+    resident_budget: Option<f64>,
     #[arg(long)]
     json: bool,
 }
@@ -96,9 +102,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let config = DbConfig {
         pool_bytes: args.pool,
         window: Window { init: args.window.0, recent: args.window.1 },
+        resident_budget: args.resident_budget,
         ..Default::default()
     };
     let db = Db::open_read_only(&args.store, choice, config)?;
+    if args.resident_budget.is_some() {
+        // Holds what the budget allows, or refuses the context.
+        db.warm(&args.context)?;
+    }
     let session = db.open_session(&args.context, args.prefix)?;
     let shape = session.shape();
     let d = shape.head_dim as usize;

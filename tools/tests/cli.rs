@@ -338,8 +338,9 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     assert_eq!(v["stats"]["index"]["bytes_read"], index_blocks * 4096);
     // The context's resident index, part by part, against its K + V bytes.
     let ctx = &v["contexts"][0];
-    let parts: u64 =
-        ["meta", "graph", "keys", "seeds", "coarse"].iter().map(|k| ctx["parts"][k].as_u64().unwrap()).sum();
+    let part = |k: &str| ctx["parts"][k].as_u64().unwrap();
+    let parts: u64 = ["meta", "graph", "keys", "seeds", "quest", "infllm", "pq"].into_iter().map(part).sum();
+    assert_eq!(ctx["compact_bytes"].as_u64(), Some(part("meta") + part("seeds") + part("pq")));
     assert_eq!((ctx["resident_bytes"].as_u64(), parts), (Some(index_blocks * 4096), index_blocks * 4096));
     // 4096 tokens × 2 layers × 2 kv heads × d = 128, K and V, 2 bytes each.
     let kv = 4096 * 2 * 2 * 128 * 2 * 2;
@@ -557,6 +558,21 @@ fn import_then_query_matches_exact_attention() {
     assert!(sparse.iter().all(|r| r["estimated_error"].is_null()), "no target, no estimate");
     let bad_target = ctxfs(&[&base[..], &["--target-error", "0"]].concat());
     assert!(String::from_utf8_lossy(&bad_target.stderr).contains("error target"));
+    // --resident-budget below the whole index: served compact, from the PQ codes, with the
+    // target met as by the scan; below even the codes, refused with the context named. (At
+    // 3,000 tokens the codes' centroids weigh as much as the codes: a quarter, not an
+    // eighth, holds them.)
+    let (mut met, compact) = (0, run(&["--mode", "pq", "--target-error", "0.02", "--resident-budget", "0.25"]));
+    for r in &compact {
+        let (qh, qi) = (r["head"].as_u64().unwrap() as usize, r["query"].as_u64().unwrap() as usize);
+        let (o, _) = exact_attention(&ctx, &queries, 1, qh, qi, 2, 3000);
+        met += usize::from(rel_err(&r["output"], &o) <= 0.02);
+        assert_eq!(plan(r), "pq");
+    }
+    assert!(met * 10 >= compact.len() * 9, "met on {met} of {}", compact.len());
+    let refused = ctxfs(&[&base[..], &["--resident-budget", "0.001"]].concat());
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("resident"), "{refused:?}");
     // A reused prefix: only tokens below it, and the window is that of the prefix.
     for r in run(&["--mode", "diprs", "--prefix", "1000"]) {
         let sel: Vec<u64> = r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
