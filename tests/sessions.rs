@@ -213,7 +213,9 @@ fn update_store_reopen_round_trips_and_survives_deleting_the_parent() {
         assert_eq!((report.tokens, report.heads), (added, 4));
         let used = before.free - db.store().space().free;
         println!("stored 300 tokens on a {p}-token prefix: {} blocks written, {used} blocks used", report.blocks);
-        assert!(report.blocks < 200, "only the new tokens are written: {} blocks", report.blocks);
+        // The prefix is thousands of blocks; the new tokens' streams are tens per file, most
+        // of them their PQ centroids (256 per 4-dimensional subspace: 32 KiB at d = 64).
+        assert!(report.blocks < 300, "only the new tokens are written: {} blocks", report.blocks);
         assert!(db.store_session(&session, "book+300").is_err(), "a second store under the same name is refused");
     }
     let prefix: Vec<u32> = (0..p as u32).collect();

@@ -151,8 +151,13 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
     let (plan, reason) = match request.forced {
         Some(p) => (p, "forced by the caller"),
         None if s.prefix <= rules.short_context => (Plan::Full, "short context"),
-        // Only the codes are in memory: the keys of their candidates are read on demand.
-        None if s.compact => (Plan::Pq, "compact context: the codes meet an error target"),
+        // Only the codes are in memory: the keys of their candidates are read on demand. Up
+        // to the scan's reach they meet an error target; beyond it, as DIPRS there, the best
+        // within a budget are read and the rest estimated from the seeds.
+        None if s.compact && (request.error_target.is_some() || s.prefix <= rules.scan_context) => {
+            (Plan::Pq, "compact context: the codes meet an error target")
+        }
+        None if s.compact => (Plan::Pq, "compact long context: the codes' best within the budget"),
         // The scan knows every score: it cuts the range exactly where a target asks, where
         // DIPRS's estimate misses the keys its range phase did not reach (`ctxfs bench search`,
         // real attention: the scan meets a 1% target on 95–99% of queries, DIPRS on 70–85%).
@@ -169,7 +174,7 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
     let error_target = match (request.error_target, plan) {
         (Some(e), Plan::Flat | Plan::Diprs | Plan::Pq) => Some(e),
         (None, Plan::Flat) if unforced && s.prefix <= rules.scan_context => Some(rules.error_target),
-        (None, Plan::Pq) if unforced && s.compact => Some(rules.error_target),
+        (None, Plan::Pq) if unforced && s.compact && s.prefix <= rules.scan_context => Some(rules.error_target),
         _ => None,
     };
     Choice { plan, filtered: s.filtered, forced: !unforced, error_target, reason }
@@ -208,10 +213,12 @@ mod tests {
         assert_eq!(choose(&r, 3, at(100_000, false, false), forced_target).error_target, Some(0.05));
         assert_eq!(choose(&r, 3, at(100_000, false, false), forced(Plan::Flat)).error_target, None);
         assert_eq!(choose(&r, 3, at(100, true, false), Request::default()).label(), "full");
-        // A compact context is served from its codes with the optimizer's target, or the
-        // caller's; a short one in full.
+        // A compact context is served from its codes with the optimizer's target (within the
+        // scan's reach; beyond it with a budget), or the caller's; a short one in full.
         let compact = Situation { compact: true, ..at(100_000, false, true) };
         let c = choose(&r, 0, compact, Request::default());
+        assert_eq!((c.plan, c.error_target), (Plan::Pq, None));
+        let c = choose(&r, 0, Situation { prefix: 32_768, ..compact }, Request::default());
         assert_eq!((c.plan, c.error_target), (Plan::Pq, Some(r.error_target)));
         assert_eq!(choose(&r, 3, compact, targeted).error_target, Some(0.05));
         assert_eq!(choose(&r, 3, Situation { prefix: 100, ..compact }, Request::default()).plan, Plan::Full);

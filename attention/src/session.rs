@@ -20,7 +20,7 @@ use ctxfs_index::approx;
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
-use ctxfs_index::coarse::{run_of, Coarse, CoarseKind};
+use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
@@ -687,8 +687,9 @@ impl Session {
                 .iter()
                 .map(|r| Ok(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?))
                 .collect::<Result<Vec<_>>>()?,
-            // The codes' approximate scores, which an error target's candidates come from.
-            Plan::Pq if choice.error_target.is_some() => readers
+            // The codes' approximate scores, which the candidates of an error target, or of the
+            // optimizer's budget, come from.
+            Plan::Pq if codes_choose(choice) => readers
                 .iter()
                 .map(|r| Ok(self.open_pq(r)?.token_scores_many(qs, r.seg.filter())?))
                 .collect::<Result<Vec<_>>>()?,
@@ -1011,25 +1012,30 @@ impl Session {
         Ok(SearchResult::from_pairs(selected.ids.into_iter().zip(scores).collect(), SearchStats::default()))
     }
 
-    /// The pq plan with a mass target, on one segment: the candidates of the codes'
-    /// approximate scores (`approx`, from `search_group`'s pass over the codes, and its work)
-    /// with the margin measured on the seed table's exact scores (`ctxfs_index::approx`),
-    /// scored exactly from their key blocks. The seeds' scores come back for the tail
-    /// estimate.
-    fn codes_target(
+    /// The codes' choice on one segment, from their approximate scores (`approx`, from
+    /// `search_group`'s pass over the codes, and its work): with a mass target, its
+    /// candidates, the cut lowered by the codes' error on the seed table's exact scores
+    /// (`ctxfs_index::approx`); without one, the best `Err(want)`. They are scored exactly
+    /// from their key blocks; the seeds' scores come back for the tail estimate.
+    fn codes_select(
         &self,
         r: &SegmentReader<'_>,
         q: &[f32],
         (approx, work): (&[f32], SearchStats),
         best: f32,
-        target: &MassTarget,
+        target: std::result::Result<&MassTarget, usize>,
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg) = (&r.index, &r.seg);
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
-        let seed_approx: Vec<f32> = (0..seeds.len()).map(|j| approx[j * SEED_STRIDE as usize]).collect();
-        let ids = approx::candidates(approx, best, target, approx::margin(&seeds, &seed_approx));
+        let ids = match target {
+            Ok(t) => {
+                let seed_approx: Vec<f32> = (0..seeds.len()).map(|j| approx[j * SEED_STRIDE as usize]).collect();
+                approx::candidates(approx, best, t, approx::margin(&seeds, &seed_approx))
+            }
+            Err(want) => take_tokens(approx, want),
+        };
         let mut scores = vec![0.0; ids.len()];
         index.score(&ids, q, &mut scores, stats)?;
         let mut found = SearchResult::from_pairs(ids.into_iter().zip(scores).collect(), work);
@@ -1055,7 +1061,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<(Found, Vec<SeedScores>)> {
         let plan = choice.plan;
-        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::Diprs);
+        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::Diprs | Plan::Pq);
         let tail = estimates_tail(choice, opts) || target.is_some();
         let rules = &self.db.config().rules;
         let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
@@ -1092,9 +1098,10 @@ impl Session {
                     let want = opts.k + in_window as usize;
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
-                Plan::Pq if target.is_some() => {
-                    let t = target.as_ref().expect("matched");
-                    self.codes_target(r, q, scanned[si], best, t, stats)?
+                Plan::Pq if codes_choose(choice) => {
+                    let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
+                    let want = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
+                    self.codes_select(r, q, scanned[si], best, target.as_ref().ok_or(want), stats)?
                 }
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
                     let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
@@ -1228,8 +1235,15 @@ struct Tail {
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
 /// optimizer chose them or the caller gave an error target.
 fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
-    matches!(choice.plan, Plan::Diprs | Plan::Flat)
+    (matches!(choice.plan, Plan::Diprs | Plan::Flat) || codes_choose(choice))
         && opts.tail.unwrap_or(!choice.forced || choice.error_target.is_some())
+}
+
+/// The pq plan chooses by the codes' approximate scores with the seeds scored beside them
+/// (as a DIPR plan does, with a tail estimate) for an error target and for the optimizer's
+/// compact plans; forced without a target it is PQCache's selection of a budget.
+fn codes_choose(choice: Choice) -> bool {
+    choice.plan == Plan::Pq && (choice.error_target.is_some() || !choice.forced)
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

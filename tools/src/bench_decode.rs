@@ -247,7 +247,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     });
     // Beside the object above: one more field there exceeds json!'s recursion limit.
     v["footprint"] = footprint.to_json();
-    v["resident_over_kv"] = json!(footprint.ratio());
+    v["resident_bytes"] = json!(warmed.resident_bytes);
+    v["resident_over_kv"] = json!(warmed.resident_over_kv());
+    v["compact"] = json!(warmed.compact);
     if args.json {
         println!("{v}");
         return Ok(());
@@ -263,6 +265,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         args.data_cache * 100.0
     );
     crate::inspect::print_footprint(NAME, &footprint);
+    println!(
+        "held resident: resident_bytes / kv_bytes = {:.3}{}",
+        warmed.resident_over_kv(),
+        if warmed.compact { " (served compact: meta, seeds and PQ codes)" } else { "" }
+    );
     println!("{:<44} {:>12}", "32-layer decode step", "seconds");
     println!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold);
     println!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady);

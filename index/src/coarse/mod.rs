@@ -263,7 +263,7 @@ fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> 
 }
 
 /// The `k` best tokens by `scores` (ties: the lower id), ascending.
-fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
+pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..scores.len() as u32).collect();
     let order = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
     if k < ids.len() {
