@@ -969,6 +969,12 @@ impl Session {
         PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
     }
 
+    /// The window's tokens within `seg`: a budget of tokens beyond the window asks a
+    /// selection that may return them for this many more.
+    fn window_in(&self, seg: &Segment) -> usize {
+        self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable).count()
+    }
+
     /// A segment's PQ codes.
     fn open_pq<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedPq<'a>> {
         let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
@@ -1099,13 +1105,11 @@ impl Session {
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
                 Plan::Pq if codes_choose(choice) => {
-                    let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
-                    let want = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
+                    let want = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
                     self.codes_select(r, q, scanned[si], best, target.as_ref().ok_or(want), stats)?
                 }
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
-                    let in_seg = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable);
-                    let budget = budget.unwrap_or(COARSE_BUDGET) + in_seg.count();
+                    let budget = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
                     self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
                 }
             };
