@@ -3,8 +3,8 @@
 //! `DB.store`).
 
 use crate::error::{Error, Result};
-use crate::footprint::{self, Footprint, IndexParts};
-use crate::layout::{segments, FileBlocks};
+use crate::footprint::{self, Footprint, IndexParts, Planned};
+use crate::layout::{files_of, segments, FileBlocks};
 use crate::plan::Rules;
 use crate::poison::{lock, read, write};
 use crate::session::{Reuse, Session};
@@ -175,18 +175,10 @@ impl Inner {
     /// Every vector file of `name` and of the prefix it stands on, each with its name for
     /// errors.
     pub fn files_of(&self, snap: &Snapshot, name: &str) -> Result<Vec<(Arc<FileBlocks>, String)>> {
-        let ctx = snap.context(name)?;
-        let shape = ctx.record().shape;
-        let mut out = Vec::new();
-        for seg in segments(snap, ctx.record().id, ctx.token_count() as u32)? {
-            for layer in 0..shape.layers {
-                for head in 0..shape.kv_heads {
-                    let what = format!("context {} layer {layer} head {head}", seg.context);
-                    out.push((self.file(snap, seg.context, layer, head)?, what));
-                }
-            }
-        }
-        Ok(out)
+        files_of(snap, name)?
+            .into_iter()
+            .map(|f| Ok((self.file(snap, f.context, f.layer, f.head)?, f.name())))
+            .collect()
     }
 
     pub fn forget_files(&self, context: u32) {
@@ -356,9 +348,10 @@ impl Db {
     /// before any block is held.
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
-        let (kv_bytes, whole) = footprint::planned(&snap, name)?;
+        let planned = Planned::of(&snap, name)?;
+        let (kv_bytes, whole) = (planned.kv_bytes, planned.whole);
         let budget = self.inner.config.resident_budget;
-        let compact = budget.is_some_and(|b| whole as f64 > b * kv_bytes as f64);
+        let compact = planned.compact(budget);
         let files = self.inner.files_of(&snap, name)?;
         let pool = &self.inner.pool;
         let bs = snap.block_size() as u64;
@@ -385,13 +378,6 @@ impl Db {
         }
         report.resident_bytes = report.held * bs;
         Ok(report)
-    }
-
-    /// Whether sessions on `name` are served compact: a resident budget its whole index
-    /// exceeds (see [`Db::warm`]).
-    pub fn is_compact(&self, name: &str) -> Result<bool> {
-        let (kv_bytes, whole) = footprint::planned(&self.inner.store.snapshot(), name)?;
-        Ok(self.inner.config.resident_budget.is_some_and(|b| whole as f64 > b * kv_bytes as f64))
     }
 
     /// What serving `name` holds resident, part by part, against its KV bytes (reads each

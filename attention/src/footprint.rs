@@ -12,7 +12,7 @@
 //! blocks read on demand (`ctxfs_index::approx`).
 
 use crate::error::{Error, Result};
-use crate::layout::{segments, FileBlocks};
+use crate::layout::{files_of, FileBlocks};
 use ctxfs_buffer::{BlockRequest, BufferPool};
 use ctxfs_index::coarse::{run_of, CoarseKind};
 use ctxfs_index::paged::Layout;
@@ -90,22 +90,30 @@ pub(crate) fn ratio(resident: u64, kv: u64) -> f64 {
     }
 }
 
-/// The KV bytes of `name` (all its tokens) and the bytes of its whole index, with no block
-/// read.
-pub(crate) fn planned(snap: &Snapshot, name: &str) -> Result<(u64, u64)> {
-    let ctx = snap.context(name)?;
-    let shape = ctx.record().shape;
-    let tokens = ctx.token_count();
-    let mut blocks = 0u64;
-    for seg in segments(snap, ctx.record().id, tokens as u32)? {
-        let seg_ctx = snap.context_by_id(seg.context)?;
-        for layer in 0..shape.layers {
-            for head in 0..shape.kv_heads {
-                blocks += seg_ctx.stream(layer, head, ctxfs_vfs::FileStream::Index)?.blocks();
-            }
+/// What serving a context would hold, known with no block read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Planned {
+    /// Its KV bytes (all its tokens).
+    pub kv_bytes: u64,
+    /// The bytes of its whole index.
+    pub whole: u64,
+}
+
+impl Planned {
+    pub fn of(snap: &Snapshot, name: &str) -> Result<Planned> {
+        let ctx = snap.context(name)?;
+        let mut blocks = 0u64;
+        for f in files_of(snap, name)? {
+            blocks += snap.context_by_id(f.context)?.stream(f.layer, f.head, ctxfs_vfs::FileStream::Index)?.blocks();
         }
+        let shape = ctx.record().shape;
+        Ok(Planned { kv_bytes: kv_bytes(&shape, ctx.token_count()), whole: blocks * snap.block_size() as u64 })
     }
-    Ok((kv_bytes(&shape, tokens), blocks * snap.block_size() as u64))
+
+    /// Whether it is served compact under `budget`: its whole index exceeds it.
+    pub fn compact(&self, budget: Option<f64>) -> bool {
+        budget.is_some_and(|b| self.whole as f64 > b * self.kv_bytes as f64)
+    }
 }
 
 fn kv_bytes(shape: &ModelShape, tokens: u64) -> u64 {
@@ -172,29 +180,24 @@ pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str) -> Result<Footpri
     let bs = snap.block_size() as u64;
     let heads = u64::from(shape.layers) * u64::from(shape.kv_heads);
     let mut f = Footprint { tokens, heads, kv_bytes: kv_bytes(&shape, tokens), ..Footprint::default() };
-    for seg in segments(snap, ctx.record().id, tokens as u32)? {
-        for layer in 0..shape.layers {
-            for head in 0..shape.kv_heads {
-                let file = FileBlocks::locate(snap, seg.context, layer, head)?;
-                if file.index.is_empty() {
-                    continue;
-                }
-                let what = format!("context {} layer {layer} head {head}", seg.context);
-                let p = IndexParts::read(pool, &file, &what)?;
-                let blocks = |n: u32| u64::from(n) * bs;
-                f.meta += bs;
-                f.graph += blocks(p.layout.adjacency_blocks());
-                f.keys += blocks(p.layout.key_blocks());
-                f.seeds += p.seeds.len() as u64 * bs;
-                for (kind, run) in &p.runs {
-                    let part = match kind {
-                        CoarseKind::Quest => &mut f.quest,
-                        CoarseKind::Infllm => &mut f.infllm,
-                        CoarseKind::Pq => &mut f.pq,
-                    };
-                    *part += run.len() as u64 * bs;
-                }
-            }
+    for id in files_of(snap, name)? {
+        let file = FileBlocks::locate(snap, id.context, id.layer, id.head)?;
+        if file.index.is_empty() {
+            continue;
+        }
+        let p = IndexParts::read(pool, &file, &id.name())?;
+        let blocks = |n: u32| u64::from(n) * bs;
+        f.meta += bs;
+        f.graph += blocks(p.layout.adjacency_blocks());
+        f.keys += blocks(p.layout.key_blocks());
+        f.seeds += p.seeds.len() as u64 * bs;
+        for (kind, run) in &p.runs {
+            let part = match kind {
+                CoarseKind::Quest => &mut f.quest,
+                CoarseKind::Infllm => &mut f.infllm,
+                CoarseKind::Pq => &mut f.pq,
+            };
+            *part += run.len() as u64 * bs;
         }
     }
     Ok(f)

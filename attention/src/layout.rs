@@ -53,6 +53,34 @@ pub fn segments(snap: &Snapshot, id: u32, prefix: u32) -> Result<Vec<Segment>> {
     Ok(out)
 }
 
+/// One vector file of a token sequence: a segment's context, a layer and a kv head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    pub context: u32,
+    pub layer: u16,
+    pub head: u16,
+}
+
+impl FileId {
+    /// How errors name it.
+    pub fn name(&self) -> String {
+        format!("context {} layer {} head {}", self.context, self.layer, self.head)
+    }
+}
+
+/// Every vector file of context `name` and of the prefix it stands on, segment by segment.
+pub fn files_of(snap: &Snapshot, name: &str) -> Result<Vec<FileId>> {
+    let ctx = snap.context(name)?;
+    let shape = ctx.record().shape;
+    let mut out = Vec::new();
+    for seg in segments(snap, ctx.record().id, ctx.token_count() as u32)? {
+        for layer in 0..shape.layers {
+            out.extend((0..shape.kv_heads).map(|head| FileId { context: seg.context, layer, head }));
+        }
+    }
+    Ok(out)
+}
+
 /// The block locations of one vector file (layer, kv head) of one stored context.
 #[derive(Debug)]
 pub struct FileBlocks {

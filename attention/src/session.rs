@@ -11,6 +11,7 @@
 
 use crate::db::{Db, Window};
 use crate::error::{input, Error, Result};
+use crate::footprint::Planned;
 use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
@@ -315,11 +316,8 @@ impl Session {
         let config = db.config();
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
-        let compact = match (&reuse, config.resident_budget) {
-            (Some(r), Some(budget)) => {
-                let (kv, whole) = crate::footprint::planned(&snap, &r.name)?;
-                whole as f64 > budget * kv as f64
-            }
+        let compact = match &reuse {
+            Some(r) if config.resident_budget.is_some() => Planned::of(&snap, &r.name)?.compact(config.resident_budget),
             _ => false,
         };
         // The GPU window holds f16; a bf16 context's window stays on the CPU.

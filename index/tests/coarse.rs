@@ -507,6 +507,10 @@ fn damaged_runs_are_errors_never_panics() {
     assert!(PagedInfllm::open(&pool, &reqs[4]).is_err());
     assert!(PagedQuest::open(&pool, &reqs[3]).unwrap().select(&[0.0; 32], 10, None).is_err());
     assert!(PagedPq::open(&pool, &reqs[4]).unwrap().select(&[0.0; 65], 10, None).is_err());
+    // Two queries' worth where one is asked for is refused too; the batched pass takes them.
+    let pq = PagedPq::open(&pool, &reqs[4]).unwrap();
+    assert!(pq.select(&[0.0; 128], 10, None).is_err() && pq.token_scores(&[0.0; 128], None).is_err());
+    assert_eq!(pq.token_scores_many(&[0.0; 128], None).unwrap().scores(1).len(), pq.tokens() as usize);
 }
 
 #[test]

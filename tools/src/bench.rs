@@ -54,18 +54,12 @@ pub struct Serving {
 }
 
 impl Serving {
+    /// A pool holding every index block and a data cache of `data_share` of the data blocks.
     pub fn size(path: &std::path::Path, choice: ctxfs_vfs::DeviceChoice, data_share: f64) -> Result<Serving> {
         let (index_bytes, data_bytes) = stream_bytes(path, choice)?;
-        let cache_bytes = (data_bytes as f64 * data_share) as u64;
-        // Slack beyond the index for the pool's own rounding, and a floor for the data area.
-        let pool_bytes = index_bytes + cache_bytes + (8 << 20);
-        let data_fraction = (cache_bytes + (4 << 20)) as f64 / pool_bytes as f64;
-        let config = ctxfs_attention::DbConfig { pool_bytes, data_fraction, populate_pool: true, ..Default::default() };
-        Ok(Serving { config, index_bytes, cache_bytes })
+        Ok(Serving::of(index_bytes, (data_bytes as f64 * data_share) as u64, None))
     }
-}
 
-impl Serving {
     /// A pool for a context served compact under `budget` (per KV byte of its `kv_bytes`):
     /// the budget's bytes held, then caches of `data_share` of the index blocks (the keys
     /// its candidates read) and of the data blocks.
@@ -77,19 +71,23 @@ impl Serving {
         kv_bytes: u64,
     ) -> Result<Serving> {
         let (index_bytes, data_bytes) = stream_bytes(path, choice)?;
-        let held = (budget * kv_bytes as f64) as u64;
-        let key_cache = (index_bytes as f64 * data_share) as u64;
-        let cache_bytes = (data_bytes as f64 * data_share) as u64;
-        let pool_bytes = held + key_cache + cache_bytes + (8 << 20);
+        let index_area = (budget * kv_bytes as f64) as u64 + (index_bytes as f64 * data_share) as u64;
+        Ok(Serving::of(index_area, (data_bytes as f64 * data_share) as u64, Some(budget)))
+    }
+
+    /// A serving pool of `index_bytes` for index blocks and `cache_bytes` for data blocks.
+    fn of(index_bytes: u64, cache_bytes: u64, resident_budget: Option<f64>) -> Serving {
+        // Slack beyond the index for the pool's own rounding, and a floor for the data area.
+        let pool_bytes = index_bytes + cache_bytes + (8 << 20);
         let data_fraction = (cache_bytes + (4 << 20)) as f64 / pool_bytes as f64;
         let config = ctxfs_attention::DbConfig {
             pool_bytes,
             data_fraction,
             populate_pool: true,
-            resident_budget: Some(budget),
+            resident_budget,
             ..Default::default()
         };
-        Ok(Serving { config, index_bytes: held + key_cache, cache_bytes })
+        Serving { config, index_bytes, cache_bytes }
     }
 }
 

@@ -101,6 +101,14 @@ fn check_query(q: &[f32], dim: usize) -> Result<(), BufferError> {
     Ok(())
 }
 
+/// Checks that `queries` is one or more whole queries of the index's dimension.
+fn check_queries(queries: &[f32], dim: usize) -> Result<(), BufferError> {
+    if queries.is_empty() || !queries.len().is_multiple_of(dim) {
+        return Err(invalid(format!("{} query elements for an index of dimension {dim}", queries.len())));
+    }
+    Ok(())
+}
+
 /// Blocks pinned per batch: a scan of a long context's metadata must not ask for more frames
 /// than the pool's index area has at once.
 const PIN_BATCH: usize = 64;

@@ -40,7 +40,7 @@
 //! ⌈tokens / T⌉ code blocks: token `t`'s m codes (one u8 per subspace, in subspace order)
 //! are record `t % T` of code block `t / T`.
 
-use super::{check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
+use super::{check_queries, check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
 use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
 use crate::flat::GroupScan;
 use crate::mem::MemKeys;
@@ -251,7 +251,7 @@ impl Pq {
     /// Every approximate score below the prefix (what [`Coarse::select`] ranks).
     pub fn token_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
         let (c, k) = self.mem();
-        Ok(token_scores(&c, &k, self.shape(), q, prefix)?.scores(0).to_vec())
+        one_query(&c, &k, self.shape(), q, prefix)
     }
 
     /// The meta block, the centroid blocks, then the code blocks, for blocks of `payload`
@@ -322,7 +322,7 @@ impl<'p> PagedPq<'p> {
 
     /// Every approximate score below the prefix, as [`Pq::token_scores`].
     pub fn token_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
-        Ok(token_scores(&self.centroids, &self.codes, self.meta.shape(), q, prefix)?.scores(0).to_vec())
+        one_query(&self.centroids, &self.codes, self.meta.shape(), q, prefix)
     }
 
     /// [`PagedPq::token_scores`] of each query of `queries` (rows of the index's dimension),
@@ -354,9 +354,7 @@ fn token_scores(
     queries: &[f32],
     prefix: Option<u32>,
 ) -> Result<GroupScan, BufferError> {
-    if queries.is_empty() || !queries.len().is_multiple_of(s.dim) {
-        check_query(queries, s.dim)?;
-    }
+    check_queries(queries, s.dim)?;
     let sub = s.sub();
     let mut stats = SearchStats::default();
     let nq = queries.len() / s.dim;
@@ -371,6 +369,8 @@ fn token_scores(
         }
         Ok(())
     })?;
+    // Per query, its subspaces' tables.
+    let tables: Vec<Vec<&[f32]>> = luts.chunks_exact(s.m * s.k).map(|lut| lut.chunks_exact(s.k).collect()).collect();
     let lim = limit(s.tokens, prefix) as usize;
     let mut out = vec![0.0f32; nq * lim];
     codes.visit(0..lim, &mut stats, &mut |first, bytes| {
@@ -378,17 +378,28 @@ fn token_scores(
             let (token, c) = (first + at / s.m, bytes[at]);
             return Err(format!("pq code {c} of token {token} exceeds the {} centroids", s.k));
         }
-        for (t, lut) in luts.chunks_exact(s.m * s.k).enumerate() {
-            let tables: Vec<&[f32]> = lut.chunks_exact(s.k).collect();
+        for (t, tables) in tables.iter().enumerate() {
             let scores = &mut out[t * lim + first..t * lim + first + bytes.len() / s.m];
             for (score, codes) in scores.iter_mut().zip(bytes.chunks_exact(s.m)) {
-                *score = codes.iter().zip(&tables).map(|(&c, table)| table[c as usize]).sum();
+                *score = codes.iter().zip(tables).map(|(&c, table)| table[c as usize]).sum();
             }
         }
         Ok(())
     })?;
     stats.keys_scored = lim as u64;
     Ok(GroupScan::new(out, lim, stats))
+}
+
+/// [`token_scores`] of one query (of exactly the index's dimension).
+fn one_query(
+    centroids: &dyn Records,
+    codes: &dyn Records,
+    s: Shape,
+    q: &[f32],
+    prefix: Option<u32>,
+) -> Result<Vec<f32>, BufferError> {
+    check_query(q, s.dim)?;
+    Ok(token_scores(centroids, codes, s, q, prefix)?.scores(0).to_vec())
 }
 
 fn select(
@@ -399,6 +410,7 @@ fn select(
     budget: usize,
     prefix: Option<u32>,
 ) -> Result<CoarseResult, BufferError> {
+    check_query(q, s.dim)?;
     let scan = token_scores(centroids, codes, s, q, prefix)?;
     let scores = scan.scores(0);
     Ok(CoarseResult {
