@@ -738,8 +738,13 @@ impl Session {
                     let Some(wider) = t.refined(est, e).filter(|_| rounds < REFINEMENTS) else { break };
                     t = wider;
                     let from: Vec<(usize, u32)> = found.iter().map(|f| (f.0, f.1 - readers[f.0].seg.base)).collect();
-                    (found, seeds) =
+                    let (wider_found, wider_seeds) =
                         self.retrieve(&readers, &scanned, q, own_max, choice, opts, Some(wider), &from, &mut stats)?;
+                    if wider_found == found {
+                        // Nothing more within the plan's budget: the estimate stands.
+                        break;
+                    }
+                    (found, seeds) = (wider_found, wider_seeds);
                     tail = self.tail(&readers, &seeds, &found, scale, &mut stats)?;
                     rounds += 1;
                 }
@@ -1042,7 +1047,12 @@ impl Session {
         };
         let mut scores = vec![0.0; ids.len()];
         index.score(&ids, q, &mut scores, stats)?;
-        let mut found = SearchResult::from_pairs(ids.into_iter().zip(scores).collect(), work);
+        let mut pairs: Vec<(u32, f32)> = ids.into_iter().zip(scores).collect();
+        if let Ok(t) = target {
+            let cut = approx::exact_cut(approx, &pairs, best, t);
+            pairs.retain(|p| p.1 >= cut);
+        }
+        let mut found = SearchResult::from_pairs(pairs, work);
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)
     }

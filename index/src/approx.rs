@@ -8,9 +8,12 @@
 //! which stays resident): `σ` is its root mean square there. The cut that meets the target
 //! on the approximate scores ([`MassTarget::exact_beta`]) is then lowered by
 //! [`MARGIN_SIGMAS`]`·σ`, so that a key whose approximation fell short of its exact score by
-//! less than that is still a candidate. The caller scores the candidates exactly and
-//! checks the answer's error as for any other range ([`crate::target::estimate`]); when the
-//! estimate misses, a refined target ([`MassTarget::refined`]) widens the candidates.
+//! less than that is still a candidate. The caller scores the candidates exactly and keeps
+//! those that reach the target's cut of the scores as they are now known ([`exact_cut`]: the
+//! candidates' exact scores, every other key's approximate one), so that the margin widens
+//! what is scored, not what is attended. It checks the answer's error as for any other range
+//! ([`crate::target::estimate`]); when the estimate misses, a refined target
+//! ([`MassTarget::refined`]) widens the candidates.
 
 use crate::target::MassTarget;
 
@@ -42,6 +45,18 @@ pub fn candidates(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) 
     (0u32..).zip(approx).filter(|&(_, &a)| a >= cut).map(|(t, _)| t).collect()
 }
 
+/// The score a candidate must reach once the candidates are scored exactly (`scored`: id and
+/// exact score): the cut that meets `t` on every key's best known score, the candidates'
+/// exact ones and the others' approximate ones (`approx`).
+pub fn exact_cut(approx: &[f32], scored: &[(u32, f32)], window_max: f32, t: &MassTarget) -> f32 {
+    let mut known = approx.to_vec();
+    for &(id, s) in scored {
+        known[id as usize] = s;
+    }
+    let best = known.iter().copied().fold(window_max, f32::max);
+    best - t.exact_beta(&known, best)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +81,20 @@ mod tests {
         // A window that holds nearly all the mass leaves every key out.
         let heavy_window = MassTarget { window_lse: 100.0, ..t };
         assert!(candidates(&approx, 100.0, &heavy_window, 0.0).is_empty());
+    }
+
+    #[test]
+    fn exact_scores_move_the_cut() {
+        let t = MassTarget { share: 0.1, scale: 1.0, window_lse: f32::NEG_INFINITY };
+        let approx: Vec<f32> = (0..10).map(|i| -(i as f32)).collect();
+        let on_approx = exact_cut(&approx, &[], f32::NEG_INFINITY, &t);
+        assert_eq!(on_approx, -t.exact_beta(&approx, 0.0));
+        // The codes overrated keys 1 and 2: scored exactly, they fall far below the others,
+        // and the best key alone holds all but the share (the candidates 1..=2 are dropped).
+        let higher = exact_cut(&approx, &[(1, -20.0), (2, -20.0)], f32::NEG_INFINITY, &t);
+        assert_eq!((on_approx, higher), (-2.0, 0.0));
+        // The exact cut of a fully known set is the scan's.
+        let exact: Vec<(u32, f32)> = (0..10).map(|i| (i, approx[i as usize])).collect();
+        assert_eq!(exact_cut(&approx, &exact, f32::NEG_INFINITY, &t), on_approx);
     }
 }

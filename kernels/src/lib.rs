@@ -4,7 +4,8 @@
 //! * [`scores`]: q·K over a block of keys, scaled;
 //! * [`max`] and [`exp_sub`]: the scaled exp-sum with a running max;
 //! * [`weighted_sum`]: weighted value accumulation;
-//! * [`Partial`]: attention over a set of keys as (o, m, l), and the exact log-sum-exp merge.
+//! * [`Partial`]: attention over a set of keys as (o, m, l), and the exact log-sum-exp merge;
+//! * [`pq_scores`]: product-quantisation codes scored from byte-quantised tables ([`PqLut`]).
 //!
 //! Each kernel has an AVX-512F path and an AVX2+FMA+F16C path (x86-64, chosen at run time by
 //! CPU detection), a NEON path (aarch64, where NEON is baseline) and a scalar reference.
@@ -24,12 +25,14 @@ pub mod gpu;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod partial;
+mod pq;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use element::{Element, ElementKind};
 pub use partial::Partial;
+pub use pq::{pq_scores, pq_scores_on, PqLut, PQ_TABLE};
 
 use std::sync::OnceLock;
 

@@ -17,6 +17,21 @@ pub fn ratio(ours: f64, baseline: f64) -> f64 {
     }
 }
 
+/// The process's peak resident memory since it started or [`reset_peak_rss`] (Linux
+/// `VmHWM`); `None` where the kernel does not say.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().ok().map(|k| k << 10)
+}
+
+/// Starts [`peak_rss_bytes`] over from the current resident memory (Linux: `5` written to
+/// `/proc/self/clear_refs`), so that a phase's peak is its own.
+pub fn reset_peak_rss() {
+    // Where the kernel refuses, the peak stays the process's: an upper bound still.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// A context name no user context has: the benchmark's own scratch data.
 pub fn scratch_name(bench: &str) -> String {
     format!("bench-{bench}-{}", std::process::id())

@@ -105,7 +105,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         let source = SafetensorsKv::open(&book, DType::F16)?;
         source.check_values(|_| {})?;
         let bar = progress::bar(kv_bytes, "import");
-        import = Some(db.import(NAME, &source, |b| bar.inc(b))?);
+        crate::bench::reset_peak_rss();
+        import = Some((db.import(NAME, &source, |b| bar.inc(b))?, crate::bench::peak_rss_bytes()));
         bar.finish_and_clear();
         // The generated file is only needed for its decode queries from here on.
     }
@@ -242,7 +243,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "exact_step_seconds": exact_step, "dram_exact_step_seconds": dram_step,
         "raw_load": raw_json,
         "store_1k_on_top": {"tokens": stored.tokens, "seconds": stored.seconds, "blocks": stored.blocks, "build_seconds": stored.build_seconds()},
-        "import": import.as_ref().map(|r| json!({"seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64})),
+        "import": import.as_ref().map(|(r, peak)| json!({"seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak})),
         "ratios": ratios,
     });
     // Beside the object above: one more field there exceeds json!'s recursion limit.
@@ -250,6 +251,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["resident_bytes"] = json!(warmed.resident_bytes);
     v["resident_over_kv"] = json!(warmed.resident_over_kv());
     v["compact"] = json!(warmed.compact);
+    v["peak_rss_bytes"] = json!(crate::bench::peak_rss_bytes());
     if args.json {
         println!("{v}");
         return Ok(());
@@ -264,6 +266,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         cache >> 20,
         args.data_cache * 100.0
     );
+    if let Some((r, peak)) = &import {
+        println!(
+            "import: {:.1} s, graph and coarse builds {:.2} s per head; peak resident memory {}",
+            r.seconds,
+            r.build_seconds() / r.heads.max(1) as f64,
+            peak.map_or("unknown".to_string(), |b| format!("{} MiB", b >> 20))
+        );
+    }
     crate::inspect::print_footprint(NAME, &footprint);
     println!(
         "held resident: resident_bytes / kv_bytes = {:.3}{}",

@@ -586,7 +586,9 @@ fn run_group(
                     for (&t, &s) in new.iter().zip(&scores) {
                         exact[t as usize] = s;
                     }
-                    let pairs = ids.into_iter().map(|t| (t, exact[t as usize])).collect();
+                    let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|t| (t, exact[t as usize])).collect();
+                    let cut = approx::exact_cut(&approx, &pairs, win_max[i], t);
+                    pairs.retain(|p| p.1 >= cut);
                     Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
                 };
                 let mut t = mass_target(Some(target), i).expect("a target");

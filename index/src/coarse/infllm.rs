@@ -43,7 +43,7 @@
 //! then r u16 offsets of those tokens within the block (token = b·B + offset).
 
 use super::{check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_units};
-use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
+use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section, COARSE_VERSION};
 use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
@@ -91,10 +91,10 @@ impl InfllmMeta {
     }
     pub fn encode(&self) -> Vec<u8> {
         let f = [self.tokens, self.dim, self.block_tokens, self.reps, self.records_per_block, self.blocks()];
-        encode_meta(MAGIC, &[&f[..], &[self.rule as u32]].concat())
+        encode_meta(MAGIC, COARSE_VERSION, &[&f[..], &[self.rule as u32]].concat())
     }
     pub fn decode(b: &[u8]) -> Result<InfllmMeta, String> {
-        let f = decode_meta(b, MAGIC, "infllm", 7)?;
+        let (_, f) = decode_meta(b, MAGIC, "infllm", COARSE_VERSION, 7)?;
         let rule = match f[6] {
             0 => RepRule::MeanKey,
             1 => RepRule::MeanQuery,

@@ -15,8 +15,8 @@
 //!
 //! A method's payloads are a run of blocks, meant to be appended to the index stream after
 //! the graph index; its reader takes the slice of block requests of that run. Block 0 of the
-//! run is the **meta block**: a 4-byte magic, the format version ([`COARSE_VERSION`]) as a
-//! little-endian u32 at byte 4, then the method's fields, each a little-endian u32, from
+//! run is the **meta block**: a 4-byte magic, the layout version ([`COARSE_VERSION`], PQ's
+//! [`pq::PQ_VERSION`]) as a little-endian u32 at byte 4, then the method's fields, each a little-endian u32, from
 //! byte 8 (each module documents its fields). The other blocks hold fixed-size records,
 //! `per_block` of them to a block (the last block may hold fewer), record `i` in block
 //! `i / per_block` of its section at byte `(i % per_block) · record_size`. f16 values are
@@ -32,7 +32,8 @@ use ctxfs_vfs::BlockFault;
 use std::ops::Range;
 use std::sync::Arc;
 
-/// The layout version of every coarse index's payloads.
+/// The layout version of the Quest and InfLLM payloads, and the oldest of PQ's
+/// ([`pq::PQ_VERSION`]).
 pub const COARSE_VERSION: u32 = 1;
 
 /// What a coarse selection chose, and what choosing it cost.
@@ -167,24 +168,25 @@ fn pack(bytes: &[u8], size: usize, payload: usize, what: &str) -> Result<(u32, V
 }
 
 /// A meta block: magic, version, then `fields` as little-endian u32.
-fn encode_meta(magic: &[u8; 4], fields: &[u32]) -> Vec<u8> {
+fn encode_meta(magic: &[u8; 4], version: u32, fields: &[u32]) -> Vec<u8> {
     let mut out = magic.to_vec();
-    for v in std::iter::once(COARSE_VERSION).chain(fields.iter().copied()) {
+    for v in std::iter::once(version).chain(fields.iter().copied()) {
         out.extend_from_slice(&v.to_le_bytes());
     }
     out
 }
 
-/// The `n` fields of a meta block written by [`encode_meta`], or why it is not one.
-fn decode_meta(b: &[u8], magic: &[u8; 4], what: &str, n: usize) -> Result<Vec<u32>, String> {
+/// The version and the `n` fields of a meta block written by [`encode_meta`] with a version
+/// from [`COARSE_VERSION`] to `newest`, or why it is not one.
+fn decode_meta(b: &[u8], magic: &[u8; 4], what: &str, newest: u32, n: usize) -> Result<(u32, Vec<u32>), String> {
     if b.len() < 8 + 4 * n || &b[..4] != magic {
         return Err(format!("{what} meta block: bad magic or length ({} bytes)", b.len()));
     }
     let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-    if word(4) != COARSE_VERSION {
-        return Err(format!("{what} layout version {} (this build reads {COARSE_VERSION})", word(4)));
+    if !(COARSE_VERSION..=newest).contains(&word(4)) {
+        return Err(format!("{what} layout version {} (this build reads {COARSE_VERSION} to {newest})", word(4)));
     }
-    Ok((0..n).map(|i| word(8 + 4 * i)).collect())
+    Ok((word(4), (0..n).map(|i| word(8 + 4 * i)).collect()))
 }
 
 /// Reads the meta block of a run of coarse-index blocks.
@@ -272,7 +274,15 @@ fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> 
 
 /// The `k` best tokens by `scores` (ties: the lower id), ascending.
 pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
-    let mut ids: Vec<u32> = (0..scores.len() as u32).collect();
+    let reaching = |cut: f32| -> Vec<u32> {
+        (0u32..).zip(scores).filter(|(_, s)| s.total_cmp(&cut).is_ge()).map(|(t, _)| t).collect()
+    };
+    // The k best are among the scores that reach any cut at least k of them reach: a cut
+    // from a sample leaves a few times k to choose from instead of every score.
+    let mut ids = match sample_cut(scores, k).map(reaching) {
+        Some(ids) if ids.len() >= k => ids,
+        _ => (0..scores.len() as u32).collect(),
+    };
     let order = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
     if k < ids.len() {
         ids.select_nth_unstable_by(k, order);
@@ -282,7 +292,51 @@ pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
     ids
 }
 
+/// A score that about `CUT_SPARE` × `k` of `scores` reach, read off every `stride`-th score;
+/// none when the scores are too few for a sample to save work.
+fn sample_cut(scores: &[f32], k: usize) -> Option<f32> {
+    let stride = scores.len() / (8 * k.max(1));
+    if stride < 4 {
+        return None;
+    }
+    let mut sample: Vec<f32> = scores.iter().step_by(stride).copied().collect();
+    let rank = (CUT_SPARE * k).div_ceil(stride) + 8;
+    if rank >= sample.len() {
+        return None;
+    }
+    Some(*sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a)).1)
+}
+
+/// How many times `k` a sampled cut aims to leave: enough that the sample's error rarely
+/// leaves fewer than `k` (then every score is ranked).
+const CUT_SPARE: usize = 2;
+
 /// Tokens a selection may return: those below the prefix, if one is given.
 fn limit(tokens: u32, prefix: Option<u32>) -> u32 {
     prefix.map_or(tokens, |p| p.min(tokens))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_tokens;
+    use crate::synth::Rng;
+
+    #[test]
+    fn take_tokens_is_the_best_by_score_then_id() {
+        let mut rng = Rng::new(9);
+        for n in [0usize, 1, 50, 1000, 40_000] {
+            // Few distinct values, so that ties straddle the cut; a NaN ranks first (total order).
+            let mut scores: Vec<f32> = (0..n).map(|_| (rng.below(64) as f32 - 32.0) * 0.5).collect();
+            if n > 10 {
+                scores[7] = f32::NAN;
+            }
+            for k in [0, 1, 3, 100, 999, 1000, 1001, 5000, 50_000] {
+                let mut want: Vec<u32> = (0..n as u32).collect();
+                want.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+                want.truncate(k);
+                want.sort_unstable();
+                assert_eq!(take_tokens(&scores, k), want, "n {n} k {k}");
+            }
+        }
+    }
 }

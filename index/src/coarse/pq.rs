@@ -24,7 +24,7 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..4 | magic `CXPQ` |
-//! | 4..8 | version (1) |
+//! | 4..8 | version ([`PQ_VERSION`], 2; 1: token-major code blocks) |
 //! | 8..12 | tokens |
 //! | 12..16 | dim (d) |
 //! | 16..20 | m (subspaces; d is a multiple of m) |
@@ -37,8 +37,15 @@
 //!
 //! Then ⌈m · 2^b / C⌉ centroid blocks: centroid `c` of subspace `j` is row `j · 2^b + c`,
 //! record `row % C` of centroid block `row / C`, d/m f16 (2·d/m bytes). Then
-//! ⌈tokens / T⌉ code blocks: token `t`'s m codes (one u8 per subspace, in subspace order)
-//! are record `t % T` of code block `t / T`.
+//! ⌈tokens / T⌉ code blocks of one u8 code per token and subspace: code block `i` holds the
+//! `r` tokens `i·T ..` (`r` = T, fewer in the last block) **subspace-major**: token
+//! `i·T + u`'s code in subspace `j` is byte `j·r + u`. A scan looks a subspace's codes up 64
+//! at a time ([`ctxfs_kernels::pq_scores`]). Version 1 blocks hold the same bytes token-major
+//! (token `i·T + u`'s m codes at byte `m·u`); they are read, transposed as they are scanned.
+//!
+//! **Scores** come from the query's tables quantised to a byte per entry
+//! ([`ctxfs_kernels::PqLut`]): within half a table step per subspace of the reconstructed
+//! keys' inner products ([`ctxfs_kernels::PqLut::max_error`]).
 
 use super::{check_queries, check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
 use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
@@ -48,9 +55,22 @@ use crate::source::Keys;
 use crate::stats::SearchStats;
 use crate::synth::Rng;
 use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_kernels::PqLut;
 use half::f16;
 
 pub(super) const MAGIC: &[u8; 4] = b"CXPQ";
+
+/// The layout version PQ runs are written with: code blocks subspace-major.
+pub const PQ_VERSION: u32 = 2;
+
+/// How a run of tokens' codes is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeLayout {
+    /// A token's m codes side by side (in-memory codes, and version 1 code blocks).
+    TokenMajor,
+    /// Per block of tokens, a subspace's codes side by side (version 2 code blocks).
+    SubspaceMajor,
+}
 
 /// Keys sampled per centroid to train k-means (FAISS's default cap)...
 const TRAIN_PER_CENTROID: usize = 256;
@@ -95,6 +115,8 @@ impl Default for PqParams {
 /// The meta block of a stored PQ index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PqMeta {
+    /// The run's layout version (1 or [`PQ_VERSION`]).
+    pub version: u32,
     pub tokens: u32,
     pub dim: u32,
     pub params: PqParams,
@@ -107,6 +129,7 @@ impl PqMeta {
         let p = &self.params;
         encode_meta(
             MAGIC,
+            self.version,
             &[
                 self.tokens,
                 self.dim,
@@ -121,9 +144,9 @@ impl PqMeta {
         )
     }
     pub fn decode(b: &[u8]) -> Result<PqMeta, String> {
-        let f = decode_meta(b, MAGIC, "pq", 9)?;
+        let (version, f) = decode_meta(b, MAGIC, "pq", PQ_VERSION, 9)?;
         let params = PqParams { m: f[2], bits: f[3], iters: f[4], seed: f[5] as u64 | (f[6] as u64) << 32 };
-        let m = PqMeta { tokens: f[0], dim: f[1], params, centroids_per_block: f[7], codes_per_block: f[8] };
+        let m = PqMeta { version, tokens: f[0], dim: f[1], params, centroids_per_block: f[7], codes_per_block: f[8] };
         if check_params(m.dim as usize, &params).is_err() || m.centroids_per_block == 0 || m.codes_per_block == 0 {
             return Err(format!("pq meta block: inconsistent fields {m:?}"));
         }
@@ -142,7 +165,16 @@ impl PqMeta {
         ]
     }
     fn shape(&self) -> Shape {
-        Shape { tokens: self.tokens, dim: self.dim as usize, m: self.params.m as usize, k: 1 << self.params.bits }
+        let layout = if self.version >= 2 { CodeLayout::SubspaceMajor } else { CodeLayout::TokenMajor };
+        let per_block = self.codes_per_block as usize;
+        Shape {
+            tokens: self.tokens,
+            dim: self.dim as usize,
+            m: self.params.m as usize,
+            k: 1 << self.params.bits,
+            layout,
+            per_block,
+        }
     }
 }
 
@@ -161,6 +193,9 @@ struct Shape {
     m: usize,
     /// Centroids per subspace.
     k: usize,
+    layout: CodeLayout,
+    /// Tokens per code block (subspace-major codes are scanned a whole block at a time).
+    per_block: usize,
 }
 
 impl Shape {
@@ -260,7 +295,9 @@ impl Pq {
         let s = self.shape();
         let (cper, cblocks) = pack(bytemuck::cast_slice(&self.centroids), 2 * s.sub(), payload, "pq centroid")?;
         let (tper, tblocks) = pack(&self.codes, s.m, payload, "pq code")?;
+        let tblocks = tblocks.iter().map(|block| subspace_major(block, s.m));
         let meta = PqMeta {
+            version: PQ_VERSION,
             tokens: self.tokens,
             dim: self.dim as u32,
             params: self.params,
@@ -271,7 +308,15 @@ impl Pq {
     }
 
     fn shape(&self) -> Shape {
-        Shape { tokens: self.tokens, dim: self.dim, m: self.params.m as usize, k: 1 << self.params.bits }
+        let (m, layout) = (self.params.m as usize, CodeLayout::TokenMajor);
+        Shape {
+            tokens: self.tokens,
+            dim: self.dim,
+            m,
+            k: 1 << self.params.bits,
+            layout,
+            per_block: self.tokens as usize,
+        }
     }
     fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>) {
         let s = self.shape();
@@ -369,25 +414,71 @@ fn token_scores(
         }
         Ok(())
     })?;
-    // Per query, its subspaces' tables.
-    let tables: Vec<Vec<&[f32]>> = luts.chunks_exact(s.m * s.k).map(|lut| lut.chunks_exact(s.k).collect()).collect();
+    let tables: Vec<PqLut> = luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect();
     let lim = limit(s.tokens, prefix) as usize;
     let mut out = vec![0.0f32; nq * lim];
-    codes.visit(0..lim, &mut stats, &mut |first, bytes| {
-        if let Some(at) = bytes.iter().position(|&c| c as usize >= s.k) {
-            let (token, c) = (first + at / s.m, bytes[at]);
-            return Err(format!("pq code {c} of token {token} exceeds the {} centroids", s.k));
-        }
-        for (t, tables) in tables.iter().enumerate() {
-            let scores = &mut out[t * lim + first..t * lim + first + bytes.len() / s.m];
-            for (score, codes) in scores.iter_mut().zip(bytes.chunks_exact(s.m)) {
-                *score = codes.iter().zip(tables).map(|(&c, table)| table[c as usize]).sum();
+    // Subspace-major blocks are scanned whole (the last one's tokens past the prefix are
+    // scored and dropped); token-major codes are transposed a run at a time.
+    let (end, run) = match s.layout {
+        CodeLayout::SubspaceMajor => ((lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize), usize::MAX),
+        CodeLayout::TokenMajor => (lim, TRANSPOSED_RUN),
+    };
+    let mut transposed = Vec::new();
+    codes.visit(0..end, &mut stats, &mut |first, bytes| {
+        let tokens = bytes.len() / s.m;
+        check_codes(bytes, s, first, tokens)?;
+        for (at, part) in (first..).step_by(run).zip(bytes.chunks(run.saturating_mul(s.m))) {
+            let r = part.len() / s.m;
+            let sub = match s.layout {
+                CodeLayout::SubspaceMajor => part,
+                CodeLayout::TokenMajor => {
+                    transposed.clear();
+                    transposed.extend_from_slice(&subspace_major(part, s.m));
+                    &transposed[..]
+                }
+            };
+            let wanted = lim.saturating_sub(at).min(r);
+            for (t, lut) in tables.iter().enumerate() {
+                ctxfs_kernels::pq_scores(lut, sub, r, &mut out[t * lim + at..t * lim + at + wanted]);
             }
         }
         Ok(())
     })?;
     stats.keys_scored = lim as u64;
     Ok(GroupScan::new(out, lim, stats))
+}
+
+/// Tokens of token-major codes transposed at a time for the scan.
+const TRANSPOSED_RUN: usize = 256;
+
+/// A run of tokens' codes (`m` per token, token-major) subspace-major.
+fn subspace_major(codes: &[u8], m: usize) -> Vec<u8> {
+    let r = codes.len() / m;
+    let mut out = vec![0u8; codes.len()];
+    for (u, token) in codes.chunks_exact(m).enumerate() {
+        for (j, &c) in token.iter().enumerate() {
+            out[j * r + u] = c;
+        }
+    }
+    out
+}
+
+/// A code beyond the centroids is a malformed block (with 2^8 centroids every byte is one).
+fn check_codes(bytes: &[u8], s: Shape, first: usize, tokens: usize) -> Result<(), String> {
+    if s.k > u8::MAX as usize {
+        return Ok(());
+    }
+    match bytes.iter().position(|&c| c as usize >= s.k) {
+        None => Ok(()),
+        Some(at) => {
+            let token = first
+                + match s.layout {
+                    CodeLayout::SubspaceMajor => at % tokens.max(1),
+                    CodeLayout::TokenMajor => at / s.m,
+                };
+            Err(format!("pq code {} of token {token} exceeds the {} centroids", bytes[at], s.k))
+        }
+    }
 }
 
 /// [`token_scores`] of one query (of exactly the index's dimension).

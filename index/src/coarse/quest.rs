@@ -27,7 +27,7 @@
 //! minima, over the page's tokens `p·P .. min((p+1)·P, tokens)`.
 
 use super::{check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_units};
-use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
+use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section, COARSE_VERSION};
 use crate::flat::GroupScan;
 use crate::mem::MemKeys;
 use crate::source::Keys;
@@ -64,10 +64,14 @@ impl QuestMeta {
         self.tokens.div_ceil(self.page_tokens)
     }
     pub fn encode(&self) -> Vec<u8> {
-        encode_meta(MAGIC, &[self.tokens, self.dim, self.page_tokens, self.pages_per_block, self.pages()])
+        encode_meta(
+            MAGIC,
+            COARSE_VERSION,
+            &[self.tokens, self.dim, self.page_tokens, self.pages_per_block, self.pages()],
+        )
     }
     pub fn decode(b: &[u8]) -> Result<QuestMeta, String> {
-        let f = decode_meta(b, MAGIC, "quest", 5)?;
+        let (_, f) = decode_meta(b, MAGIC, "quest", COARSE_VERSION, 5)?;
         let m = QuestMeta { tokens: f[0], dim: f[1], page_tokens: f[2], pages_per_block: f[3] };
         if m.dim == 0 || m.page_tokens == 0 || m.pages_per_block == 0 || f[4] != m.pages() {
             return Err(format!("quest meta block: inconsistent fields {m:?}, {} pages", f[4]));

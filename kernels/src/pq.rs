@@ -1,0 +1,222 @@
+//! Product-quantisation scan: a token's approximate score is `Σ_j table_j[code(t, j)]` over
+//! the m subspaces. The tables are quantised to one byte per entry ([`PqLut`]), so that a
+//! CPU with AVX-512 VBMI looks up 64 codes of a subspace in one pair of byte permutes
+//! (`vpermi2b`) instead of 64 loads, and the sums are exact integers on every path: every
+//! instruction set gives the same scores, bit for bit.
+//!
+//! Codes come **subspace-major**: for a run of `r` tokens, subspace `j`'s codes of all `r`
+//! tokens are bytes `j·r .. (j+1)·r` (the layout of stored code blocks; see
+//! `ctxfs_index::coarse::pq`).
+
+use crate::{usable, Isa};
+
+/// Entries of a quantised table: a code is one byte, so 256 whatever the centroid count
+/// (entries beyond it are 0 and never looked up by valid codes).
+pub const PQ_TABLE: usize = 256;
+
+/// A query's lookup tables, one byte per entry: entry `(j, c)` stands for
+/// `min_j + step · byte`, `min_j` the smallest entry of table `j` and `step` the widest
+/// table's range over 255 (one step for all tables, so that byte sums add up).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PqLut {
+    bytes: Vec<u8>,
+    /// `Σ_j min_j`.
+    bias: f32,
+    step: f32,
+}
+
+impl PqLut {
+    /// Quantises `tables`: `m` tables of `k` (1..=256) entries, table after table.
+    pub fn quantise(tables: &[f32], k: usize) -> PqLut {
+        assert!(
+            (1..=PQ_TABLE).contains(&k) && tables.len().is_multiple_of(k),
+            "{} entries in tables of {k}",
+            tables.len()
+        );
+        let range =
+            |t: &[f32]| t.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let ranges: Vec<(f32, f32)> = tables.chunks_exact(k).map(range).collect();
+        let widest = ranges.iter().map(|(lo, hi)| hi - lo).fold(0.0f32, f32::max);
+        let step = if widest.is_finite() && widest > 0.0 { widest / 255.0 } else { 0.0 };
+        let mut bytes = vec![0u8; ranges.len() * PQ_TABLE];
+        for ((table, &(lo, _)), out) in tables.chunks_exact(k).zip(&ranges).zip(bytes.chunks_exact_mut(PQ_TABLE)) {
+            if step > 0.0 {
+                for (b, &x) in out.iter_mut().zip(table) {
+                    *b = ((x - lo) / step).round().clamp(0.0, 255.0) as u8;
+                }
+            }
+        }
+        let bias = ranges.iter().map(|&(lo, _)| lo as f64).sum::<f64>() as f32;
+        PqLut { bytes, bias, step }
+    }
+
+    /// Subspaces (m).
+    pub fn subspaces(&self) -> usize {
+        self.bytes.len() / PQ_TABLE
+    }
+
+    /// The most a score can differ from the sum of the unquantised entries: half a step
+    /// per subspace.
+    pub fn max_error(&self) -> f32 {
+        self.subspaces() as f32 * self.step * 0.5
+    }
+
+    /// A score from its byte sum; the same expression on every path.
+    #[inline(always)]
+    fn score(&self, sum: u32) -> f32 {
+        self.bias + self.step * sum as f32
+    }
+}
+
+/// The scores of the first `out.len()` tokens of a run of `r` tokens' codes, subspace-major
+/// (`codes`: `m · r` bytes, `m` = `lut.subspaces()`).
+pub fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) {
+    pq_scores_on(crate::active(), lut, codes, r, out)
+}
+
+pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) {
+    let m = lut.subspaces();
+    assert!(codes.len() == m * r && out.len() <= r, "{} code bytes for {m} subspaces of {r} tokens", codes.len());
+    let done = match usable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
+            // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
+            // checked above.
+            unsafe { avx512vbmi::pq_scores(lut, codes, r, out) }
+        }
+        _ => 0,
+    };
+    scalar_scores(lut, codes, r, done, &mut out[done..]);
+}
+
+/// Subspaces whose byte sums fit a u16 lane (255 each).
+#[cfg(target_arch = "x86_64")]
+const MAX_U16_SUBSPACES: usize = u16::MAX as usize / 255;
+
+#[cfg(target_arch = "x86_64")]
+fn vbmi() -> bool {
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VBMI.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vbmi")
+    })
+}
+
+/// Tokens `from .. from + out.len()` of the run, 64 at a time with their sums side by side
+/// (independent loads, not one long chain of adds per token).
+fn scalar_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) {
+    let mut sums = [0u32; 64];
+    for (c, chunk) in out.chunks_mut(64).enumerate() {
+        let at = from + c * 64;
+        let sums = &mut sums[..chunk.len()];
+        sums.fill(0);
+        for (table, sub) in lut.bytes.chunks_exact(PQ_TABLE).zip(codes.chunks_exact(r.max(1))) {
+            for (s, &code) in sums.iter_mut().zip(&sub[at..at + chunk.len()]) {
+                *s += table[code as usize] as u32;
+            }
+        }
+        for (o, &s) in chunk.iter_mut().zip(sums.iter()) {
+            *o = lut.score(s);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512vbmi {
+    use super::{PqLut, PQ_TABLE};
+    use std::arch::x86_64::*;
+
+    /// Every token of `out`, 64 at a time (the last chunk's bytes and scores masked); returns
+    /// how many tokens it scored.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`, `out.len() ≤ r` and
+    /// `m ≤ MAX_U16_SUBSPACES` (`m` = `lut.subspaces()`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) -> usize {
+        let (bias, step) = (_mm512_set1_ps(lut.bias), _mm512_set1_ps(lut.step));
+        for at in (0..out.len()).step_by(64) {
+            let w = (out.len() - at).min(64);
+            let bytes: __mmask64 = if w == 64 { !0 } else { (1u64 << w) - 1 };
+            let (mut lo_sums, mut hi_sums) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
+                let t = table.as_ptr();
+                // SAFETY: the mask reads bytes `j·r + at .. j·r + at + w`, within `j·r + r ≤
+                // m·r` of `codes`; each table is 256 bytes, read as four 64-byte vectors.
+                let (idx, t0, t1, t2, t3) = unsafe {
+                    (
+                        _mm512_maskz_loadu_epi8(bytes, codes.as_ptr().add(j * r + at).cast()),
+                        _mm512_loadu_si512(t.cast()),
+                        _mm512_loadu_si512(t.add(64).cast()),
+                        _mm512_loadu_si512(t.add(128).cast()),
+                        _mm512_loadu_si512(t.add(192).cast()),
+                    )
+                };
+                // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
+                let low = _mm512_permutex2var_epi8(t0, idx, t1);
+                let high = _mm512_permutex2var_epi8(t2, idx, t3);
+                let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
+                lo_sums = _mm512_add_epi16(lo_sums, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)));
+                hi_sums = _mm512_add_epi16(hi_sums, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(v)));
+            }
+            for (i, sums) in [lo_sums, hi_sums].into_iter().enumerate() {
+                for (half, part) in
+                    [_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64::<1>(sums)].into_iter().enumerate()
+                {
+                    let wide = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(part));
+                    let scores = _mm512_add_ps(bias, _mm512_mul_ps(step, wide));
+                    let first = 32 * i + 16 * half;
+                    let lanes = (bytes >> first) as u16;
+                    // SAFETY: the mask writes tokens `at + first ..` below `at + w ≤ out.len()`.
+                    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(at + first), lanes, scores) };
+                }
+            }
+        }
+        out.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    #[test]
+    fn every_instruction_set_sums_the_same_bytes() {
+        let mut seed = 5;
+        for (m, k, r) in [(32, 256, 200), (16, 64, 64), (3, 7, 131), (1, 256, 1), (300, 256, 70)] {
+            let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
+            let codes: Vec<u8> = (0..m * r).map(|_| (lcg(&mut seed) % k as u64) as u8).collect();
+            let lut = PqLut::quantise(&tables, k);
+            let exact: Vec<f32> =
+                (0..r).map(|t| (0..m).map(|j| tables[j * k + codes[j * r + t] as usize]).sum()).collect();
+            let reference = {
+                let mut out = vec![0.0; r];
+                pq_scores_on(Isa::Scalar, &lut, &codes, r, &mut out);
+                out
+            };
+            for (e, s) in exact.iter().zip(&reference) {
+                assert!((e - s).abs() <= lut.max_error() * 1.001 + 1e-3, "m {m} k {k}: {s} vs {e}");
+            }
+            for isa in crate::available() {
+                let mut out = vec![0.0; r - r / 3];
+                pq_scores_on(isa, &lut, &codes, r, &mut out);
+                assert_eq!(out, reference[..out.len()], "{isa:?} m {m} k {k} r {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn flat_tables_score_their_constant() {
+        let lut = PqLut::quantise(&[1.5; 8], 4);
+        let mut out = [0.0; 3];
+        pq_scores(&lut, &[0, 1, 2, 3, 3, 0], 3, &mut out);
+        assert_eq!(out, [3.0; 3]);
+        assert_eq!(lut.max_error(), 0.0);
+    }
+}
