@@ -25,14 +25,38 @@ pub struct WriteReport {
     pub heads: usize,
     pub blocks: u64,
     pub seconds: f64,
+    /// The graph build's phases.
     pub knn: Duration,
     pub projection: Duration,
     pub enhancement: Duration,
+    /// Reading the keys, values and training queries from the source (an import's only).
+    pub read: Duration,
+    /// The coarse indexes: Quest and InfLLM...
+    pub coarse: Duration,
+    /// ...and the PQ codes (k-means and encoding).
+    pub pq: Duration,
+    /// Encoding the blocks and appending them to the transaction (written as its queue
+    /// fills), and the commit.
+    pub write: Duration,
 }
 
 impl WriteReport {
     pub fn build_seconds(&self) -> f64 {
         (self.knn + self.projection + self.enhancement).as_secs_f64()
+    }
+
+    /// Each phase's seconds per head, by name, the graph build's first.
+    pub fn phases_per_head(&self) -> [(&'static str, f64); 7] {
+        let per = |d: Duration| d.as_secs_f64() / self.heads.max(1) as f64;
+        [
+            ("knn", per(self.knn)),
+            ("projection", per(self.projection)),
+            ("enhancement", per(self.enhancement)),
+            ("read", per(self.read)),
+            ("coarse", per(self.coarse)),
+            ("pq", per(self.pq)),
+            ("write", per(self.write)),
+        ]
     }
 }
 
@@ -116,17 +140,24 @@ fn write_head(
             value_rows = Rows::Bf16(&bf_values);
         }
     }
+    let mut t = Instant::now();
     let (_, mut index) = index_payloads_of(key_rows, value_rows, h.dim, &graph, payload);
+    let mut encoding = t.elapsed();
     if dtype == DType::F16 {
         // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
         let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));
+        t = Instant::now();
         index.extend(Quest::build(&keys, &QuestParams::default()).and_then(|q| q.payloads(payload)).map_err(coarse)?);
         let infllm = Infllm::build(&keys, if h.train.is_empty() { &[] } else { &train }, &InfllmParams::default());
         index.extend(infllm.and_then(|i| i.payloads(payload)).map_err(coarse)?);
+        r.coarse += t.elapsed();
         if let Some(pq) = &h.pq {
+            t = Instant::now();
             index.extend(Pq::build(&keys, pq).and_then(|q| q.payloads(payload)).map_err(coarse)?);
+            r.pq += t.elapsed();
         }
     }
+    t = Instant::now();
     for b in &index {
         txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
@@ -134,6 +165,8 @@ fn write_head(
     for b in &data {
         txn.append_block(name, l, hd, FileStream::Data, b)?;
     }
+    encoding += t.elapsed();
+    r.write += encoding;
     r.blocks += (index.len() + data.len()) as u64;
     r.heads += 1;
     Ok(())
@@ -176,9 +209,11 @@ impl Db {
         txn.create_context(name, shape, &ids)?;
         for layer in 0..shape.layers as usize {
             for head in 0..shape.kv_heads as usize {
+                let reading = Instant::now();
                 let keys = source.keys(layer, head)?;
                 let values = source.values(layer, head)?;
                 let train = source.train_queries(layer, head)?;
+                report.read += reading.elapsed();
                 write_head(
                     &mut txn,
                     name,
@@ -199,7 +234,9 @@ impl Db {
                 progress((n * d * 4) as u64);
             }
         }
+        let committing = Instant::now();
         txn.commit()?;
+        report.write += committing.elapsed();
         self.inner.remember(name)?;
         report.seconds = started.elapsed().as_secs_f64();
         Ok(report)

@@ -86,13 +86,22 @@ fn top(scores: &[f32], k: usize) -> Vec<u32> {
     }
     // A min-heap by rank: its top is the worst of the best k so far.
     let mut heap: BinaryHeap<Reverse<Scored>> = BinaryHeap::with_capacity(k + 1);
+    // The worst kept score once the heap is full: a later id with a score no higher ranks
+    // below it, so one comparison rejects it.
+    let mut worst = f32::NEG_INFINITY;
     for (i, &s) in scores.iter().enumerate() {
+        if heap.len() == k && s.total_cmp(&worst).is_le() {
+            continue;
+        }
         let r = Scored(s, i as u32);
         if heap.len() < k {
             heap.push(Reverse(r));
         } else if heap.peek().is_some_and(|w| r > w.0) {
             heap.pop();
             heap.push(Reverse(r));
+        }
+        if heap.len() == k {
+            worst = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
         }
     }
     let mut best: Vec<Scored> = heap.into_iter().map(|r| r.0).collect();
@@ -146,22 +155,27 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     // Queries go in batches against blocks of keys small enough to stay in cache: each key
     // block is read from memory once per batch, not once per query.
     let batches = picked.len().div_ceil(KNN_QUERY_BATCH);
+    // The keys in f32, dimension-major by block, converted once for every batch: the kernel
+    // then scores four queries per key load with no horizontal sum per score.
+    let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), p.threads, |b| {
+        let start = b * KNN_KEY_BLOCK;
+        let nk = (start + KNN_KEY_BLOCK).min(n) - start;
+        let mut kt = vec![0.0f32; nk * d];
+        for (k, row) in keys.data()[start * d..(start + nk) * d].chunks_exact(d).enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                kt[j * nk + k] = x.to_f32();
+            }
+        }
+        kt
+    });
     let knn: Vec<Vec<u32>> = parallel(batches, p.threads, |b| {
         let batch = &picked[b * KNN_QUERY_BATCH..((b + 1) * KNN_QUERY_BATCH).min(picked.len())];
         let mut scores = vec![vec![0.0f32; n]; batch.len()];
         let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
-        // Each key block is converted once per batch into f32, dimension-major, so the kernel
-        // scores four queries per key load with no horizontal sum per score.
-        let mut kt = vec![0.0f32; KNN_KEY_BLOCK * d];
         let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
-        for start in (0..n).step_by(KNN_KEY_BLOCK) {
-            let nk = (start + KNN_KEY_BLOCK).min(n) - start;
-            for (k, row) in keys.data()[start * d..(start + nk) * d].chunks_exact(d).enumerate() {
-                for (j, x) in row.iter().enumerate() {
-                    kt[j * nk + k] = x.to_f32();
-                }
-            }
-            ctxfs_kernels::scores_dim_major(&kt[..nk * d], nk, &qbuf, &mut out[..batch.len() * nk]);
+        for (kt, start) in blocks.iter().zip((0..n).step_by(KNN_KEY_BLOCK)) {
+            let nk = kt.len() / d;
+            ctxfs_kernels::scores_dim_major(kt, nk, &qbuf, &mut out[..batch.len() * nk]);
             for (qi, s) in scores.iter_mut().enumerate() {
                 s[start..start + nk].copy_from_slice(&out[qi * nk..(qi + 1) * nk]);
             }

@@ -3,7 +3,8 @@
 //! * [`dot`]: f16/bf16/f32 × f32 dot products;
 //! * [`scores`]: q·K over a block of keys, scaled;
 //! * [`max`] and [`exp_sub`]: the scaled exp-sum with a running max;
-//! * [`weighted_sum`]: weighted value accumulation;
+//! * [`weighted_sum`]: weighted value accumulation, and [`argmax_weighted_sum`], where its
+//!   largest sum is;
 //! * [`Partial`]: attention over a set of keys as (o, m, l), and the exact log-sum-exp merge;
 //! * [`pq_scores`]: product-quantisation codes scored from byte-quantised tables ([`PqLut`]).
 //!
@@ -18,6 +19,7 @@
 //!
 //! A leaf of the workspace: it depends on no other ctxfs crate (`docs/architecture.md`).
 
+mod argmax;
 mod element;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod expf;
@@ -30,6 +32,7 @@ mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use argmax::{argmax_weighted_sum, argmax_weighted_sum_on};
 pub use element::{Element, ElementKind};
 pub use partial::Partial;
 pub use pq::{pq_scores, pq_scores_on, PqLut, PQ_TABLE};

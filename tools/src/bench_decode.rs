@@ -14,6 +14,10 @@
 //! The buffer pool holds every index block plus a data-block cache (10% of the data blocks by
 //! default). Layers not built are extrapolated from the layers measured: layer 0 (a flat scan)
 //! once, the others by their mean; `extrapolated_from_layers` says how many were measured.
+//! The baselines (the loader, exact attention over DRAM and over the store) and the quality
+//! replay run on the first [`BASELINE_LAYERS`] layers at most and are extrapolated the same
+//! way, so that `--layers 32` (a whole model's context, served under a resident budget)
+//! needs neither its KV in DRAM nor a second copy of it on disk.
 
 use crate::bench::median;
 use crate::bench::Serving;
@@ -40,7 +44,8 @@ pub struct Args {
     dir: PathBuf,
     #[arg(long, default_value_t = 131072)]
     tokens: usize,
-    /// Layers built and measured (the model has 32; the rest are extrapolated).
+    /// Layers built and measured (the model has 32; the rest are extrapolated). The baselines
+    /// and the quality replay take the first two.
     #[arg(long, default_value_t = 2)]
     layers: usize,
     /// Decode steps (one query per q head each, at consecutive positions).
@@ -62,6 +67,8 @@ pub struct Args {
 }
 
 const MODEL_LAYERS: usize = 32;
+/// Layers the baselines and the quality replay measure at most.
+const BASELINE_LAYERS: usize = 2;
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
@@ -170,6 +177,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let step = |s: usize| -> f64 { extrapolate(&layer_secs.iter().map(|v| v[s]).collect::<Vec<_>>()) };
     let cold = step(0);
     let steady = median((1..steps).map(step).collect());
+    // With more layers built than the baselines take: the step as their layers alone would
+    // extrapolate it, beside the one measured.
+    let base = layers.min(BASELINE_LAYERS);
+    let steady_from_base = (layers > base).then(|| {
+        median((1..steps).map(|s| extrapolate(&layer_secs[..base].iter().map(|v| v[s]).collect::<Vec<_>>())).collect())
+    });
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
     // The split of the cold step, then the medians of the steady steps'.
     let cold_split = [0, 1, 2, 3].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
@@ -178,35 +191,37 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     });
     let split_json = |[search, values, wait, rest]: [f64; 4]| json!({"search": search, "value_read_and_sum": values, "value_wait": wait, "window_and_merge": rest});
 
-    // Exact attention over the same store (one step, measured layers).
+    // On the baselines' layers: exact attention over the same store (one step), the quality
+    // replay, the loader and exact attention over DRAM.
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
-    let exact_layers: Vec<f64> = (0..layers)
+    let exact_layers: Vec<f64> = (0..base)
         .map(|l| -> Result<f64> {
             let t = Instant::now();
             session.attention_with(l, &step_q(l, steps - 1), &full)?;
             Ok(t.elapsed().as_secs_f64())
         })
         .collect::<Result<_>>()?;
-    let exact_step = exact_layers.iter().sum::<f64>() / layers as f64 * MODEL_LAYERS as f64;
+    let exact_step = extrapolate(&exact_layers);
     drop(session);
-    let quality = quality(&db, layers, steps, &step_q)?;
+    let quality = quality(&db, base, steps, &step_q)?;
     let stored = store_on_top(&db, layers, n)?;
     drop(db);
 
     // The loader baseline: the K+V bytes from disk, attended as they arrive.
-    let raw = RawKv::write(&args.dir, &book, layers, n, !reusable)?;
+    let raw = RawKv::write(&args.dir, &book, base, n, !reusable)?;
     drop_page_cache(&raw.path);
-    let loaded = raw.load_and_attend(layers, n, &|l| step_q(l, 0))?;
+    let loaded = raw.load_and_attend(base, n, &|l| step_q(l, 0))?;
     let baseline_error =
         loaded.outputs.iter().zip(&quality.exact_first_step).map(|(o, want)| rel_err(o, want)).fold(0.0, f64::max);
     ensure!(baseline_error <= 1e-3, "the loader baseline's output is {baseline_error:.2e} from exact attention");
     // Exact attention over the KV held in DRAM, as a server that keeps it resident does.
     let t = Instant::now();
-    std::hint::black_box(loaded.attend(layers, n, &|l| step_q(l, steps - 1)));
+    std::hint::black_box(loaded.attend(base, n, &|l| step_q(l, steps - 1)));
     let dram_layers = t.elapsed().as_secs_f64();
     drop(loaded.chunks);
     let per_layer = |x: f64| x / layers as f64 * MODEL_LAYERS as f64;
-    let (raw_first_output, dram_step) = (per_layer(loaded.seconds), per_layer(dram_layers));
+    let per_base_layer = |x: f64| x / base as f64 * MODEL_LAYERS as f64;
+    let (raw_first_output, dram_step) = (per_base_layer(loaded.seconds), per_base_layer(dram_layers));
     // First output of a context not yet resident: open the DB, read its index resident, open
     // a session and run the first step; of one already resident: the session and the step.
     let first_output = db_open_s + per_layer(warm_s) + open_s + cold;
@@ -216,7 +231,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "recovery": quality.recovery, "heads_measured": quality.heads, "keys_scored_fraction": quality.keys_scored_fraction,
     });
     let raw_json = json!({
-        "seconds": raw_first_output, "kv_bytes": raw.kv_bytes(layers, n), "extrapolated_from_layers": layers,
+        "seconds": raw_first_output, "kv_bytes": raw.kv_bytes(base, n), "extrapolated_from_layers": base,
         "queue_depth": RAW_QUEUE_DEPTH, "op_bytes": RAW_OP, "threads": attention_threads(),
         "output_error_vs_exact": baseline_error,
     });
@@ -243,7 +258,6 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "exact_step_seconds": exact_step, "dram_exact_step_seconds": dram_step,
         "raw_load": raw_json,
         "store_1k_on_top": {"tokens": stored.tokens, "seconds": stored.seconds, "blocks": stored.blocks, "build_seconds": stored.build_seconds()},
-        "import": import.as_ref().map(|(r, peak)| json!({"seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak})),
         "ratios": ratios,
     });
     // Beside the object above: one more field there exceeds json!'s recursion limit.
@@ -252,13 +266,25 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["resident_over_kv"] = json!(warmed.resident_over_kv());
     v["compact"] = json!(warmed.compact);
     v["peak_rss_bytes"] = json!(crate::bench::peak_rss_bytes());
+    v["baseline_layers"] = json!(base);
+    v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
+    v["import"] = json!(import.as_ref().map(|(r, peak)| json!({
+        "seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak,
+        "seconds_per_head": r.phases_per_head().iter().map(|&(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+    })));
     if args.json {
         println!("{v}");
         return Ok(());
     }
-    println!(
-        "bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {layers} of {MODEL_LAYERS} layers built, the rest extrapolated"
-    );
+    if layers == MODEL_LAYERS {
+        println!(
+            "bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; all {layers} layers built; baselines and quality on {base}, extrapolated"
+        );
+    } else {
+        println!(
+            "bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {layers} of {MODEL_LAYERS} layers built, the rest extrapolated"
+        );
+    }
     println!(
         "buffer pool {} MiB: index {} MiB + data cache {} MiB ({:.0}% of the data blocks)",
         pool_bytes >> 20,
@@ -283,6 +309,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     println!("{:<44} {:>12}", "32-layer decode step", "seconds");
     println!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold);
     println!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady);
+    if let Some(from_base) = steady_from_base {
+        println!("{:<44} {:>12.4}", format!("  the same extrapolated from {base} layers"), from_base);
+    }
     println!("{:<44} {:>12.4}", "exact attention over the same store", exact_step);
     println!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", dram_step);
     println!(

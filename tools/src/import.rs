@@ -37,15 +37,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let bar = progress::bar((s.files() * n * s.head_dim as usize * 4) as u64, "import");
     let report = db.import(&args.name, &source, |b| bar.inc(b))?;
     bar.finish_and_clear();
-    let heads = report.heads.max(1) as f64;
     let mib = (s.files() * n * s.head_dim as usize * 4) as f64 / (1 << 20) as f64;
-    let per_head = |d: std::time::Duration| d.as_secs_f64() / heads;
+    let phases = report.phases_per_head();
     if args.json {
         let v = json!({
             "context": args.name, "tokens": n, "layers": s.layers, "q_heads": s.q_heads, "kv_heads": s.kv_heads,
             "head_dim": s.head_dim, "dtype": s.dtype.name(), "seconds": report.seconds, "mib_per_second": mib / report.seconds,
             "blocks": report.blocks,
-            "build_seconds_per_head": {"knn": per_head(report.knn), "projection": per_head(report.projection), "enhancement": per_head(report.enhancement)},
+            "seconds_per_head": phases.iter().map(|&(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{v}");
     } else {
@@ -53,13 +52,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "imported {:?}: {n} tokens, {} layers × {} kv heads ({} q heads), head dim {}",
             args.name, s.layers, s.kv_heads, s.q_heads, s.head_dim
         );
+        let phases: Vec<String> = phases.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
         println!(
-            "{:.1} s, {:.0} MiB/s of KV; index build per head: kNN {:.2} s, projection {:.2} s, enhancement {:.2} s",
+            "{:.1} s, {:.0} MiB/s of KV; seconds per head: {}",
             report.seconds,
             mib / report.seconds,
-            per_head(report.knn),
-            per_head(report.projection),
-            per_head(report.enhancement)
+            phases.join(", ")
         );
     }
     Ok(())

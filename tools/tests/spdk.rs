@@ -34,6 +34,7 @@ fn normalize(v: &mut Value) {
         "micros",
         "seconds",
         "mib_per_second",
+        "seconds_per_head",
         "build_seconds_per_head",
     ];
     match v {

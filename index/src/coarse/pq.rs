@@ -516,8 +516,8 @@ fn select(
 /// k-wide vector work, with no horizontal sum per centroid as dot products would need.
 struct Nearest {
     transposed: Vec<f32>,
-    half_norms: Vec<f32>,
-    scores: Vec<f32>,
+    /// −½‖c‖² per centroid.
+    neg_half_norms: Vec<f32>,
 }
 
 impl Nearest {
@@ -529,21 +529,14 @@ impl Nearest {
                 transposed[i * k + c] = x;
             }
         }
-        let half_norms = centroids.chunks_exact(dim).map(|c| 0.5 * c.iter().map(|x| x * x).sum::<f32>()).collect();
-        Nearest { transposed, half_norms, scores: vec![0.0; k] }
+        let neg_half_norms = centroids.chunks_exact(dim).map(|c| -0.5 * c.iter().map(|x| x * x).sum::<f32>()).collect();
+        Nearest { transposed, neg_half_norms }
     }
 
-    /// The centroid nearest to `x` (ties: the lower index): the largest x · c − ½‖c‖².
+    /// The centroid nearest to `x` (ties: the lower index): the largest x · c − ½‖c‖², in
+    /// one vector pass.
     fn find(&mut self, x: &[f32]) -> u32 {
-        self.scores.fill(0.0);
-        ctxfs_kernels::weighted_sum(&mut self.scores, x, &self.transposed);
-        let mut best = (0u32, f32::NEG_INFINITY);
-        for (c, (&s, &h)) in self.scores.iter().zip(&self.half_norms).enumerate() {
-            if s - h > best.1 {
-                best = (c as u32, s - h);
-            }
-        }
-        best.0
+        ctxfs_kernels::argmax_weighted_sum(&self.neg_half_norms, x, &self.transposed) as u32
     }
 }
 
