@@ -419,15 +419,20 @@ fn token_scores(
     let mut out = vec![0.0f32; nq * lim];
     // Subspace-major blocks are scanned whole (the last one's tokens past the prefix are
     // scored and dropped); token-major codes are transposed a run at a time.
-    let (end, run) = match s.layout {
-        CodeLayout::SubspaceMajor => ((lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize), usize::MAX),
-        CodeLayout::TokenMajor => (lim, TRANSPOSED_RUN),
+    let end = match s.layout {
+        CodeLayout::SubspaceMajor => (lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize),
+        CodeLayout::TokenMajor => lim,
     };
     let mut transposed = Vec::new();
     codes.visit(0..end, &mut stats, &mut |first, bytes| {
         let tokens = bytes.len() / s.m;
         check_codes(bytes, s, first, tokens)?;
-        for (at, part) in (first..).step_by(run).zip(bytes.chunks(run.saturating_mul(s.m))) {
+        let run = match s.layout {
+            CodeLayout::SubspaceMajor => tokens.max(1),
+            CodeLayout::TokenMajor => TRANSPOSED_RUN,
+        };
+        for (i, part) in bytes.chunks(run * s.m).enumerate() {
+            let at = first + i * run;
             let r = part.len() / s.m;
             let sub = match s.layout {
                 CodeLayout::SubspaceMajor => part,
