@@ -142,7 +142,7 @@ fn write_head(
     }
     let mut t = Instant::now();
     let (_, mut index) = index_payloads_of(key_rows, value_rows, h.dim, &graph, payload);
-    let mut encoding = t.elapsed();
+    r.write += t.elapsed();
     if dtype == DType::F16 {
         // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
         let coarse = |e: String| Error::Input(format!("layer {l} head {hd}: coarse index: {e}"));
@@ -165,8 +165,7 @@ fn write_head(
     for b in &data {
         txn.append_block(name, l, hd, FileStream::Data, b)?;
     }
-    encoding += t.elapsed();
-    r.write += encoding;
+    r.write += t.elapsed();
     r.blocks += (index.len() + data.len()) as u64;
     r.heads += 1;
     Ok(())

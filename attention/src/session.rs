@@ -1038,20 +1038,22 @@ impl Session {
         let (index, seg) = (&r.index, &r.seg);
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
-        let ids = match target {
+        let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
+            let mut scores = vec![0.0; ids.len()];
+            index.score(ids, q, &mut scores, stats)?;
+            Ok(scores)
+        };
+        let pairs = match target {
             Ok(t) => {
                 let seed_approx: Vec<f32> = (0..seeds.len()).map(|j| approx[j * SEED_STRIDE as usize]).collect();
-                approx::candidates(approx, best, t, approx::margin(&seeds, &seed_approx))
+                approx::attended(approx, best, t, approx::margin(&seeds, &seed_approx), &mut score)?
             }
-            Err(want) => take_tokens(approx, want),
+            Err(want) => {
+                let ids = take_tokens(approx, want);
+                let scores = score(&ids)?;
+                ids.into_iter().zip(scores).collect()
+            }
         };
-        let mut scores = vec![0.0; ids.len()];
-        index.score(&ids, q, &mut scores, stats)?;
-        let mut pairs: Vec<(u32, f32)> = ids.into_iter().zip(scores).collect();
-        if let Ok(t) = target {
-            let cut = approx::exact_cut(approx, &pairs, best, t);
-            pairs.retain(|p| p.1 >= cut);
-        }
         let mut found = SearchResult::from_pairs(pairs, work);
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)

@@ -57,6 +57,24 @@ pub fn exact_cut(approx: &[f32], scored: &[(u32, f32)], window_max: f32, t: &Mas
     best - t.exact_beta(&known, best)
 }
 
+/// The tokens a mass target attends from the codes, as (id, exact score), ascending: its
+/// [`candidates`], scored exactly by `score` (their scores, in the order of the ids it is
+/// given), then those that reach the [`exact_cut`].
+pub fn attended<E>(
+    approx: &[f32],
+    window_max: f32,
+    t: &MassTarget,
+    margin: f32,
+    score: impl FnOnce(&[u32]) -> Result<Vec<f32>, E>,
+) -> Result<Vec<(u32, f32)>, E> {
+    let ids = candidates(approx, window_max, t, margin);
+    let scores = score(&ids)?;
+    let mut pairs: Vec<(u32, f32)> = ids.into_iter().zip(scores).collect();
+    let cut = exact_cut(approx, &pairs, window_max, t);
+    pairs.retain(|p| p.1 >= cut);
+    Ok(pairs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -90,16 +90,13 @@ fn top(scores: &[f32], k: usize) -> Vec<u32> {
     // below it, so one comparison rejects it.
     let mut worst = f32::NEG_INFINITY;
     for (i, &s) in scores.iter().enumerate() {
-        if heap.len() == k && s.total_cmp(&worst).is_le() {
-            continue;
-        }
-        let r = Scored(s, i as u32);
-        if heap.len() < k {
-            heap.push(Reverse(r));
-        } else if heap.peek().is_some_and(|w| r > w.0) {
+        if heap.len() == k {
+            if s.total_cmp(&worst).is_le() {
+                continue;
+            }
             heap.pop();
-            heap.push(Reverse(r));
         }
+        heap.push(Reverse(Scored(s, i as u32)));
         if heap.len() == k {
             worst = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
         }

@@ -174,15 +174,15 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         (Some(d), Some(from)) => d.since(from, (steps - 1) as f64),
         _ => serde_json::Value::Null,
     };
-    let step = |s: usize| -> f64 { extrapolate(&layer_secs.iter().map(|v| v[s]).collect::<Vec<_>>()) };
-    let cold = step(0);
-    let steady = median((1..steps).map(step).collect());
+    // Step `s` of 32 layers, from the times of the first `of` layers.
+    let step_from =
+        |of: usize, s: usize| -> f64 { extrapolate(&layer_secs[..of].iter().map(|v| v[s]).collect::<Vec<_>>()) };
+    let cold = step_from(layers, 0);
+    let steady = median((1..steps).map(|s| step_from(layers, s)).collect());
     // With more layers built than the baselines take: the step as their layers alone would
     // extrapolate it, beside the one measured.
     let base = layers.min(BASELINE_LAYERS);
-    let steady_from_base = (layers > base).then(|| {
-        median((1..steps).map(|s| extrapolate(&layer_secs[..base].iter().map(|v| v[s]).collect::<Vec<_>>())).collect())
-    });
+    let steady_from_base = (layers > base).then(|| median((1..steps).map(|s| step_from(base, s)).collect()));
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
     // The split of the cold step, then the medians of the steady steps'.
     let cold_split = [0, 1, 2, 3].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
@@ -270,21 +270,18 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
     v["import"] = json!(import.as_ref().map(|(r, peak)| json!({
         "seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak,
-        "seconds_per_head": r.phases_per_head().iter().map(|&(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "seconds_per_head": crate::import::phases_json(r),
     })));
     if args.json {
         println!("{v}");
         return Ok(());
     }
-    if layers == MODEL_LAYERS {
-        println!(
-            "bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; all {layers} layers built; baselines and quality on {base}, extrapolated"
-        );
+    let built = if layers == MODEL_LAYERS {
+        format!("all {layers} layers built; baselines and quality on {base}, extrapolated")
     } else {
-        println!(
-            "bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {layers} of {MODEL_LAYERS} layers built, the rest extrapolated"
-        );
-    }
+        format!("{layers} of {MODEL_LAYERS} layers built, the rest extrapolated")
+    };
+    println!("bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {built}");
     println!(
         "buffer pool {} MiB: index {} MiB + data cache {} MiB ({:.0}% of the data blocks)",
         pool_bytes >> 20,

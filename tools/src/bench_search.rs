@@ -579,16 +579,15 @@ fn run_group(
                 // scores only its new candidates.
                 let mut exact = vec![f32::NAN; n];
                 let mut select = |t: &MassTarget| -> Result<SearchResult> {
-                    let ids = approx::candidates(&approx, win_max[i], t, margin);
-                    let new: Vec<u32> = ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
-                    let mut scores = vec![0.0f32; new.len()];
-                    ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-                    for (&t, &s) in new.iter().zip(&scores) {
-                        exact[t as usize] = s;
-                    }
-                    let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|t| (t, exact[t as usize])).collect();
-                    let cut = approx::exact_cut(&approx, &pairs, win_max[i], t);
-                    pairs.retain(|p| p.1 >= cut);
+                    let pairs = approx::attended(&approx, win_max[i], t, margin, |ids| -> Result<Vec<f32>> {
+                        let new: Vec<u32> = ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
+                        let mut scores = vec![0.0f32; new.len()];
+                        ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                        for (&t, &s) in new.iter().zip(&scores) {
+                            exact[t as usize] = s;
+                        }
+                        Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+                    })?;
                     Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
                 };
                 let mut t = mass_target(Some(target), i).expect("a target");

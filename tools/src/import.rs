@@ -44,7 +44,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "context": args.name, "tokens": n, "layers": s.layers, "q_heads": s.q_heads, "kv_heads": s.kv_heads,
             "head_dim": s.head_dim, "dtype": s.dtype.name(), "seconds": report.seconds, "mib_per_second": mib / report.seconds,
             "blocks": report.blocks,
-            "seconds_per_head": phases.iter().map(|&(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "seconds_per_head": phases_json(&report),
         });
         println!("{v}");
     } else {
@@ -61,4 +61,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// An import's seconds per head by phase (`WriteReport::phases_per_head`), as JSON.
+pub fn phases_json(report: &ctxfs_attention::WriteReport) -> serde_json::Value {
+    report.phases_per_head().iter().map(|&(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>().into()
 }

@@ -246,7 +246,7 @@ impl Pq {
             let trained = kmeans(&points, sub, k, p.iters, &mut rng);
             let centroids: Vec<f16> = trained.iter().map(|&x| f16::from_f32(x)).collect();
             let rounded: Vec<f32> = centroids.iter().map(|x| x.to_f32()).collect();
-            let mut nearest = Nearest::new(&rounded, sub);
+            let nearest = Nearest::new(&rounded, sub);
             let codes = points.chunks_exact(sub).map(|x| nearest.find(x) as u8).collect();
             Subspace { index: j, centroids, codes }
         };
@@ -423,7 +423,6 @@ fn token_scores(
         CodeLayout::SubspaceMajor => (lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize),
         CodeLayout::TokenMajor => lim,
     };
-    let mut transposed = Vec::new();
     codes.visit(0..end, &mut stats, &mut |first, bytes| {
         let tokens = bytes.len() / s.m;
         check_codes(bytes, s, first, tokens)?;
@@ -434,11 +433,11 @@ fn token_scores(
         for (i, part) in bytes.chunks(run * s.m).enumerate() {
             let at = first + i * run;
             let r = part.len() / s.m;
+            let transposed;
             let sub = match s.layout {
                 CodeLayout::SubspaceMajor => part,
                 CodeLayout::TokenMajor => {
-                    transposed.clear();
-                    transposed.extend_from_slice(&subspace_major(part, s.m));
+                    transposed = subspace_major(part, s.m);
                     &transposed[..]
                 }
             };
@@ -540,7 +539,7 @@ impl Nearest {
 
     /// The centroid nearest to `x` (ties: the lower index): the largest x · c − ½‖c‖², in
     /// one vector pass.
-    fn find(&mut self, x: &[f32]) -> u32 {
+    fn find(&self, x: &[f32]) -> u32 {
         ctxfs_kernels::argmax_weighted_sum(&self.neg_half_norms, x, &self.transposed) as u32
     }
 }
@@ -571,7 +570,7 @@ fn kmeans(points: &[f32], dim: usize, k: usize, iters: u32, rng: &mut Rng) -> Ve
     let mut assigned = vec![u32::MAX; rows.len()];
     let mut far = vec![0.0f32; rows.len()];
     for _ in 0..iters {
-        let mut nearest = Nearest::new(&centroids, dim);
+        let nearest = Nearest::new(&centroids, dim);
         let mut changed = 0;
         for (i, x) in rows.iter().enumerate() {
             let c = nearest.find(x);
