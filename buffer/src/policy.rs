@@ -50,8 +50,10 @@ impl TwoQueue {
 
 /// Index frames: evict the coldest context first (by its most recent hit), and within it the
 /// least recently used frames. Hits update recency concurrently, so the ranking is made from
-/// one snapshot of it (sorting by live atomics would see keys change mid-sort).
-pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) -> Vec<usize> {
+/// one snapshot of it (sorting by live atomics would see keys change mid-sort). Only the
+/// `first` coldest are ranked (a selection, then a sort of those): an eviction wants a batch,
+/// not the order of the whole area.
+pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>, first: usize) -> Vec<usize> {
     let snapshot: Vec<(u64, u64, usize)> = area
         .filter_map(|f| {
             let ctx = frames[f].context.load(Ordering::Relaxed);
@@ -68,6 +70,10 @@ pub(crate) fn coldest_context(frames: &[Frame], area: std::ops::Range<usize>) ->
     let mut ranked: Vec<(u64, u64, u64, usize)> =
         snapshot.into_iter().map(|(ctx, t, f)| (recency[&ctx], ctx, t, f)).collect();
     // Coldest context first, its frames together, least recently used first.
+    if ranked.len() > first {
+        ranked.select_nth_unstable(first);
+        ranked.truncate(first);
+    }
     ranked.sort_unstable();
     ranked.into_iter().map(|(_, _, _, f)| f).collect()
 }

@@ -566,7 +566,7 @@ fn a_prefetch_reads_once_in_one_submission_and_its_first_use_is_no_hit() {
 fn index_eviction_frees_a_batch_of_the_coldest_context_per_ranking() {
     let dir = tmp();
     let (dev, store) = real_store(&dir, 256, 2, 15 * 2000);
-    // 2,560 index frames: one ranking frees the victim and 10 more (1/256 of the area).
+    // 2,560 index frames: one ranking frees the victim and 40 more (1/64 of the area).
     let p = pool(dev, (3200 * BS) as u64, 0.2);
     assert_eq!(p.frames(BlockClass::Index), 2560);
     let one: Vec<BlockRequest> =
@@ -577,14 +577,14 @@ fn index_eviction_frees_a_batch_of_the_coldest_context_per_ranking() {
     assert_eq!(p.stats().index.evictions, 0);
     let two = requests(&store, 2, 0, FileStream::Index);
     drop(p.get(&two[0].0).unwrap());
-    assert_eq!(p.stats().index.evictions, 11, "the victim and a batch of 10 of the same context");
-    // The next 10 misses take the freed frames: no eviction, no ranking.
-    for (req, _) in &two[1..11] {
+    assert_eq!(p.stats().index.evictions, 41, "the victim and a batch of 40 of the same context");
+    // The next 40 misses take the freed frames: no eviction, no ranking.
+    for (req, _) in &two[1..41] {
         drop(p.get(req).unwrap());
     }
-    assert_eq!(p.stats().index.evictions, 11);
-    drop(p.get(&two[11].0).unwrap());
-    assert_eq!(p.stats().index.evictions, 22);
+    assert_eq!(p.stats().index.evictions, 41);
+    drop(p.get(&two[41].0).unwrap());
+    assert_eq!(p.stats().index.evictions, 82);
 }
 
 #[test]

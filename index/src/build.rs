@@ -69,41 +69,67 @@ pub struct BuildReport {
     pub enhanced: usize,
 }
 
-/// Training queries scored together against each block of keys.
-const KNN_QUERY_BATCH: usize = 32;
-/// Keys per block in the kNN (512 keys of d = 128 in f16: 128 KiB, an L2-resident block).
+/// Training queries scored together against each block of keys, at most: each key block is
+/// read from memory once per batch, and at 128K keys of d = 128 a batch of 32 left the kNN
+/// bound by memory (1.07 s per head of 2,048 queries; 0.46 s at 256). Fewer when the
+/// queries would not give every build thread a batch.
+const KNN_QUERY_BATCH: usize = 256;
+/// Keys per block in the kNN (512 keys of d = 128 in f32: 256 KiB, an L2-resident block).
 const KNN_KEY_BLOCK: usize = 512;
 
-/// The `k` best ids by score, best first (ties: lower id first). One pass with a heap of the
-/// `k` best so far: most keys are rejected by one comparison with the worst of them.
-fn top(scores: &[f32], k: usize) -> Vec<u32> {
-    use crate::search::Scored;
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let k = k.min(scores.len());
-    if k == 0 {
-        return Vec::new();
+/// The `k` best ids by score (ties: lower id first), offered block by block in id order.
+/// A heap of the `k` best so far: most keys are rejected by one comparison with the worst of
+/// them, and a run of 16 scores all below it by one test.
+struct Best {
+    k: usize,
+    /// A min-heap by rank: its top is the worst of the best k so far.
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<crate::search::Scored>>,
+    /// The worst kept score once the heap is full: a later id with a score no higher ranks
+    /// below it.
+    worst: f32,
+}
+
+impl Best {
+    fn new(k: usize) -> Best {
+        Best { k, heap: std::collections::BinaryHeap::with_capacity(k + 1), worst: f32::NEG_INFINITY }
     }
-    // A min-heap by rank: its top is the worst of the best k so far.
-    let mut heap: BinaryHeap<Reverse<Scored>> = BinaryHeap::with_capacity(k + 1);
-    // The worst kept score once the heap is full: a later id with a score no higher ranks
-    // below it, so one comparison rejects it.
-    let mut worst = f32::NEG_INFINITY;
-    for (i, &s) in scores.iter().enumerate() {
-        if heap.len() == k {
-            if s.total_cmp(&worst).is_le() {
+
+    /// Offers ids `first..first + scores.len()`, above every id offered before.
+    fn offer(&mut self, first: u32, scores: &[f32]) {
+        for (c, run) in scores.chunks(16).enumerate() {
+            // `s < worst` is false for a NaN or an equal score, which the heap then ranks.
+            let worst = self.worst;
+            if self.heap.len() == self.k && run.iter().fold(true, |all, &s| all & (s < worst)) {
                 continue;
             }
-            heap.pop();
-        }
-        heap.push(Reverse(Scored(s, i as u32)));
-        if heap.len() == k {
-            worst = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
+            for (i, &s) in run.iter().enumerate() {
+                self.push(crate::search::Scored(s, first + (c * 16 + i) as u32));
+            }
         }
     }
-    let mut best: Vec<Scored> = heap.into_iter().map(|r| r.0).collect();
-    best.sort_by(|a, b| b.cmp(a));
-    best.into_iter().map(|r| r.1).collect()
+
+    fn push(&mut self, s: crate::search::Scored) {
+        if self.k == 0 {
+            return;
+        }
+        if self.heap.len() == self.k {
+            if s.0.total_cmp(&self.worst).is_le() {
+                return;
+            }
+            self.heap.pop();
+        }
+        self.heap.push(std::cmp::Reverse(s));
+        if self.heap.len() == self.k {
+            self.worst = self.heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
+        }
+    }
+
+    /// The ids, best first.
+    fn into_ids(self) -> Vec<u32> {
+        let mut best: Vec<crate::search::Scored> = self.heap.into_iter().map(|r| r.0).collect();
+        best.sort_by(|a, b| b.cmp(a));
+        best.into_iter().map(|r| r.1).collect()
+    }
 }
 
 /// Indices of up to `max` of `m` queries, evenly spaced from an offset the seed picks.
@@ -151,7 +177,8 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let nq = p.nq.min(n);
     // Queries go in batches against blocks of keys small enough to stay in cache: each key
     // block is read from memory once per batch, not once per query.
-    let batches = picked.len().div_ceil(KNN_QUERY_BATCH);
+    let per_batch = picked.len().div_ceil(p.threads.max(1)).clamp(8, KNN_QUERY_BATCH);
+    let batches = picked.len().div_ceil(per_batch);
     // The keys in f32, dimension-major by block, converted once for every batch: the kernel
     // then scores four queries per key load with no horizontal sum per score.
     let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), p.threads, |b| {
@@ -166,18 +193,19 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
         kt
     });
     let knn: Vec<Vec<u32>> = parallel(batches, p.threads, |b| {
-        let batch = &picked[b * KNN_QUERY_BATCH..((b + 1) * KNN_QUERY_BATCH).min(picked.len())];
-        let mut scores = vec![vec![0.0f32; n]; batch.len()];
+        let batch = &picked[b * per_batch..((b + 1) * per_batch).min(picked.len())];
+        let mut best: Vec<Best> = batch.iter().map(|_| Best::new(nq)).collect();
         let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
         let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
         for (kt, start) in blocks.iter().zip((0..n).step_by(KNN_KEY_BLOCK)) {
             let nk = kt.len() / d;
             ctxfs_kernels::scores_dim_major(kt, nk, &qbuf, &mut out[..batch.len() * nk]);
-            for (qi, s) in scores.iter_mut().enumerate() {
-                s[start..start + nk].copy_from_slice(&out[qi * nk..(qi + 1) * nk]);
+            // Each block's scores go to the queries' best while still in cache.
+            for (b, s) in best.iter_mut().zip(out.chunks_exact(nk)) {
+                b.offer(start as u32, s);
             }
         }
-        scores.iter().map(|s| top(s, nq)).collect::<Vec<_>>()
+        best.into_iter().map(Best::into_ids).collect::<Vec<_>>()
     })
     .into_iter()
     .flatten()
@@ -340,4 +368,41 @@ fn enhance(keys: &MemKeys, lists: &mut [Vec<u32>], entry: u32, p: &BuildParams) 
         }
     }
     linked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Best;
+
+    /// The best k by a full sort (score descending, then id ascending; NaN above all, as
+    /// `total_cmp` ranks a positive NaN).
+    fn sorted(scores: &[f32], k: usize) -> Vec<u32> {
+        let mut ids: Vec<u32> = (0..scores.len() as u32).collect();
+        ids.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+        ids.truncate(k);
+        ids
+    }
+
+    #[test]
+    fn best_offered_in_blocks_equals_a_full_sort() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (n, k, block) in [(1000, 10, 512), (1000, 0, 64), (37, 100, 16), (5000, 100, 333), (64, 64, 7)] {
+            // Few distinct values, so ties are common; a NaN and ±0 among them.
+            let mut scores: Vec<f32> = (0..n).map(|_| (next() % 50) as f32 - 25.0).collect();
+            scores[n / 2] = f32::NAN;
+            scores[n / 3] = -0.0;
+            scores[n / 4] = 0.0;
+            let mut best = Best::new(k);
+            for (b, run) in scores.chunks(block).enumerate() {
+                best.offer((b * block) as u32, run);
+            }
+            assert_eq!(best.into_ids(), sorted(&scores, k), "n={n} k={k} block={block}");
+        }
+    }
 }

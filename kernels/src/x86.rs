@@ -299,12 +299,14 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use super::*;
 
-    /// As the AVX2 `tile`, 16 keys wide.
+    /// As the AVX2 `tile`, `16 · W` keys wide: `Q` queries × `W` vectors of keys held in
+    /// `Q · W` accumulators, so each broadcast query element feeds `W` FMAs and each key
+    /// load `Q`. Every score is the same chain of FMAs over `j` whatever the tile's shape.
     ///
     /// # Safety
-    /// AVX-512F must be available; `c + 16 ≤ nk` and the lengths as in the AVX2 `tile`.
+    /// AVX-512F must be available; `c + 16 · W ≤ nk` and the lengths as in the AVX2 `tile`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile<const Q: usize>(
+    unsafe fn tile<const Q: usize, const W: usize>(
         kt: &[f32],
         nk: usize,
         c: usize,
@@ -313,16 +315,40 @@ pub(crate) mod avx512 {
         d: usize,
         out: &mut [f32],
     ) {
-        let mut acc = [_mm512_setzero_ps(); Q];
+        let mut acc = [[_mm512_setzero_ps(); W]; Q];
         let (kp, qp) = (kt.as_ptr(), queries.as_ptr().add(q0 * d));
         for j in 0..d {
-            let kv = _mm512_loadu_ps(kp.add(j * nk + c));
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(t * d + j)), kv, *a);
+            let mut kv = [_mm512_setzero_ps(); W];
+            for (w, v) in kv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(kp.add(j * nk + c + 16 * w));
+            }
+            for (t, row) in acc.iter_mut().enumerate() {
+                let qb = _mm512_set1_ps(*qp.add(t * d + j));
+                for (a, v) in row.iter_mut().zip(&kv) {
+                    *a = _mm512_fmadd_ps(qb, *v, *a);
+                }
             }
         }
-        for (t, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add((q0 + t) * nk + c), *a);
+        for (t, row) in acc.iter().enumerate() {
+            for (w, a) in row.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add((q0 + t) * nk + c + 16 * w), *a);
+            }
+        }
+    }
+
+    /// Tiles of `Q` queries: 32 keys wide, then 16, the last keys left to the scalar path.
+    ///
+    /// # Safety
+    /// As [`tile`], for queries `q0..q0 + Q`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_row<const Q: usize>(kt: &[f32], nk: usize, queries: &[f32], q0: usize, d: usize, out: &mut [f32]) {
+        let mut c = 0;
+        while c + 32 <= nk {
+            tile::<Q, 2>(kt, nk, c, queries, q0, d, out);
+            c += 32;
+        }
+        if c + 16 <= nk {
+            tile::<Q, 1>(kt, nk, c, queries, q0, d, out);
         }
     }
 
@@ -331,19 +357,20 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn scores_dim_major(kt: &[f32], nk: usize, queries: &[f32], d: usize, out: &mut [f32]) {
         let m = queries.len() / d;
-        let full = nk / 16 * 16;
         let mut q0 = 0;
-        while q0 < m {
-            let take = (m - q0).min(4);
-            for c in (0..full).step_by(16) {
-                match take {
-                    4 => tile::<4>(kt, nk, c, queries, q0, d, out),
-                    _ => (q0..q0 + take).for_each(|q| tile::<1>(kt, nk, c, queries, q, d, out)),
-                }
-            }
-            q0 += take;
+        // 8 queries × 32 keys: 16 accumulators, 10 loads per 16 FMAs.
+        while q0 + 8 <= m {
+            tile_row::<8>(kt, nk, queries, q0, d, out);
+            q0 += 8;
         }
-        crate::scalar::scores_dim_major_cols(kt, nk, queries, d, out, full);
+        if q0 + 4 <= m {
+            tile_row::<4>(kt, nk, queries, q0, d, out);
+            q0 += 4;
+        }
+        for q in q0..m {
+            tile_row::<1>(kt, nk, queries, q, d, out);
+        }
+        crate::scalar::scores_dim_major_cols(kt, nk, queries, d, out, nk / 16 * 16);
     }
 
     /// # Safety

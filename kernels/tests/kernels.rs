@@ -116,7 +116,17 @@ fn scores_of_many_queries_equal_their_dot_products() {
 fn dimension_major_scores_of_many_queries_match() {
     let mut rng = Rng(12);
     for isa in available() {
-        for (d, nk, m) in [(1, 1, 1), (8, 16, 4), (13, 37, 5), (64, 33, 9), (128, 512, 4), (128, 17, 3)] {
+        for (d, nk, m) in [
+            (1, 1, 1),
+            (8, 16, 4),
+            (13, 37, 5),
+            (64, 33, 9),
+            (128, 512, 4),
+            (128, 17, 3),
+            (128, 64, 8),
+            (64, 48, 13),
+            (7, 81, 12),
+        ] {
             let keys: Vec<f32> = (0..nk * d).map(|_| rng.wild(1000.0, 1e-6)).collect();
             let mut kt = vec![0.0; nk * d];
             for k in 0..nk {

@@ -604,35 +604,90 @@ fn kmeans(points: &[f32], dim: usize, k: usize, iters: u32, rng: &mut Rng) -> Ve
     centroids
 }
 
+/// Points per partial sum of k-means++'s distances: a pick walks the partial sums, then
+/// one run of distances.
+const SEED_RUN: usize = 256;
+
 /// k-means++ seeding: the first centroid uniformly, each next one with probability
 /// proportional to its squared distance from the nearest chosen so far (uniformly once
 /// every point coincides with a centroid, as when there are fewer distinct points than k).
+/// The distances are updated dimension by dimension over all points (one vector pass each)
+/// and summed by runs of [`SEED_RUN`] points.
 fn plus_plus(rows: &[&[f32]], k: usize, rng: &mut Rng) -> Vec<f32> {
-    let first = rows[rng.below(rows.len())];
-    let mut centroids = first.to_vec();
-    let mut d2: Vec<f32> = rows.iter().map(|x| sq_dist(x, first)).collect();
+    let (n, dim) = (rows.len(), rows[0].len());
+    let mut columns = vec![0.0f32; n * dim];
+    for (p, x) in rows.iter().enumerate() {
+        for (i, &v) in x.iter().enumerate() {
+            columns[i * n + p] = v;
+        }
+    }
+    let mut d2 = vec![f32::INFINITY; n];
+    let mut run_sums = vec![0.0f64; n.div_ceil(SEED_RUN)];
+    let mut centroids = Vec::with_capacity(k * dim);
+    let mut chosen = rows[rng.below(n)];
     for _ in 1..k {
-        let total: f64 = d2.iter().map(|&x| x as f64).sum();
+        centroids.extend_from_slice(chosen);
+        nearer(&columns, chosen, &mut d2);
+        for (sum, run) in run_sums.iter_mut().zip(d2.chunks(SEED_RUN)) {
+            *sum = sum_f64(run);
+        }
+        let total: f64 = run_sums.iter().sum();
         let pick = if total > 0.0 {
             // The first point whose running sum passes the target; rounding can leave the
             // target unpassed, and then the last point not yet a centroid is taken.
             let target = rng.uniform() as f64 * total;
             let mut acc = 0.0;
-            let mut pick = None;
-            for (i, &x) in d2.iter().enumerate().filter(|(_, &x)| x > 0.0) {
-                acc += x as f64;
-                pick = Some(i);
-                if acc > target {
-                    break;
+            let passed = run_sums.iter().position(|&s| {
+                let next = acc + s;
+                let passes = next > target;
+                if !passes {
+                    acc = next;
                 }
-            }
-            pick.unwrap_or(0)
+                passes
+            });
+            // (The run's sum and the walk through it may round apart: then its last point
+            // not yet a centroid.)
+            let within = passed.and_then(|r| {
+                let run = &d2[r * SEED_RUN..((r + 1) * SEED_RUN).min(n)];
+                let at = run.iter().position(|&x| {
+                    acc += x as f64;
+                    x > 0.0 && acc > target
+                });
+                at.or_else(|| run.iter().rposition(|&x| x > 0.0)).map(|i| r * SEED_RUN + i)
+            });
+            within.or_else(|| d2.iter().rposition(|&x| x > 0.0)).unwrap_or(0)
         } else {
-            rng.below(rows.len())
+            rng.below(n)
         };
-        let chosen = rows[pick];
-        centroids.extend_from_slice(chosen);
-        d2.iter_mut().zip(rows).for_each(|(d, x)| *d = d.min(sq_dist(x, chosen)));
+        chosen = rows[pick];
     }
+    centroids.extend_from_slice(chosen);
     centroids
+}
+
+/// Lowers each point's squared distance `d2[p]` to that from `c` where nearer; `columns`:
+/// the points dimension-major (`columns[i · n + p]`).
+fn nearer(columns: &[f32], c: &[f32], d2: &mut [f32]) {
+    let n = d2.len();
+    let mut dist = vec![0.0f32; n];
+    for (i, &ci) in c.iter().enumerate() {
+        for (d, &x) in dist.iter_mut().zip(&columns[i * n..(i + 1) * n]) {
+            *d += (x - ci) * (x - ci);
+        }
+    }
+    for (d, &x) in d2.iter_mut().zip(&dist) {
+        *d = d.min(x);
+    }
+}
+
+/// A sum in eight independent lanes (one vector of f64), then across them.
+fn sum_f64(xs: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let mut runs = xs.chunks_exact(8);
+    for run in &mut runs {
+        for (l, &x) in lanes.iter_mut().zip(run) {
+            *l += x as f64;
+        }
+    }
+    lanes.iter().sum::<f64>() + runs.remainder().iter().map(|&x| x as f64).sum::<f64>()
 }
