@@ -274,8 +274,18 @@ fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> 
 
 /// The `k` best tokens by `scores` (ties: the lower id), ascending.
 pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
+    // A run of 16 scores is tested in one branch-free pass (total order as integers), and
+    // only a run that holds a score reaching the cut is looked at score by score.
     let reaching = |cut: f32| -> Vec<u32> {
-        (0u32..).zip(scores).filter(|(_, s)| s.total_cmp(&cut).is_ge()).map(|(t, _)| t).collect()
+        let cut = total_order_key(cut);
+        let mut ids = Vec::new();
+        for (r, run) in scores.chunks(16).enumerate() {
+            if run.iter().fold(false, |any, &s| any | (total_order_key(s) >= cut)) {
+                let first = (r * 16) as u32;
+                ids.extend((first..).zip(run).filter(|(_, &s)| total_order_key(s) >= cut).map(|(t, _)| t));
+            }
+        }
+        ids
     };
     // The k best are among the scores that reach any cut at least k of them reach: a cut
     // from a sample leaves a few times k to choose from instead of every score.
@@ -290,6 +300,12 @@ pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
     }
     ids.sort_unstable();
     ids
+}
+
+/// `x` as an integer that orders as [`f32::total_cmp`] orders floats.
+fn total_order_key(x: f32) -> i32 {
+    let bits = x.to_bits() as i32;
+    bits ^ (((bits >> 31) as u32) >> 1) as i32
 }
 
 /// A score that about `CUT_SPARE` × `k` of `scores` reach, read off every `stride`-th score;
