@@ -528,7 +528,7 @@ impl Session {
                 cost[layer * kv + h] = group.iter().map(|r| r.timing.total).sum();
             }
         }
-        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let scale = self.scale(opts);
         let merged = if on_gpu {
             match self.gpu_merge(layer, q, scale, &parts) {
                 Ok(m) => m,
@@ -660,7 +660,7 @@ impl Session {
     ) -> Result<GroupSearch> {
         let mut started = Instant::now();
         let d = self.shape.head_dim as usize;
-        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let scale = self.scale(opts);
         let isa = ctxfs_kernels::active();
         let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         let files = segments
@@ -702,10 +702,7 @@ impl Session {
             ctxfs_kernels::scores_on(isa, &window.keys, q, 1.0, &mut win_z);
             let mut fresh_z = vec![0.0; fresh.rows];
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
-            let own_scores = OwnScores {
-                max: win_z.iter().chain(&fresh_z).copied().fold(f32::NEG_INFINITY, f32::max),
-                lse: log_add(lse_of(&win_z, scale), lse_of(&fresh_z, scale)),
-            };
+            let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
             let scanned: Vec<(&[f32], SearchStats)> = scans.iter().map(|s| (s.scores(i), s.stats)).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
@@ -758,7 +755,7 @@ impl Session {
                 drop_negligible(
                     &mut found,
                     scale,
-                    log_add(own_scores.lse, tail.as_ref().map_or(f32::NEG_INFINITY, |t| t.part.lse())),
+                    log_add(own_scores.lse(scale), tail.as_ref().map_or(f32::NEG_INFINITY, |t| t.part.lse())),
                 );
             }
             if !estimates_tail(choice, opts) {
@@ -800,7 +797,7 @@ impl Session {
     ) -> Result<GroupOutput> {
         let GroupSearch { h, files, layouts, window, heads } = g;
         let d = self.shape.head_dim as usize;
-        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let scale = self.scale(opts);
         let isa = ctxfs_kernels::active();
         let fresh = &self.fresh[layer];
         let prefix = self.prefix_tokens();
@@ -1073,6 +1070,11 @@ impl Session {
         Ok(found)
     }
 
+    /// The softmax scale of a call: the caller's, else 1/√d.
+    fn scale(&self, opts: &AttentionOptions) -> f32 {
+        opts.scale.unwrap_or(1.0 / (self.shape.head_dim as f32).sqrt())
+    }
+
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
     /// token, and, when the plan estimates the tail, each segment's seed scores.
     /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work. With a
@@ -1083,7 +1085,7 @@ impl Session {
         readers: &[SegmentReader<'_>],
         scanned: &[(&[f32], SearchStats)],
         q: &[f32],
-        own: OwnScores,
+        own: OwnScores<'_>,
         choice: Choice,
         opts: &AttentionOptions,
         target: Option<MassTarget>,
@@ -1101,7 +1103,7 @@ impl Session {
         let prefix = self.prefix_tokens();
         let win = self.window;
         let in_window = self.window_ids.len() as u32;
-        let mut best = own.max;
+        let mut best = own.max();
         let mut found: Vec<(usize, u32, f32)> = Vec::new();
         for (si, r) in readers.iter().enumerate() {
             let (seg, index) = (&r.seg, &r.index);
@@ -1135,8 +1137,8 @@ impl Session {
                             want: budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg),
                             negligible: MassTarget {
                                 share: NEGLIGIBLE_SHARE,
-                                scale: opts.scale.unwrap_or(1.0 / (q.len() as f32).sqrt()),
-                                window_lse: own.lse,
+                                scale: self.scale(opts),
+                                window_lse: own.lse(self.scale(opts)),
                             },
                         },
                     };
@@ -1269,21 +1271,33 @@ enum CodesChoice<'t> {
     Best { want: usize, negligible: MassTarget },
 }
 
-/// A q head's exact scores of the window and of the session's own tokens: the best, and
-/// `ln Σ exp(scale · q·k)`.
+/// A q head's exact scores (q·k) of the window and of the session's own tokens.
 #[derive(Debug, Clone, Copy)]
-struct OwnScores {
-    max: f32,
-    lse: f32,
+struct OwnScores<'z> {
+    win_z: &'z [f32],
+    fresh_z: &'z [f32],
+}
+
+impl OwnScores<'_> {
+    /// The best of them.
+    fn max(&self) -> f32 {
+        self.win_z.iter().chain(self.fresh_z).copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `ln Σ exp(scale · q·k)` over them (only the codes' best within a budget asks).
+    fn lse(&self, scale: f32) -> f32 {
+        log_add(lse_of(self.win_z, scale), lse_of(self.fresh_z, scale))
+    }
 }
 
 /// log Σ exp(scale · z), −∞ for none.
 fn lse_of(z: &[f32], scale: f32) -> f32 {
-    let m = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+    let mut scaled: Vec<f32> = z.iter().map(|&x| x * scale).collect();
+    let m = ctxfs_kernels::max(&scaled);
     if m == f32::NEG_INFINITY {
         return m;
     }
-    m + z.iter().map(|&x| (x * scale - m).exp()).sum::<f32>().ln()
+    m + ctxfs_kernels::exp_sub(&mut scaled, m).ln()
 }
 
 /// The share of a q head's attention that the codes' best within a budget may leave out.

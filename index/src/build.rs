@@ -180,7 +180,7 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let per_batch = picked.len().div_ceil(p.threads.max(1)).clamp(8, KNN_QUERY_BATCH);
     let batches = picked.len().div_ceil(per_batch);
     // The keys in f32, dimension-major by block, converted once for every batch: the kernel
-    // then scores four queries per key load with no horizontal sum per score.
+    // then scores eight queries per key load with no horizontal sum per score.
     let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), p.threads, |b| {
         let start = b * KNN_KEY_BLOCK;
         let nk = (start + KNN_KEY_BLOCK).min(n) - start;

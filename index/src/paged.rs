@@ -527,22 +527,17 @@ impl<'p> PagedIndex<'p> {
         }))
     }
 
-    /// Reads the key blocks of `ids` that the pool lacks in one submission, so that rows
-    /// pinned batch by batch next do not wait for one batch's reads before the next's are
-    /// asked for (a thousand candidates' key blocks: one round trip to the device, not
-    /// sixteen). Not when the index is resident, nor when the blocks would take more than a
-    /// sixteenth of the index area. Returns whether it read ahead.
-    pub fn read_ahead(&self, ids: &[u32], stats: &mut SearchStats) -> bool {
-        if self.resident.is_some() || self.check_ids(ids).is_err() {
-            return false;
+    /// Reads the blocks of packed rows (row `t` in logical block `first + t /
+    /// rows_per_block`) that hold `ids` and that the pool lacks, in one submission, so that
+    /// rows pinned batch by batch next do not wait for one batch's reads before the next's
+    /// are asked for (a thousand candidates' key blocks: one round trip to the device, not
+    /// sixteen). Not when the blocks would take more than a sixteenth of the index area.
+    fn read_ahead(&self, ids: &[u32], first: u32, stats: &mut SearchStats) {
+        let wanted = blocks_holding(&self.layout, ids, first);
+        if wanted.len() <= self.pool.frames(BlockClass::Index) / 16 {
+            let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
+            stats.blocks_read += self.pool.prefetch(&reqs).len() as u64;
         }
-        let wanted = blocks_holding(&self.layout, ids, 1 + self.layout.adjacency_blocks());
-        if wanted.len() > self.pool.frames(BlockClass::Index) / 16 {
-            return false;
-        }
-        let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
-        stats.blocks_read += self.pool.prefetch(&reqs).len() as u64;
-        true
     }
 
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
@@ -553,7 +548,7 @@ impl<'p> PagedIndex<'p> {
         let rows = self.layout.rows_per_block;
         let batch = if self.resident.is_some() { ids.len().max(1) } else { PIN_BATCH };
         if ids.len() > batch {
-            self.read_ahead(ids, stats);
+            self.read_ahead(ids, first, stats);
         }
         for (c, ids) in ids.chunks(batch).enumerate() {
             let wanted = || blocks_holding(&self.layout, ids, first);
