@@ -480,6 +480,11 @@ impl Session {
             if !(e.is_finite() && e > 0.0) {
                 return input(format!("the error target must be a positive number, not {e}"));
             }
+            if opts.plan == Some(Plan::PqDiprs) {
+                return input(
+                    "the pq-diprs plan finds a fixed β's range; the pq plan meets an error target on the codes",
+                );
+            }
         }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let on_gpu =
@@ -687,7 +692,7 @@ impl Session {
                 .collect::<Result<Vec<_>>>()?,
             // The codes' approximate scores, which the candidates of an error target, or of the
             // optimizer's budget, come from.
-            Plan::Pq if codes_choose(choice) => readers
+            Plan::Pq | Plan::PqDiprs if codes_choose(choice) => readers
                 .iter()
                 .map(|r| Ok(self.open_pq(r)?.token_scores_many(qs, r.seg.filter())?))
                 .collect::<Result<Vec<_>>>()?,
@@ -749,7 +754,7 @@ impl Session {
                     rounds += 1;
                 }
             }
-            if choice.error_target.is_none() && codes_choose(choice) {
+            if choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice) {
                 // The codes' best within a budget: of its candidates, now scored exactly,
                 // those whose attention is negligible are not read.
                 drop_negligible(
@@ -1057,6 +1062,10 @@ impl Session {
         };
         let pairs = match codes {
             CodesChoice::Target(t) => approx::attended(approx, best, t, margin, &mut score)?,
+            CodesChoice::Range { beta } => {
+                let known = seeds.iter().copied().fold(best, f32::max);
+                approx::in_range(approx, known, beta, margin, &mut score)?
+            }
             CodesChoice::Best { want, negligible } => {
                 let mut ids = take_tokens(approx, want);
                 let cut = approx::cut_among(approx, &ids, best, &negligible, margin);
@@ -1065,7 +1074,9 @@ impl Session {
                 ids.into_iter().zip(scores).collect()
             }
         };
-        let mut found = SearchResult::from_pairs(pairs, work);
+        // The codes' approximate scores are not inner products with keys: keys scored counts
+        // the exact ones (the seeds' and the candidates').
+        let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..work });
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)
     }
@@ -1144,6 +1155,10 @@ impl Session {
                     };
                     self.codes_select(r, q, scanned[si], best, codes, stats)?
                 }
+                Plan::PqDiprs => {
+                    let range = CodesChoice::Range { beta: opts.beta };
+                    self.codes_select(r, q, scanned[si], best, range, stats)?
+                }
                 Plan::Quest | Plan::Infllm | Plan::Pq => {
                     let budget = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
                     self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
@@ -1175,7 +1190,7 @@ impl Session {
                     .filter(|&(_, t, _)| !win.contains(prefix, t)),
             );
         }
-        if matches!(plan, Plan::Flat | Plan::Diprs) {
+        if matches!(plan, Plan::Flat | Plan::Diprs | Plan::PqDiprs) {
             // Each segment pruned against the best it knew of; the range is the global best's
             // (narrowed where a search narrowed it).
             found.retain(|f| f.2 >= best - beta);
@@ -1269,6 +1284,8 @@ enum CodesChoice<'t> {
     Target(&'t MassTarget),
     /// The best `want`, less those the `negligible` target leaves out.
     Best { want: usize, negligible: MassTarget },
+    /// Every key within `beta` of the best score.
+    Range { beta: f32 },
 }
 
 /// A q head's exact scores (q·k) of the window and of the session's own tokens.
@@ -1362,9 +1379,14 @@ fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
 
 /// The pq plan chooses by the codes' approximate scores with the seeds scored beside them
 /// (as a DIPR plan does, with a tail estimate) for an error target and for the optimizer's
-/// compact plans; forced without a target it is PQCache's selection of a budget.
+/// compact plans; forced without a target it is PQCache's selection of a budget. The
+/// pq-diprs plan always chooses so.
 fn codes_choose(choice: Choice) -> bool {
-    choice.plan == Plan::Pq && (choice.error_target.is_some() || !choice.forced)
+    match choice.plan {
+        Plan::Pq => choice.error_target.is_some() || !choice.forced,
+        Plan::PqDiprs => true,
+        _ => false,
+    }
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

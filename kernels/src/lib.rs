@@ -35,7 +35,7 @@ mod x86;
 pub use argmax::{argmax_weighted_sum, argmax_weighted_sum_on};
 pub use element::{Element, ElementKind};
 pub use partial::Partial;
-pub use pq::{pq_scores, pq_scores_on, PqLut, PQ_TABLE};
+pub use pq::{pq_scores, pq_scores_on, pq_table, pq_table_on, PqLut, PQ_TABLE};
 
 use std::sync::OnceLock;
 

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Plans a call may force (``Session.attention(..., plan=...)``).
-PLANS = ("full", "flat", "diprs", "topk", "quest", "infllm", "pq")
+PLANS = ("full", "flat", "diprs", "topk", "quest", "infllm", "pq", "pq-diprs")
 
 
 def as_f32(x: Any, name: str) -> np.ndarray:

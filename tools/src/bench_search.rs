@@ -16,6 +16,10 @@
 //! each budget. A coarse method's budget counts every token it selects, including any that
 //! the window already holds (those are attended once); top-k's counts tokens outside it.
 //!
+//! The `pq diprs` row finds the same DIPR range as DIPRS without the graph: from the
+//! approximate scores of PQ scan codes, the candidates scored exactly
+//! ([`ctxfs_index::approx::in_range`]); its keys scored count the seeds and the candidates.
+//!
 //! Bytes per query, at 4 KiB blocks: `meta` is the index metadata a selection touched (a
 //! coarse method's page bounds, representatives or codes and centroids; for graph and flat
 //! rows, the key rows scored and the adjacency records expanded); `data` is 4 KiB per
@@ -214,6 +218,10 @@ enum Method {
     /// The scan's output error target on PQ codes ([`PqParams::scan_codes`]): candidates
     /// from the approximate scores ([`ctxfs_index::approx`]), scored exactly.
     CodesTarget { target: f32 },
+    /// The DIPR range at `beta` on PQ codes ([`PqParams::scan_codes`]): candidates from the
+    /// approximate scores, down to the codes' margin below the range
+    /// ([`ctxfs_index::approx::in_range`]), scored exactly.
+    CodesRange { beta: f32 },
 }
 
 impl Method {
@@ -234,7 +242,10 @@ impl Method {
     }
     fn beta(self, reference: f32) -> f32 {
         match self {
-            Method::Flat { beta, .. } | Method::Diprs { beta, .. } | Method::PrefixGraph { beta, .. } => beta,
+            Method::Flat { beta, .. }
+            | Method::Diprs { beta, .. }
+            | Method::PrefixGraph { beta, .. }
+            | Method::CodesRange { beta, .. } => beta,
             _ => reference,
         }
     }
@@ -289,6 +300,7 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
         (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
         (DIPRS_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
         (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error }),
+        (CODES_DIPRS_ROW.into(), Method::CodesRange { beta }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
         let p = Some(prefix_len(n, percent) as u32);
@@ -316,6 +328,8 @@ const WARM_ROW: &str = "diprs beta=5·√d warm";
 const FLAT_TARGET_ROW: &str = "flat target";
 const DIPRS_TARGET_ROW: &str = "diprs target";
 const CODES_TARGET_ROW: &str = "pq target";
+/// The row of the DIPR range found on PQ codes.
+const CODES_DIPRS_ROW: &str = "pq diprs beta=5·√d";
 /// The target rows, in the order the target table lists them.
 const TARGET_ROWS: [&str; 3] = [FLAT_TARGET_ROW, DIPRS_TARGET_ROW, CODES_TARGET_ROW];
 
@@ -564,46 +578,58 @@ fn run_group(
                 out.push(searched(diprs(&idx, q, &params)?, graph));
             }
         }
-        Method::CodesTarget { target } => {
-            let seed_ids: Vec<u32> = (0..n as u32).step_by(SEED_STRIDE as usize).collect();
+        Method::CodesTarget { .. } | Method::CodesRange { .. } => {
             let per_token = ix.codes.metadata_bytes_per_token();
+            let scan = ix.codes.token_scores_many(qs, None)?;
             for (i, q) in qs.chunks_exact(d).enumerate() {
-                let approx = ix.codes.token_scores(q, None)?;
-                // The seeds' exact scores: the resident sample the margin is measured on.
+                let approx = scan.scores(i);
                 let mut stats = SearchStats::default();
-                let mut seeds = vec![0.0f32; seed_ids.len()];
-                ix.keys.score(&seed_ids, q, &mut seeds, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-                let seed_approx: Vec<f32> = seed_ids.iter().map(|&t| approx[t as usize]).collect();
-                let margin = approx::margin(&seeds, &seed_approx);
-                // Exact scores of the candidates so far (NaN: not scored): a widened target
-                // scores only its new candidates.
-                let mut exact = vec![f32::NAN; n];
-                let mut select = |t: &MassTarget| -> Result<SearchResult> {
-                    let pairs = approx::attended(&approx, win_max[i], t, margin, |ids| -> Result<Vec<f32>> {
-                        let new: Vec<u32> = ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
-                        let mut scores = vec![0.0f32; new.len()];
-                        ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-                        for (&t, &s) in new.iter().zip(&scores) {
-                            exact[t as usize] = s;
+                let (seeds, margin) = codes_margin(&ix.keys, q, approx, &mut stats)?;
+                let (ids, target) = match method {
+                    Method::CodesTarget { target } => {
+                        // Exact scores of the candidates so far (NaN: not scored): a widened
+                        // target scores only its new candidates.
+                        let mut exact = vec![f32::NAN; n];
+                        let mut select = |t: &MassTarget| -> Result<SearchResult> {
+                            let pairs = approx::attended(approx, win_max[i], t, margin, |ids| -> Result<Vec<f32>> {
+                                let new: Vec<u32> =
+                                    ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
+                                let mut scores = vec![0.0f32; new.len()];
+                                ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                                for (&t, &s) in new.iter().zip(&scores) {
+                                    exact[t as usize] = s;
+                                }
+                                Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+                            })?;
+                            Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
+                        };
+                        let mut t = mass_target(Some(target), i).expect("a target");
+                        let mut f = select(&t)?;
+                        for _ in 0..REFINEMENTS {
+                            let Some(wider) = t.refined(estimated(&f, &seeds, i).1, target) else { break };
+                            t = wider;
+                            f = select(&t)?;
                         }
-                        Ok(ids.iter().map(|&t| exact[t as usize]).collect())
-                    })?;
-                    Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
+                        let estimate = estimated(&f, &seeds, i);
+                        (f.ids, Some(estimate))
+                    }
+                    Method::CodesRange { beta } => {
+                        let known = seeds.iter().copied().fold(win_max[i], f32::max);
+                        let pairs = approx::in_range(approx, known, beta, margin, |ids| -> Result<Vec<f32>> {
+                            let mut scores = vec![0.0f32; ids.len()];
+                            ix.keys.score(ids, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                            Ok(scores)
+                        })?;
+                        (SearchResult::from_pairs(pairs, SearchStats::default()).ids, None)
+                    }
+                    _ => unreachable!("the arm's methods"),
                 };
-                let mut t = mass_target(Some(target), i).expect("a target");
-                let mut f = select(&t)?;
-                for _ in 0..REFINEMENTS {
-                    let Some(wider) = t.refined(estimated(&f, &seeds, i).1, target) else { break };
-                    t = wider;
-                    f = select(&t)?;
-                }
-                let estimate = estimated(&f, &seeds, i);
                 out.push(Selection {
-                    ids: f.ids,
+                    ids,
                     keys_scored: stats.keys_scored,
                     meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
                     per_token,
-                    target: Some(estimate),
+                    target,
                 });
             }
         }
@@ -622,6 +648,18 @@ fn run_group(
         }
     }
     Ok(out)
+}
+
+/// The seeds' exact scores of `q` (every [`SEED_STRIDE`]-th key: the resident sample the
+/// codes' margin is measured on) and that margin ([`approx::margin`]) against the codes'
+/// approximate scores `approx`.
+fn codes_margin(keys: &MemKeys, q: &[f32], approx: &[f32], stats: &mut SearchStats) -> Result<(Vec<f32>, f32)> {
+    let seed_ids: Vec<u32> = (0..keys.len()).step_by(SEED_STRIDE as usize).collect();
+    let mut seeds = vec![0.0f32; seed_ids.len()];
+    keys.score(&seed_ids, q, &mut seeds, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let seed_approx: Vec<f32> = seed_ids.iter().map(|&t| approx[t as usize]).collect();
+    let margin = approx::margin(&seeds, &seed_approx);
+    Ok((seeds, margin))
 }
 
 /// The baseline: the session's flat plan for a GQA group's queries `qs` (one pass over the
@@ -928,8 +966,14 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                         blocks.sort_unstable();
                         blocks.dedup();
                         // Coarse and code rows read key blocks for exact scores as well.
-                        let per_block =
-                            if matches!(method, Method::Coarse { .. } | Method::CodesTarget { .. }) { 2 } else { 1 };
+                        let per_block = if matches!(
+                            method,
+                            Method::Coarse { .. } | Method::CodesTarget { .. } | Method::CodesRange { .. }
+                        ) {
+                            2
+                        } else {
+                            1
+                        };
                         let selected: Vec<u32> = window.ids.iter().copied().chain(retrieved.iter().copied()).collect();
                         let z: Vec<f32> = selected.iter().map(|&t| all[qi][t as usize]).collect();
                         let mut part = attend(&selected, &z, &ix.values, d, scale);
@@ -1189,27 +1233,30 @@ fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_j
     report["rows"].as_array().and_then(|rows| rows.iter().find(|r| r["method"] == method))
 }
 
-/// The headline figures of every dataset side by side: DIPRS at the reference β, then the
-/// rows that choose β to meet the error target.
+/// The headline figures of every dataset side by side: the DIPR range at the reference β, on
+/// the graph and on the codes, then the rows that choose β to meet the error target.
 fn print_side_by_side(reports: &[serde_json::Value]) {
     println!(
-        "{:<28} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
-        "dataset (DIPRS β=5·√d)", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
+        "{:<28} {:<20} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "dataset (β=5·√d)", "row", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
     );
     for v in reports {
-        let Some(row) = row_of(v, DIPRS_ROW) else { continue };
-        let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
-        println!(
-            "{:<28} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
-            v["dataset"].as_str().unwrap_or(""),
-            v["tokens"],
-            f("dipr_recall"),
-            f("keys_scored_fraction") * 100.0,
-            f("output_error"),
-            f("exact_dipr_output_error"),
-            ratio(f("output_error"), f("exact_dipr_output_error")),
-            v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
-        );
+        for name in [DIPRS_ROW, CODES_DIPRS_ROW] {
+            let Some(row) = row_of(v, name) else { continue };
+            let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
+            println!(
+                "{:<28} {:<20} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
+                v["dataset"].as_str().unwrap_or(""),
+                name,
+                v["tokens"],
+                f("dipr_recall"),
+                f("keys_scored_fraction") * 100.0,
+                f("output_error"),
+                f("exact_dipr_output_error"),
+                ratio(f("output_error"), f("exact_dipr_output_error")),
+                f("speedup_vs_flat")
+            );
+        }
     }
     println!();
     println!(

@@ -532,6 +532,19 @@ fn import_then_query_matches_exact_attention() {
         sparse.iter().any(|r| r["selected"].as_array().unwrap().len() < 1500),
         "DIPRS selected everything everywhere"
     );
+    // The same range found on the PQ codes: every token of the graph's range (a generated
+    // context's, which the graph finds), from exact scores of a few of the keys.
+    let on_codes = run(&["--mode", "pq-diprs", "--beta", "16"]);
+    for (c, s) in on_codes.iter().zip(&sparse) {
+        assert_eq!(plan(c), "pq-diprs");
+        let ids = |r: &Value| r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<_>>();
+        let from_codes = ids(c);
+        let missed = ids(s).iter().filter(|t| from_codes.binary_search(t).is_err()).count();
+        assert!(missed * 20 <= ids(s).len(), "the codes missed {missed} of the graph's {}", ids(s).len());
+        assert!(c["keys_scored"].as_u64().unwrap() < 3000, "{c}");
+    }
+    let targeted_range = ctxfs(&[&base[..], &["--mode", "pq-diprs", "--target-error", "0.02"]].concat());
+    assert!(String::from_utf8_lossy(&targeted_range.stderr).contains("fixed β"), "{targeted_range:?}");
     // --tail on: the seeds the range left out estimate the rest of the softmax; their values
     // entered the output, so they are in `selected` too. A forced mode has none by default.
     let tailed = run(&["--mode", "diprs", "--beta", "16", "--tail", "on"]);

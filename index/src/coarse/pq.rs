@@ -66,9 +66,10 @@ pub const PQ_VERSION: u32 = 2;
 /// How a run of tokens' codes is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CodeLayout {
-    /// A token's m codes side by side (in-memory codes, and version 1 code blocks).
+    /// A token's m codes side by side (version 1 code blocks).
     TokenMajor,
-    /// Per block of tokens, a subspace's codes side by side (version 2 code blocks).
+    /// Per block of tokens, a subspace's codes side by side (version 2 code blocks; in
+    /// memory, one block of all tokens).
     SubspaceMajor,
 }
 
@@ -227,7 +228,8 @@ pub struct Pq {
     params: PqParams,
     /// `m · 2^b` rows of `d / m`: subspace `j`'s centroid `c` is row `j · 2^b + c`.
     centroids: Vec<f16>,
-    /// `m` codes per token.
+    /// Subspace-major over all tokens: subspace `j`'s code of token `t` is byte `j · n + t`,
+    /// so that a scan looks codes up without transposing them.
     codes: Vec<u8>,
 }
 
@@ -260,12 +262,7 @@ impl Pq {
         });
         parts.sort_by_key(|part| part.index);
         let centroids = parts.iter().flat_map(|part| part.centroids.iter().copied()).collect();
-        let mut codes = vec![0u8; n * m];
-        for part in &parts {
-            for (t, &code) in part.codes.iter().enumerate() {
-                codes[t * m + part.index] = code;
-            }
-        }
+        let codes = parts.into_iter().flat_map(|part| part.codes).collect();
         Ok(Pq { tokens: n as u32, dim: d, params: *p, centroids, codes })
     }
 
@@ -276,8 +273,8 @@ impl Pq {
     /// Token `t`'s key as its codes reconstruct it.
     pub fn reconstruct(&self, t: u32) -> Vec<f32> {
         let s = self.shape();
-        let codes = &self.codes[t as usize * s.m..(t as usize + 1) * s.m];
-        let row = |j: usize| j * s.k + codes[j] as usize;
+        let n = self.tokens as usize;
+        let row = |j: usize| j * s.k + self.codes[j * n + t as usize] as usize;
         (0..s.m)
             .flat_map(|j| self.centroids[row(j) * s.sub()..(row(j) + 1) * s.sub()].iter().map(|x| x.to_f32()))
             .collect()
@@ -289,12 +286,19 @@ impl Pq {
         one_query(&c, &k, self.shape(), q, prefix)
     }
 
+    /// [`Pq::token_scores`] of each query of `queries` (rows of the index's dimension), in
+    /// one pass over the codes.
+    pub fn token_scores_many(&self, queries: &[f32], prefix: Option<u32>) -> Result<GroupScan, BufferError> {
+        let (c, k) = self.mem();
+        token_scores(&c, &k, self.shape(), queries, prefix)
+    }
+
     /// The meta block, the centroid blocks, then the code blocks, for blocks of `payload`
     /// bytes.
     pub fn payloads(&self, payload: usize) -> Result<Vec<Vec<u8>>, String> {
         let s = self.shape();
         let (cper, cblocks) = pack(bytemuck::cast_slice(&self.centroids), 2 * s.sub(), payload, "pq centroid")?;
-        let (tper, tblocks) = pack(&self.codes, s.m, payload, "pq code")?;
+        let (tper, tblocks) = pack(&self.token_major(), s.m, payload, "pq code")?;
         let tblocks = tblocks.iter().map(|block| subspace_major(block, s.m));
         let meta = PqMeta {
             version: PQ_VERSION,
@@ -307,15 +311,27 @@ impl Pq {
         Ok(std::iter::once(meta.encode()).chain(cblocks).chain(tblocks).collect())
     }
 
+    /// Every token's codes side by side, as code blocks are packed before their layout.
+    fn token_major(&self) -> Vec<u8> {
+        let (n, m) = (self.tokens as usize, self.params.m as usize);
+        let mut out = vec![0u8; n * m];
+        for (j, sub) in self.codes.chunks_exact(n.max(1)).enumerate() {
+            for (t, &code) in sub.iter().enumerate() {
+                out[t * m + j] = code;
+            }
+        }
+        out
+    }
+
     fn shape(&self) -> Shape {
-        let (m, layout) = (self.params.m as usize, CodeLayout::TokenMajor);
         Shape {
             tokens: self.tokens,
             dim: self.dim,
-            m,
+            m: self.params.m as usize,
             k: 1 << self.params.bits,
-            layout,
-            per_block: self.tokens as usize,
+            layout: CodeLayout::SubspaceMajor,
+            // One block of every token (at least one, so that no context divides by zero).
+            per_block: (self.tokens as usize).max(1),
         }
     }
     fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>) {
@@ -406,11 +422,18 @@ fn token_scores(
     let mut luts = vec![0.0f32; nq * s.m * s.k];
     centroids.visit(0..s.m * s.k, &mut stats, &mut |first, bytes| {
         let rows: &[f16] = bytemuck::cast_slice(bytes);
-        for (i, row) in rows.chunks_exact(sub).enumerate() {
-            let j = (first + i) / s.k;
+        let end = first + rows.len() / sub;
+        // The rows of each subspace in this block.
+        let mut at = first;
+        while at < end {
+            let j = at / s.k;
+            let upto = end.min((j + 1) * s.k);
+            let part = &rows[(at - first) * sub..(upto - first) * sub];
             for (t, q) in queries.chunks_exact(s.dim).enumerate() {
-                luts[t * s.m * s.k + first + i] = ctxfs_kernels::dot(row, &q[j * sub..(j + 1) * sub]);
+                let lut = &mut luts[t * s.m * s.k..(t + 1) * s.m * s.k];
+                ctxfs_kernels::pq_table(part, &q[j * sub..(j + 1) * sub], &mut lut[at..upto]);
             }
+            at = upto;
         }
         Ok(())
     })?;
