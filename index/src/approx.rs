@@ -15,6 +15,7 @@
 //! ([`crate::target::estimate`]); when the estimate misses, a refined target
 //! ([`MassTarget::refined`]) widens the candidates.
 
+use crate::coarse::reaching;
 use crate::target::MassTarget;
 
 /// How many root-mean-square errors of the approximation below the approximate cut the
@@ -40,8 +41,7 @@ pub fn margin(exact: &[f32], approx: &[f32]) -> f32 {
 /// one per key) reaches the cut that meets `t` on the approximate scores, lowered by
 /// `margin`. `window_max` is the best exact score of the caller's window (−∞ without one).
 pub fn candidates(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> Vec<u32> {
-    let cut = lowered_cut(approx, window_max, t, margin);
-    (0u32..).zip(approx).filter(|&(_, &a)| a >= cut).map(|(t, _)| t).collect()
+    reaching(approx, lowered_cut(approx, window_max, t, margin))
 }
 
 /// The cut that meets `t` on the approximate scores `approx`, lowered by `margin`.
@@ -92,8 +92,9 @@ pub fn attended<E>(
 /// How many root-mean-square errors of the codes over the keys found in a range the next
 /// round of [`in_range`] reaches below it. On the generator and SmolLM2's code, prose and
 /// structured text at 32K tokens, and the generator at 128K (`ctxfs bench search`,
-/// `pq diprs`), 1 found 0.95–0.99 of the DIPR set, 2 found 0.99–1.00 for about a third more
-/// keys scored.
+/// `pq diprs`, β = 5·√d): 1 found 0.95–0.99 of the DIPR set; 1.5 found 0.98–1.00, scoring
+/// at most 4.9% of the keys at 32K; 2 found 0.99–1.00 but scored 5.4–5.6% on the generator
+/// and structured text at 32K.
 pub const RANGE_MARGIN_SIGMAS: f32 = 1.5;
 
 /// Rounds of [`in_range`] at most: the first from the caller's margin, the others from the
@@ -131,8 +132,8 @@ pub fn in_range<E>(
         if cut >= scored_down_to {
             break;
         }
-        let ids: Vec<u32> =
-            (0u32..).zip(approx).filter(|&(_, &a)| a >= cut && a < scored_down_to).map(|(t, _)| t).collect();
+        let mut ids = reaching(approx, cut);
+        ids.retain(|&t| approx[t as usize] < scored_down_to);
         scored_down_to = cut;
         let scores = score(&ids)?;
         best = scores.iter().copied().fold(best, f32::max);

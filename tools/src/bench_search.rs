@@ -650,14 +650,14 @@ fn run_group(
     Ok(out)
 }
 
-/// The seeds' exact scores of `q` (every [`SEED_STRIDE`]-th key: the resident sample the
-/// codes' margin is measured on) and that margin ([`approx::margin`]) against the codes'
-/// approximate scores `approx`.
+/// The seeds' exact scores of `q` (every [`SEED_STRIDE`]-th key, from the seed table in one
+/// sequential scan, as sessions score them: the resident sample the codes' margin is
+/// measured on) and that margin ([`approx::margin`]) against the codes' approximate scores
+/// `approx`.
 fn codes_margin(keys: &MemKeys, q: &[f32], approx: &[f32], stats: &mut SearchStats) -> Result<(Vec<f32>, f32)> {
-    let seed_ids: Vec<u32> = (0..keys.len()).step_by(SEED_STRIDE as usize).collect();
-    let mut seeds = vec![0.0f32; seed_ids.len()];
-    keys.score(&seed_ids, q, &mut seeds, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let seed_approx: Vec<f32> = seed_ids.iter().map(|&t| approx[t as usize]).collect();
+    let mut seeds = Vec::new();
+    keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let seed_approx: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
     let margin = approx::margin(&seeds, &seed_approx);
     Ok((seeds, margin))
 }

@@ -274,22 +274,9 @@ fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> 
 
 /// The `k` best tokens by `scores` (ties: the lower id), ascending.
 pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
-    // A run of 16 scores is tested in one branch-free pass (total order as integers), and
-    // only a run that holds a score reaching the cut is looked at score by score.
-    let reaching = |cut: f32| -> Vec<u32> {
-        let cut = total_order_key(cut);
-        let mut ids = Vec::new();
-        for (r, run) in scores.chunks(16).enumerate() {
-            if run.iter().fold(false, |any, &s| any | (total_order_key(s) >= cut)) {
-                let first = (r * 16) as u32;
-                ids.extend((first..).zip(run).filter(|(_, &s)| total_order_key(s) >= cut).map(|(t, _)| t));
-            }
-        }
-        ids
-    };
     // The k best are among the scores that reach any cut at least k of them reach: a cut
     // from a sample leaves a few times k to choose from instead of every score.
-    let mut ids = match sample_cut(scores, k).map(reaching) {
+    let mut ids = match sample_cut(scores, k).map(|cut| reaching(scores, cut)) {
         Some(ids) if ids.len() >= k => ids,
         _ => (0..scores.len() as u32).collect(),
     };
@@ -299,6 +286,21 @@ pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
         ids.truncate(k);
     }
     ids.sort_unstable();
+    ids
+}
+
+/// The tokens whose score reaches `cut` in [`f32::total_cmp`]'s order, ascending. A run of
+/// 16 scores is tested in one branch-free pass (total order as integers), and only a run
+/// that holds a score reaching the cut is looked at score by score.
+pub fn reaching(scores: &[f32], cut: f32) -> Vec<u32> {
+    let cut = total_order_key(cut);
+    let mut ids = Vec::new();
+    for (r, run) in scores.chunks(16).enumerate() {
+        if run.iter().fold(false, |any, &s| any | (total_order_key(s) >= cut)) {
+            let first = (r * 16) as u32;
+            ids.extend((first..).zip(run).filter(|(_, &s)| total_order_key(s) >= cut).map(|(t, _)| t));
+        }
+    }
     ids
 }
 
