@@ -1053,8 +1053,7 @@ impl Session {
         let (index, seg) = (&r.index, &r.seg);
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
-        let seed_approx: Vec<f32> = (0..seeds.len()).map(|j| approx[j * SEED_STRIDE as usize]).collect();
-        let margin = approx::margin(&seeds, &seed_approx);
+        let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
             let mut scores = vec![0.0; ids.len()];
             index.score(ids, q, &mut scores, stats)?;

@@ -29,12 +29,24 @@ pub const MARGIN_SIGMAS: f32 = 1.0;
 /// The margin for one query: [`MARGIN_SIGMAS`] times the root mean square of `approx − exact`
 /// over calibration keys (0 without any).
 pub fn margin(exact: &[f32], approx: &[f32]) -> f32 {
+    MARGIN_SIGMAS * rms_error(exact, approx)
+}
+
+/// [`margin`] on the seeds: `seeds` are the exact scores of every `stride`-th key, `approx`
+/// every key's approximate score.
+pub fn seed_margin(seeds: &[f32], approx: &[f32], stride: u32) -> f32 {
+    let seed_approx: Vec<f32> = approx.iter().step_by(stride as usize).copied().collect();
+    margin(seeds, &seed_approx)
+}
+
+/// The root mean square of `approx − exact` (0 over none).
+fn rms_error(exact: &[f32], approx: &[f32]) -> f32 {
     let n = exact.len().min(approx.len());
     if n == 0 {
         return 0.0;
     }
     let sum: f64 = exact.iter().zip(approx).map(|(&s, &a)| (f64::from(a) - f64::from(s)).powi(2)).sum();
-    MARGIN_SIGMAS * (sum / n as f64).sqrt() as f32
+    (sum / n as f64).sqrt() as f32
 }
 
 /// The candidates of a mass target, ascending: every key whose approximate score (`approx`,
@@ -138,10 +150,9 @@ pub fn in_range<E>(
         let scores = score(&ids)?;
         best = scores.iter().copied().fold(best, f32::max);
         pairs.extend(ids.into_iter().zip(scores));
-        let in_range: Vec<(f32, f32)> =
-            pairs.iter().filter(|p| p.1 >= best - beta).map(|&(t, s)| (s, approx[t as usize])).collect();
-        let (exact, approximate): (Vec<f32>, Vec<f32>) = in_range.into_iter().unzip();
-        let wanted = RANGE_MARGIN_SIGMAS / MARGIN_SIGMAS * self::margin(&exact, &approximate);
+        let (exact, approximate): (Vec<f32>, Vec<f32>) =
+            pairs.iter().filter(|p| p.1 >= best - beta).map(|&(t, s)| (s, approx[t as usize])).unzip();
+        let wanted = RANGE_MARGIN_SIGMAS * rms_error(&exact, &approximate);
         if wanted <= margin {
             break;
         }

@@ -240,6 +240,11 @@ impl Method {
             _ => None,
         }
     }
+    /// Whether the method chooses from metadata and then reads its candidates' keys to
+    /// score them exactly (a coarse index, or codes).
+    fn scores_candidates(self) -> bool {
+        matches!(self, Method::Coarse { .. } | Method::CodesTarget { .. } | Method::CodesRange { .. })
+    }
     fn beta(self, reference: f32) -> f32 {
         match self {
             Method::Flat { beta, .. }
@@ -652,13 +657,12 @@ fn run_group(
 
 /// The seeds' exact scores of `q` (every [`SEED_STRIDE`]-th key, from the seed table in one
 /// sequential scan, as sessions score them: the resident sample the codes' margin is
-/// measured on) and that margin ([`approx::margin`]) against the codes' approximate scores
-/// `approx`.
+/// measured on) and that margin ([`approx::seed_margin`]) against the codes' approximate
+/// scores `approx`.
 fn codes_margin(keys: &MemKeys, q: &[f32], approx: &[f32], stats: &mut SearchStats) -> Result<(Vec<f32>, f32)> {
     let mut seeds = Vec::new();
     keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let seed_approx: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
-    let margin = approx::margin(&seeds, &seed_approx);
+    let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
     Ok((seeds, margin))
 }
 
@@ -966,14 +970,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                         blocks.sort_unstable();
                         blocks.dedup();
                         // Coarse and code rows read key blocks for exact scores as well.
-                        let per_block = if matches!(
-                            method,
-                            Method::Coarse { .. } | Method::CodesTarget { .. } | Method::CodesRange { .. }
-                        ) {
-                            2
-                        } else {
-                            1
-                        };
+                        let per_block = if method.scores_candidates() { 2 } else { 1 };
                         let selected: Vec<u32> = window.ids.iter().copied().chain(retrieved.iter().copied()).collect();
                         let z: Vec<f32> = selected.iter().map(|&t| all[qi][t as usize]).collect();
                         let mut part = attend(&selected, &z, &ix.values, d, scale);

@@ -160,11 +160,17 @@ impl Records for PagedRecords<'_> {
 
 /// Packs records (`size` bytes each) into block payloads: how many fit a block, and the blocks.
 fn pack(bytes: &[u8], size: usize, payload: usize, what: &str) -> Result<(u32, Vec<Vec<u8>>), String> {
-    let per = payload / size;
-    if per == 0 {
-        return Err(format!("a {what} record of {size} bytes does not fit a block payload of {payload} bytes"));
+    let per = records_per_block(size, payload, what)?;
+    Ok((per, bytes.chunks(per as usize * size).map(<[u8]>::to_vec).collect()))
+}
+
+/// How many records of `size` bytes a block payload of `payload` bytes holds (at least one,
+/// or why not).
+fn records_per_block(size: usize, payload: usize, what: &str) -> Result<u32, String> {
+    match payload / size {
+        0 => Err(format!("a {what} record of {size} bytes does not fit a block payload of {payload} bytes")),
+        per => Ok(per as u32),
     }
-    Ok((per as u32, bytes.chunks(per * size).map(<[u8]>::to_vec).collect()))
 }
 
 /// A meta block: magic, version, then `fields` as little-endian u32.

@@ -48,7 +48,7 @@
 //! keys' inner products ([`ctxfs_kernels::PqLut::max_error`]).
 
 use super::{check_queries, check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
-use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
+use super::{records_per_block, run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
 use crate::flat::GroupScan;
 use crate::mem::MemKeys;
 use crate::source::Keys;
@@ -298,8 +298,8 @@ impl Pq {
     pub fn payloads(&self, payload: usize) -> Result<Vec<Vec<u8>>, String> {
         let s = self.shape();
         let (cper, cblocks) = pack(bytemuck::cast_slice(&self.centroids), 2 * s.sub(), payload, "pq centroid")?;
-        let (tper, tblocks) = pack(&self.token_major(), s.m, payload, "pq code")?;
-        let tblocks = tblocks.iter().map(|block| subspace_major(block, s.m));
+        let tper = records_per_block(s.m, payload, "pq code")?;
+        let tblocks = self.code_blocks(tper as usize);
         let meta = PqMeta {
             version: PQ_VERSION,
             tokens: self.tokens,
@@ -311,16 +311,17 @@ impl Pq {
         Ok(std::iter::once(meta.encode()).chain(cblocks).chain(tblocks).collect())
     }
 
-    /// Every token's codes side by side, as code blocks are packed before their layout.
-    fn token_major(&self) -> Vec<u8> {
-        let (n, m) = (self.tokens as usize, self.params.m as usize);
-        let mut out = vec![0u8; n * m];
-        for (j, sub) in self.codes.chunks_exact(n.max(1)).enumerate() {
-            for (t, &code) in sub.iter().enumerate() {
-                out[t * m + j] = code;
-            }
-        }
-        out
+    /// Code blocks of `per` tokens each, subspace-major within a block (PQ layout version
+    /// 2), cut from the codes held subspace-major over all tokens.
+    fn code_blocks(&self, per: usize) -> Vec<Vec<u8>> {
+        let n = self.tokens as usize;
+        (0..n)
+            .step_by(per)
+            .map(|first| {
+                let last = (first + per).min(n);
+                self.codes.chunks_exact(n).flat_map(|sub| &sub[first..last]).copied().collect()
+            })
+            .collect()
     }
 
     fn shape(&self) -> Shape {
