@@ -114,7 +114,7 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             assert_eq!((auto.choice.label(), auto.choice.error_target), ("flat".into(), Some(0.02)));
             assert!(auto.heads.iter().all(|h| h.estimated_error.is_some()));
             let lean = lean.attention(layer, &q).unwrap();
-            assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "diprs" });
+            assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "graph-diprs" });
             let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
             for (qh, r) in auto.heads.iter().enumerate() {
                 recall += dipr_recall(&b, layer, qh, &q, beta, &r.selected);
@@ -126,10 +126,8 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     let recall = recall / queries as f64;
     let scored = scored as f64 / queries as f64 / N as f64;
     println!("DIPRS: DIPR recall {recall:.3}, keys scored {:.1}%", scored * 100.0);
-    // A regression floor below what this 8K book measures (the test prints it; 0.944 at
-    // 10.5% scored with a graph climb of 16 from the seeds; the generator is calibrated on
-    // AlayaDB Fig. 5). The 0.95 goal is measured at 128K by `ctxfs bench search`.
-    assert!(recall >= 0.90, "DIPR recall {recall}");
+    // The range found on the codes holds nearly all of it (the test prints it).
+    assert!(recall >= 0.95, "DIPR recall {recall}");
 }
 
 #[test]
@@ -145,10 +143,12 @@ fn a_partial_prefix_session_uses_only_tokens_below_p() {
     let below: Vec<u32> = (0..p as u32).collect();
     for layer in 0..2 {
         let q = b.decode_step(layer, 1);
-        for plan in [Plan::Diprs, Plan::Topk, Plan::Flat, Plan::Full, Plan::Quest, Plan::Infllm, Plan::Pq] {
+        let plans =
+            [Plan::Diprs, Plan::GraphDiprs, Plan::Topk, Plan::Flat, Plan::Full, Plan::Quest, Plan::Infllm, Plan::Pq];
+        for plan in plans {
             let a = session.attention_with(layer, &q, &opts(plan, 40.0)).unwrap();
             assert!(a.heads.iter().all(|h| h.selected.iter().all(|&t| (t as usize) < p)), "{plan:?} left the prefix");
-            if matches!(plan, Plan::Diprs | Plan::Flat) {
+            if matches!(plan, Plan::Diprs | Plan::GraphDiprs | Plan::Flat) {
                 // The tail estimate samples the prefix only.
                 let tailed = AttentionOptions { tail: Some(true), ..opts(plan, 40.0) };
                 let t = session.attention_with(layer, &q, &tailed).unwrap();
@@ -402,15 +402,16 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
             let a = session.attention_with(0, &q, &opts(plan, beta)).unwrap();
             assert!(rel_err(&a.output, &want) <= 1e-3, "{plan:?}: {}", rel_err(&a.output, &want));
         }
+        // Without codes (a bf16 context stores none), DIPRS walks the graph.
         let a = session.attention_with(0, &q, &opts(Plan::Diprs, 40.0)).unwrap();
-        assert!(a.heads.iter().all(|h| h.stats.keys_scored < n as u64), "DIPRS searches, not scans");
+        assert!(a.heads.iter().all(|h| h.stats.keys_scored < n as u64 && h.stats.hops > 0), "DIPRS walks the graph");
     }
     // A coarse plan needs metadata a bf16 context does not store: refused, not wrong.
     let err = session.attention_with(0, &b.decode_step(0, 0), &opts(Plan::Quest, 0.0)).unwrap_err().to_string();
     assert!(err.contains("no quest index"), "{err}");
 }
 
-/// A session's DIPRS search starts from the tokens the same q head's last search returned
+/// A session's graph DIPRS search starts from the tokens the same q head's last search returned
 /// (decode queries drift slowly): the beam that finds the best region is skipped, and the
 /// answers are at least as complete as searches that start afresh.
 #[test]
@@ -426,9 +427,9 @@ fn a_decode_step_starts_from_the_last_steps_tokens() {
     let (mut recall, mut hops, mut scored) = ([0.0f64; 2], [0u64; 2], [0u64; 2]);
     for step in 0..8 {
         let q = b.decode_step(layer, step);
-        let cold = AttentionOptions { warm_start: false, ..opts(Plan::Diprs, beta) };
+        let cold = AttentionOptions { warm_start: false, ..opts(Plan::GraphDiprs, beta) };
         let answers = [
-            warm.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap(),
+            warm.attention_with(layer, &q, &opts(Plan::GraphDiprs, beta)).unwrap(),
             afresh.attention_with(layer, &q, &cold).unwrap(),
         ];
         if step == 0 {
@@ -474,7 +475,7 @@ fn the_tail_estimate_brings_dipr_answers_closer_to_exact_attention() {
         for step in 0..4 {
             let q = b.decode_step(layer, step);
             let want = exact_layer(&b, layer, &q, &all, None);
-            for plan in [Plan::Diprs, Plan::Flat] {
+            for plan in [Plan::Diprs, Plan::GraphDiprs, Plan::Flat] {
                 // A forced plan gives the bare DIPR answer unless asked for the estimate.
                 // Each search afresh, so both retrieve the same tokens.
                 let bare = AttentionOptions { warm_start: false, ..opts(plan, beta) };
@@ -497,7 +498,7 @@ fn the_tail_estimate_brings_dipr_answers_closer_to_exact_attention() {
             }
             // The optimizer's plans estimate the tail, and retrieve at most its budget.
             let auto = lean.attention(layer, &q).unwrap();
-            assert_eq!(auto.choice.label(), if layer == 0 { "flat" } else { "diprs" });
+            assert_eq!(auto.choice.label(), if layer == 0 { "flat" } else { "graph-diprs" });
             assert!(auto.heads.iter().all(|h| h.tail_seeds > 0 && h.retrieved <= 1024), "{:?}", auto.heads[0]);
         }
     }
@@ -586,8 +587,8 @@ fn real_prose(dir: &Path) -> (std::path::PathBuf, Db, SafetensorsKv) {
     (store, db, src)
 }
 
-/// The DIPR range found on the PQ codes (`pq-diprs`) on real attention: it holds nearly all
-/// of the range that exact scores give, more than DIPRS finds on the graph, while scoring
+/// DIPRS on real attention, found on the PQ codes: it holds nearly all of the range that
+/// exact scores give, more than the walk of the graph (`graph-diprs`) finds, while scoring
 /// only a small share of the keys exactly.
 #[test]
 fn the_dipr_range_on_the_codes_holds_on_real_attention() {
@@ -602,7 +603,7 @@ fn the_dipr_range_on_the_codes_holds_on_real_attention() {
     let keys: Vec<Vec<f32>> = (0..kv).map(|h| widen(&to_halves(&src.keys(0, h).unwrap()))).collect();
     let decode: Vec<Vec<Vec<f32>>> = (0..kv).map(|h| src.decode_queries(0, h).unwrap().unwrap()).collect();
     // Per plan: the summed recall, the answers, and the keys scored.
-    let plans = [Plan::PqDiprs, Plan::Diprs];
+    let plans = [Plan::Diprs, Plan::GraphDiprs];
     let mut sums = [(0.0f64, 0usize, 0u64); 2];
     for step in 0..8 {
         let q: Vec<f32> = decode

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A peer, side by side: ctxfs's query-guided graph (DIPRS) against a standard HNSW (faiss,
+"""A peer, side by side: ctxfs's query-guided graph (graph DIPRS) against a standard HNSW (faiss,
 inner product) on the same generated attention, reporting DIPR recall against keys scored.
 
 Both get the same window (the first 128 and last 512 tokens), and recall is measured on the
@@ -50,7 +50,7 @@ def main():
     run([a.ctxfs, "import", store, ctx, "--name", "peer"])
     import_s = time.time() - t
     ours = [json.loads(l) for l in run([a.ctxfs, "query", store, "--context", "peer", "--queries", queries,
-                                        "--layer", str(layer), "--mode", "diprs", "--beta", str(beta), "--json"]).splitlines()]
+                                        "--layer", str(layer), "--mode", "graph-diprs", "--beta", str(beta), "--json"]).splitlines()]
 
     keys_all = load_file(ctx)[f"layers.{layer}.k"].astype(np.float32)  # [kv, n, d]
     q_all = load_file(queries)[f"layers.{layer}.q"].astype(np.float32)  # [q_heads, m, d]
@@ -86,7 +86,7 @@ def main():
                     found = set(ids[0][ids[0] >= 0].tolist()) | win
                     hnsw[ef]["recall"].append(len(dipr & found) / len(dipr))
                     hnsw[ef]["scored"].append(faiss.cvar.hnsw_stats.ndis / n)
-    rows = [{"method": "ctxfs DIPRS (query-guided graph)", "dipr_recall": float(np.mean(mine["recall"])),
+    rows = [{"method": "ctxfs graph DIPRS (query-guided graph)", "dipr_recall": float(np.mean(mine["recall"])),
              "keys_scored_fraction": float(np.mean(mine["scored"]))}]
     rows += [{"method": f"HNSW ef={ef}", "dipr_recall": float(np.mean(v["recall"])),
               "keys_scored_fraction": float(np.mean(v["scored"]))} for ef, v in hnsw.items()]

@@ -8,8 +8,18 @@ pub enum Plan {
     Full,
     /// The exact DIPR set, by scanning every key with the SIMD kernels.
     Flat,
-    /// The dynamic inner-product range search on the graph index.
+    /// The dynamic inner-product range search (DIPRS): every key within β of the best
+    /// score. Found on the PQ scan codes where the context stores them: every key whose
+    /// approximate score reaches the range less the codes' error margin is scored exactly
+    /// (`ctxfs_index::approx::in_range`). On real attention this finds 0.99 of the range
+    /// where the graph's walk finds 0.88–0.93 (`ctxfs bench search --data`: `diprs` against
+    /// `graph diprs`), but it scans every code, so the optimizer walks the graph instead. A
+    /// context stored without codes is searched on the graph ([`Plan::GraphDiprs`]).
     Diprs,
+    /// DIPRS as a walk of the graph index from its seeds (AlayaDB's). It scores fewer keys
+    /// than the codes scan on long contexts (9.7× the flat plan at 128K on the generator,
+    /// where the codes are 3.4×), but misses more of the range on real attention.
+    GraphDiprs,
     /// Beam search for the `k` best keys.
     Topk,
     /// Quest: the pages whose per-channel key bounds score best, up to a token budget.
@@ -18,12 +28,6 @@ pub enum Plan {
     Infllm,
     /// PQCache: the tokens whose product-quantised keys score best, up to a token budget.
     Pq,
-    /// The DIPR range found on the PQ scan codes instead of the graph: the candidates down
-    /// to the codes' error margin below the range, scored exactly (`ctxfs_index::approx::
-    /// in_range`). On real attention it finds 0.99 of the range where the graph finds
-    /// 0.88–0.93 (`ctxfs bench search --data`, `pq diprs`), but it scores every code, so
-    /// it is slower than the graph on long contexts. Forced only.
-    PqDiprs,
 }
 
 impl Plan {
@@ -32,11 +36,11 @@ impl Plan {
             Plan::Full => "full",
             Plan::Flat => "flat",
             Plan::Diprs => "diprs",
+            Plan::GraphDiprs => "graph-diprs",
             Plan::Topk => "topk",
             Plan::Quest => "quest",
             Plan::Infllm => "infllm",
             Plan::Pq => "pq",
-            Plan::PqDiprs => "pq-diprs",
         }
     }
 
@@ -56,9 +60,11 @@ impl std::str::FromStr for Plan {
             "topk" => Ok(Plan::Topk),
             "quest" => Ok(Plan::Quest),
             "infllm" => Ok(Plan::Infllm),
+            "graph-diprs" => Ok(Plan::GraphDiprs),
             "pq" => Ok(Plan::Pq),
-            "pq-diprs" => Ok(Plan::PqDiprs),
-            _ => Err(format!("unknown plan {s:?} (expected full, flat, diprs, topk, quest, infllm, pq or pq-diprs)")),
+            _ => {
+                Err(format!("unknown plan {s:?} (expected full, flat, diprs, graph-diprs, topk, quest, infllm or pq)"))
+            }
         }
     }
 }
@@ -75,14 +81,15 @@ pub struct Rules {
     pub dipr_budget: usize,
     /// The same cap when the plan estimates the tail from the seed sample
     /// (`AttentionOptions::tail`): the tokens left out are then estimated, not lost, so far
-    /// fewer need retrieving, and DIPRS narrows a diffuse range to about this many instead
+    /// fewer need retrieving, and graph DIPRS narrows a diffuse range to about this many instead
     /// of exploring what the cap would drop (docs/architecture.md, "The tail estimate").
     pub dipr_tail_budget: usize,
     /// Reused prefixes of at most this many tokens are served by the flat scan with the
     /// error target `error_target`: the scan knows every score, so it cuts each query's range
     /// where the target asks, and on real attention it is within a small factor of DIPRS's
-    /// speed there (`ctxfs bench search --data`: DIPRS 1.1–2.9× faster than the flat plan at
-    /// 8K–32K tokens). Beyond it a scan's cost grows with the context and DIPRS serves.
+    /// speed there (`ctxfs bench search --data`: graph DIPRS 0.9–2.3×, DIPRS on the codes
+    /// 1.1–1.7× the flat plan's speed at 8K–32K tokens). Beyond it a scan's cost grows with
+    /// the context and graph DIPRS serves.
     pub scan_context: u32,
     /// The output error the optimizer's scan plans target (`AttentionOptions::target_error`).
     /// On SmolLM2-135M's 8K contexts (`python -m ctxfs.bench_model`, docs/benchmarks.md)
@@ -175,12 +182,16 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
         // Quest is the best of the coarse types at equal budgets (`ctxfs bench search`: at a
         // 1K budget, DIPR recall 0.888 against InfLLM's 0.841 and PQ m=2 b=6's 0.428).
         None if s.ample => (Plan::Quest, "ample memory budget: coarse pages"),
-        None if s.filtered => (Plan::Diprs, "partial prefix reuse: filtered search"),
-        None => (Plan::Diprs, "long context"),
+        // The graph's walk, not the codes' scan: the walk scores a few thousand keys, where the
+        // codes rescore the budget's best candidates after scanning every code. In `ctxfs bench
+        // decode` the walk's 32-layer step is 0.16 s; choosing the same budget on the codes made
+        // it 0.47–0.50 s, for DIPR recall 0.94 against 0.85 and output error 0.111 against 0.130.
+        None if s.filtered => (Plan::GraphDiprs, "partial prefix reuse: filtered search"),
+        None => (Plan::GraphDiprs, "long context"),
     };
     let unforced = request.forced.is_none();
     let error_target = match (request.error_target, plan) {
-        (Some(e), Plan::Flat | Plan::Diprs | Plan::Pq) => Some(e),
+        (Some(e), Plan::Flat | Plan::Diprs | Plan::GraphDiprs | Plan::Pq) => Some(e),
         (None, Plan::Flat) if unforced && s.prefix <= rules.scan_context => Some(rules.error_target),
         (None, Plan::Pq) if unforced && s.compact && s.prefix <= rules.scan_context => Some(rules.error_target),
         _ => None,
@@ -206,8 +217,8 @@ mod tests {
         let scanned = choose(&r, 3, at(32_768, true, true), Request::default());
         assert_eq!((scanned.label(), scanned.error_target), ("flat+prefix".to_string(), Some(r.error_target)));
         let c = choose(&r, 3, at(100_000, true, false), Request::default());
-        assert_eq!((c.plan, c.label()), (Plan::Diprs, "diprs+prefix".to_string()));
-        assert_eq!(choose(&r, 3, at(100_000, false, false), Request::default()).label(), "diprs");
+        assert_eq!((c.plan, c.label()), (Plan::GraphDiprs, "graph-diprs+prefix".to_string()));
+        assert_eq!(choose(&r, 3, at(100_000, false, false), Request::default()).label(), "graph-diprs");
         assert_eq!(choose(&r, 3, at(100_000, false, true), Request::default()).label(), "quest");
         assert_eq!(choose(&r, 0, at(100_000, false, true), Request::default()).label(), "flat");
         let forced = |p| Request { forced: Some(p), error_target: None };
@@ -233,7 +244,7 @@ mod tests {
         assert_eq!(choose(&r, 3, compact, forced(Plan::Pq)).error_target, None);
         assert_eq!("topk".parse::<Plan>(), Ok(Plan::Topk));
         assert_eq!("pq".parse::<Plan>(), Ok(Plan::Pq));
-        assert_eq!("pq-diprs".parse::<Plan>().map(Plan::name), Ok("pq-diprs"));
+        assert_eq!("graph-diprs".parse::<Plan>().map(Plan::name), Ok("graph-diprs"));
         assert!("nope".parse::<Plan>().is_err());
     }
 }

@@ -72,8 +72,8 @@ pub struct AttentionOptions {
     pub plan: Option<Plan>,
     /// DIPR range below the best inner product, in inner-product units.
     pub beta: f32,
-    /// The width of DIPRS's optional best-first climb through the graph before its range
-    /// phase ([`DiprsParams::l0`]; 0, the default: none).
+    /// The width of graph DIPRS's optional best-first climb through the graph before its
+    /// range phase ([`DiprsParams::l0`]; 0, the default: none).
     pub l0: usize,
     /// Tokens top-k retrieves beyond the window.
     pub k: usize,
@@ -85,10 +85,10 @@ pub struct AttentionOptions {
     pub detail: bool,
     /// Attend the window on the CPU even when the DB has a GPU.
     pub cpu_only: bool,
-    /// Start each DIPRS search from the best tokens the same q head's last DIPRS search in
-    /// this layer returned ([`ctxfs_index::search::diprs_from`]): critical tokens repeat
-    /// from one decode step to the next. `false`: every search starts afresh, so a call's
-    /// answer does not depend on the calls before it.
+    /// Start each graph DIPRS search ([`Plan::GraphDiprs`]) from the best tokens the same q
+    /// head's last one in this layer returned ([`ctxfs_index::search::diprs_from`]):
+    /// critical tokens repeat from one decode step to the next. `false`: every search starts
+    /// afresh, so a call's answer does not depend on the calls before it.
     pub warm_start: bool,
     /// Estimate the softmax over the tokens a DIPR plan (DIPRS, flat) neither retrieved nor
     /// holds in the window, from the seed sample its index stores (every 96th token's key
@@ -103,9 +103,11 @@ pub struct AttentionOptions {
     /// it, the answer's error is then estimated from the values read and the tail estimate
     /// (`ctxfs_index::target`), and while the estimate misses, the range is widened by how
     /// far it missed (at most `ctxfs_index::target::REFINEMENTS` times). The optimizer serves
-    /// it with the flat scan, which cuts the range exactly; a forced DIPRS plan estimates the
-    /// cut from its seeds. `beta` and the optimizer's token budgets do not apply; a caller's
-    /// `budget` still does. The optimizer's own scan plans carry `Rules::error_target`.
+    /// it with the flat scan, which cuts the range exactly; forced DIPRS and pq plans take the
+    /// candidates of the codes' error margin (`ctxfs_index::approx`), and graph DIPRS
+    /// estimates the cut from its seeds. `beta` and the optimizer's token budgets do not
+    /// apply; a caller's `budget` still does. The optimizer's own scan plans carry
+    /// `Rules::error_target`.
     pub target_error: Option<f32>,
 }
 
@@ -480,11 +482,6 @@ impl Session {
             if !(e.is_finite() && e > 0.0) {
                 return input(format!("the error target must be a positive number, not {e}"));
             }
-            if opts.plan == Some(Plan::PqDiprs) {
-                return input(
-                    "the pq-diprs plan finds a fixed β's range; the pq plan meets an error target on the codes",
-                );
-            }
         }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let on_gpu =
@@ -678,6 +675,7 @@ impl Session {
             .zip(&files)
             .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
+        let choice = self.on_stored_index(choice, &readers)?;
         // A flat plan scores every key for each q head of the group, and Quest every page's
         // bound: one pass over each segment's keys or pages for all of them (its time is shared
         // out as their search time).
@@ -692,7 +690,7 @@ impl Session {
                 .collect::<Result<Vec<_>>>()?,
             // The codes' approximate scores, which the candidates of an error target, or of the
             // optimizer's budget, come from.
-            Plan::Pq | Plan::PqDiprs if codes_choose(choice) => readers
+            Plan::Pq | Plan::Diprs if codes_choose(choice) => readers
                 .iter()
                 .map(|r| Ok(self.open_pq(r)?.token_scores_many(qs, r.seg.filter())?))
                 .collect::<Result<Vec<_>>>()?,
@@ -711,7 +709,7 @@ impl Session {
             let searching = Instant::now();
             let scanned: Vec<(&[f32], SearchStats)> = scans.iter().map(|s| (s.scores(i), s.stats)).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
-            let warm = choice.plan == Plan::Diprs && opts.warm_start;
+            let warm = choice.plan == Plan::GraphDiprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
             let previous = if warm { std::mem::take(&mut lock(&self.last_found)[slot]) } else { Vec::new() };
             // An error target asks for the mass left out beside the window's and own tokens'.
@@ -953,19 +951,46 @@ impl Session {
             .then(|| self.db.inner.prefetcher.submit(reqs))
     }
 
+    /// `choice` as the stored indexes can serve it: DIPRS on the graph where a segment was
+    /// stored without PQ codes (`PqCodes::Off`).
+    fn on_stored_index(&self, choice: Choice, readers: &[SegmentReader<'_>]) -> Result<Choice> {
+        if choice.plan != Plan::Diprs {
+            return Ok(choice);
+        }
+        for r in readers {
+            if self.stored_run(r, CoarseKind::Pq, choice.plan)?.is_none() {
+                return Ok(Choice { plan: Plan::GraphDiprs, ..choice });
+            }
+        }
+        Ok(choice)
+    }
+
     /// The run of a segment's coarse index of `kind`, which follows the graph index in the
     /// index stream (each run self-describing).
     fn coarse_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<&'r [BlockRequest]> {
+        match self.stored_run(r, kind, plan)? {
+            Some(run) => Ok(run),
+            None => input(format!(
+                "context {} has no {} index (stored without it); choose another --mode",
+                r.seg.context,
+                plan.name()
+            )),
+        }
+    }
+
+    /// A segment's coarse run of `kind`, if it was stored with one.
+    fn stored_run<'r>(
+        &self,
+        r: &SegmentReader<'r>,
+        kind: CoarseKind,
+        plan: Plan,
+    ) -> Result<Option<&'r [BlockRequest]>> {
         let (file, seg) = (r.file, &r.seg);
         let pool = &self.db.inner.pool;
         let mut at = r.index.layout().index_blocks() as usize;
         loop {
             if at >= file.index.len() {
-                return input(format!(
-                    "context {} has no {} index (stored without it); choose another --mode",
-                    seg.context,
-                    plan.name()
-                ));
+                return Ok(None);
             }
             let meta = pool.get(&file.index[at])?;
             let (k, blocks) = run_of(meta.payload()).map_err(|e| coarse_corrupt(seg, plan, e))?;
@@ -974,7 +999,7 @@ impl Session {
                 return Err(coarse_corrupt(seg, plan, e));
             }
             if k == kind {
-                return Ok(&file.index[at..at + blocks]);
+                return Ok(Some(&file.index[at..at + blocks]));
             }
             at += blocks;
         }
@@ -999,19 +1024,20 @@ impl Session {
     }
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it
-    /// chose (their keys are read from the graph index's key blocks). `scanned`: Quest's page
-    /// bounds of `q`, computed for its GQA group, and the work that did it (always given for
-    /// Quest).
+    /// chose (their keys are read from the graph index's key blocks): `budget` tokens beyond
+    /// the window (`COARSE_BUDGET` if none). `scanned`: Quest's page bounds of `q`, computed
+    /// for its GQA group, and the work that did it (always given for Quest).
     fn coarse(
         &self,
         r: &SegmentReader<'_>,
         plan: Plan,
         q: &[f32],
         scanned: Option<(&[f32], SearchStats)>,
-        budget: usize,
+        budget: Option<usize>,
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg) = (&r.index, &r.seg);
+        let budget = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
         let pool = &self.db.inner.pool;
         let corrupt = |e: String| coarse_corrupt(seg, plan, e);
         let selected = match plan {
@@ -1103,7 +1129,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<(Found, Vec<SeedScores>)> {
         let plan = choice.plan;
-        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::Diprs | Plan::Pq);
+        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
         let tail = estimates_tail(choice, opts) || target.is_some();
         let rules = &self.db.config().rules;
         let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
@@ -1120,7 +1146,7 @@ impl Session {
             let r: SearchResult = match plan {
                 Plan::Full => flat::dipr_of(scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
                 Plan::Flat => flat::dipr_or_target(scanned[si].0, opts.beta, best, target.as_ref(), scanned[si].1),
-                Plan::Diprs => diprs_from(
+                Plan::GraphDiprs => diprs_from(
                     index,
                     q,
                     &DiprsParams {
@@ -1140,9 +1166,14 @@ impl Session {
                     let want = opts.k + in_window as usize;
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
-                Plan::Pq if codes_choose(choice) => {
+                Plan::Quest | Plan::Infllm => self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?,
+                Plan::Pq if !codes_choose(choice) => {
+                    self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
+                }
+                Plan::Pq | Plan::Diprs => {
                     let codes = match &target {
                         Some(t) => CodesChoice::Target(t),
+                        None if plan == Plan::Diprs => CodesChoice::Range { beta: opts.beta },
                         None => CodesChoice::Best {
                             want: budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg),
                             negligible: MassTarget {
@@ -1153,14 +1184,6 @@ impl Session {
                         },
                     };
                     self.codes_select(r, q, scanned[si], best, codes, stats)?
-                }
-                Plan::PqDiprs => {
-                    let range = CodesChoice::Range { beta: opts.beta };
-                    self.codes_select(r, q, scanned[si], best, range, stats)?
-                }
-                Plan::Quest | Plan::Infllm | Plan::Pq => {
-                    let budget = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
-                    self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
                 }
             };
             *stats += r.stats;
@@ -1189,7 +1212,7 @@ impl Session {
                     .filter(|&(_, t, _)| !win.contains(prefix, t)),
             );
         }
-        if matches!(plan, Plan::Flat | Plan::Diprs | Plan::PqDiprs) {
+        if matches!(plan, Plan::Flat | Plan::Diprs | Plan::GraphDiprs) {
             // Each segment pruned against the best it knew of; the range is the global best's
             // (narrowed where a search narrowed it).
             found.retain(|f| f.2 >= best - beta);
@@ -1372,18 +1395,18 @@ struct Tail {
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
 /// optimizer chose them or the caller gave an error target.
 fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
-    (matches!(choice.plan, Plan::Diprs | Plan::Flat) || codes_choose(choice))
+    (matches!(choice.plan, Plan::Diprs | Plan::GraphDiprs | Plan::Flat) || codes_choose(choice))
         && opts.tail.unwrap_or(!choice.forced || choice.error_target.is_some())
 }
 
 /// The pq plan chooses by the codes' approximate scores with the seeds scored beside them
 /// (as a DIPR plan does, with a tail estimate) for an error target and for the optimizer's
-/// compact plans; forced without a target it is PQCache's selection of a budget. The
-/// pq-diprs plan always chooses so.
+/// compact plans; forced without a target it is PQCache's selection of a budget. DIPRS
+/// always chooses so once [`Session::on_stored_index`] has kept it (its segments have codes).
 fn codes_choose(choice: Choice) -> bool {
     match choice.plan {
         Plan::Pq => choice.error_target.is_some() || !choice.forced,
-        Plan::PqDiprs => true,
+        Plan::Diprs => true,
         _ => false,
     }
 }

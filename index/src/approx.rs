@@ -104,7 +104,7 @@ pub fn attended<E>(
 /// How many root-mean-square errors of the codes over the keys found in a range the next
 /// round of [`in_range`] reaches below it. On the generator and SmolLM2's code, prose and
 /// structured text at 32K tokens, and the generator at 128K (`ctxfs bench search`,
-/// `pq diprs`, β = 5·√d): 1 found 0.95–0.99 of the DIPR set; 1.5 found 0.98–1.00, scoring
+/// `diprs`, β = 5·√d): 1 found 0.95–0.99 of the DIPR set; 1.5 found 0.98–1.00, scoring
 /// at most 4.9% of the keys at 32K; 2 found 0.99–1.00 but scored 5.4–5.6% on the generator
 /// and structured text at 32K.
 pub const RANGE_MARGIN_SIGMAS: f32 = 1.5;

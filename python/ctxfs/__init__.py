@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Plans a call may force (``Session.attention(..., plan=...)``).
-PLANS = ("full", "flat", "diprs", "topk", "quest", "infllm", "pq", "pq-diprs")
+PLANS = ("full", "flat", "diprs", "graph-diprs", "topk", "quest", "infllm", "pq")
 
 
 def as_f32(x: Any, name: str) -> np.ndarray:

@@ -210,11 +210,12 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     out = session.attention(1, q, plan="pq", target_error=0.01)
     ref, _ = exact(q, kv_layers()[1][0], kv_layers()[1][1], 1 / np.sqrt(D))
     assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
-    # The DIPR range found on the codes: a range wide enough for every token is exact.
-    out = session.attention(1, q, plan="pq-diprs", beta=1e9)
+    # DIPRS, served compact from the codes: a range wide enough for every token is exact,
+    # and a target is met as by the pq plan.
+    out = session.attention(1, q, plan="diprs", beta=1e9)
     assert np.linalg.norm(out - ref) <= 1e-3 * np.linalg.norm(ref)
-    with pytest.raises(ctxfs.InputError, match="fixed"):
-        session.attention(1, q, plan="pq-diprs", target_error=0.01)
+    out = session.attention(1, q, plan="diprs", target_error=0.01)
+    assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
     # Below even the codes, it is refused, holding nothing.
     tiny = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["compact_over_kv"] / 2)
     with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):

@@ -9,16 +9,17 @@
 //! sums are reported too. Heads come from several generator seeds (`--seeds`); the search's
 //! defaults were tuned on seed 1 only.
 //!
-//! Besides the graph and flat searches, the coarse indexes (Quest pages, InfLLM blocks, PQ
+//! Besides the DIPRS and flat searches, the coarse indexes (Quest pages, InfLLM blocks, PQ
 //! codes at PQCache's two settings) and graph top-k select at equal token budgets (1K, 2K,
 //! 4K). DIPRS has no budget: its range sets how many tokens it returns (fewer than 1K outside
 //! the window on generated data at β = 5·√d), so graph top-k is the graph index's row at
 //! each budget. A coarse method's budget counts every token it selects, including any that
 //! the window already holds (those are attended once); top-k's counts tokens outside it.
 //!
-//! The `pq diprs` row finds the same DIPR range as DIPRS without the graph: from the
+//! The `diprs` row finds the DIPR range as `ctxfs query --mode diprs` does: from the
 //! approximate scores of PQ scan codes, the candidates scored exactly
 //! ([`ctxfs_index::approx::in_range`]); its keys scored count the seeds and the candidates.
+//! The `graph diprs` rows find it by a walk of the graph index (`--mode graph-diprs`).
 //!
 //! Bytes per query, at 4 KiB blocks: `meta` is the index metadata a selection touched (a
 //! coarse method's page bounds, representatives or codes and centroids; for graph and flat
@@ -297,15 +298,15 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
         (FLAT_ROW.into(), Method::Flat { beta, prefix: None, target: None }),
         ("topk k=100".into(), Method::Topk(100)),
         ("topk k=2000".into(), Method::Topk(2000)),
-        ("diprs beta=2·√d".into(), plain(2.0 * sqrt_d, None)),
-        ("diprs beta=3·√d".into(), plain(3.0 * sqrt_d, None)),
-        (DIPRS_ROW.into(), plain(beta, None)),
+        ("graph diprs beta=2·√d".into(), plain(2.0 * sqrt_d, None)),
+        ("graph diprs beta=3·√d".into(), plain(3.0 * sqrt_d, None)),
+        (GRAPH_ROW.into(), plain(beta, None)),
         (ALL_COLD_ROW.into(), plain(beta, None)),
         (WARM_ROW.into(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
         (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
-        (DIPRS_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
+        (GRAPH_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
         (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error }),
-        (CODES_DIPRS_ROW.into(), Method::CodesRange { beta }),
+        (DIPRS_ROW.into(), Method::CodesRange { beta }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
         let p = Some(prefix_len(n, percent) as u32);
@@ -325,32 +326,32 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
 
 /// The baseline row: the session's flat plan over all tokens.
 const FLAT_ROW: &str = "flat";
-/// The row the headline speed-up is of.
+/// The DIPR range as `ctxfs query --mode diprs` finds it: on the PQ scan codes.
 const DIPRS_ROW: &str = "diprs beta=5·√d";
-/// The row of DIPRS started from the last decode step's best tokens.
-const WARM_ROW: &str = "diprs beta=5·√d warm";
+/// The same range by a walk of the graph (`--mode graph-diprs`).
+const GRAPH_ROW: &str = "graph diprs beta=5·√d";
+/// The graph's walk started from the last decode step's best tokens.
+const WARM_ROW: &str = "graph diprs beta=5·√d warm";
 /// The rows that choose β per query to meet `--target-error`.
 const FLAT_TARGET_ROW: &str = "flat target";
-const DIPRS_TARGET_ROW: &str = "diprs target";
+const GRAPH_TARGET_ROW: &str = "graph diprs target";
 const CODES_TARGET_ROW: &str = "pq target";
-/// The row of the DIPR range found on PQ codes.
-const CODES_DIPRS_ROW: &str = "pq diprs beta=5·√d";
 /// The target rows, in the order the target table lists them.
-const TARGET_ROWS: [&str; 3] = [FLAT_TARGET_ROW, DIPRS_TARGET_ROW, CODES_TARGET_ROW];
+const TARGET_ROWS: [&str; 3] = [FLAT_TARGET_ROW, GRAPH_TARGET_ROW, CODES_TARGET_ROW];
 
 fn filtered_row(percent: usize) -> String {
-    format!("diprs filtered {percent}%")
+    format!("graph diprs filtered {percent}%")
 }
 fn prefix_graph_row(percent: usize) -> String {
-    format!("diprs {percent}% prefix graph")
+    format!("graph diprs {percent}% prefix graph")
 }
 fn flat_prefix_row(percent: usize) -> String {
     format!("flat {percent}% prefix")
 }
 
-/// The row of DIPRS timed with its code cold as well as the head's data (see
+/// The graph's walk timed with its code cold as well as the head's data (see
 /// [`WARM_UP_TOKENS`]): the bound for a search that runs after unrelated work.
-const ALL_COLD_ROW: &str = "diprs beta=5·√d all-cold";
+const ALL_COLD_ROW: &str = "graph diprs beta=5·√d all-cold";
 
 /// Tokens of the warm-up head. After the caches are flushed, each row's method first runs
 /// once on this small head, as a decode step runs it on every head and layer in turn: the
@@ -1014,8 +1015,10 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
             let mut one = label;
             one["sharpness"] = json!(sharpness);
             one["flat_us"] = json!(sum_of(FLAT_ROW));
-            one["diprs_us"] = json!(sum_of(DIPRS_ROW));
-            one["diprs_vs_flat_speedup"] = json!(ratio(sum_of(FLAT_ROW), sum_of(DIPRS_ROW)));
+            for (key, row) in [("diprs", DIPRS_ROW), ("graph_diprs", GRAPH_ROW)] {
+                one[format!("{key}_us")] = json!(sum_of(row));
+                one[format!("{key}_vs_flat_speedup")] = json!(ratio(sum_of(FLAT_ROW), sum_of(row)));
+            }
             heads_json.push(one);
             bar.inc(n as u64);
         }
@@ -1075,8 +1078,9 @@ fn report(
     let flat_row_ns = flat_total * 1e3 / steps / (n * group) as f64;
     let mut ratios = serde_json::Map::new();
     ratios.insert("diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(DIPRS_ROW))));
-    ratios.insert("diprs_warm_vs_flat_speedup".into(), json!(ratio(flat_total, total(WARM_ROW))));
-    ratios.insert("diprs_all_cold_vs_flat_speedup".into(), json!(ratio(flat_total, total(ALL_COLD_ROW))));
+    ratios.insert("graph_diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(GRAPH_ROW))));
+    ratios.insert("graph_diprs_warm_vs_flat_speedup".into(), json!(ratio(flat_total, total(WARM_ROW))));
+    ratios.insert("graph_diprs_all_cold_vs_flat_speedup".into(), json!(ratio(flat_total, total(ALL_COLD_ROW))));
     for percent in PREFIX_SHARES {
         let filtered = total(&filtered_row(percent));
         ratios.insert(
@@ -1108,7 +1112,7 @@ fn print_dataset(v: &serde_json::Value) {
         v["group"]
     );
     println!(
-        "{:<26} {:>7} {:>9} {:>9} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8}",
+        "{:<32} {:>7} {:>9} {:>9} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8}",
         "method",
         "recall",
         "recovery",
@@ -1127,7 +1131,7 @@ fn print_dataset(v: &serde_json::Value) {
     for r in v["rows"].as_array().unwrap_or(&empty) {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<26} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>7.0} {:>8.1} {:>8.1} {:>7.1} {:>10.0} {:>10.0} {:>7.1}×",
+            "{:<32} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>7.0} {:>8.1} {:>8.1} {:>7.1} {:>10.0} {:>10.0} {:>7.1}×",
             r["method"].as_str().unwrap_or(""),
             f("dipr_recall"),
             f("recovery"),
@@ -1159,11 +1163,13 @@ fn print_dataset(v: &serde_json::Value) {
     }
     for h in v["per_head"].as_array().unwrap_or(&empty) {
         println!(
-            "{}: flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×",
+            "{}: flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×; graph DIPRS {:.0} µs: {:.1}×",
             head_label(h),
             h["flat_us"].as_f64().unwrap_or(0.0),
             h["diprs_us"].as_f64().unwrap_or(0.0),
-            h["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
+            h["diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0),
+            h["graph_diprs_us"].as_f64().unwrap_or(0.0),
+            h["graph_diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0)
         );
     }
     for b in v["build"].as_array().unwrap_or(&empty) {
@@ -1193,10 +1199,11 @@ fn print_dataset(v: &serde_json::Value) {
         v["row_costs"]["scattered_row_ns"].as_f64().unwrap_or(0.0),
     );
     println!(
-        "DIPRS (β=5) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
+        "DIPRS (β=5·√d) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster; graph DIPRS {:.1}× (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
         r("diprs_vs_flat_speedup"),
-        r("diprs_warm_vs_flat_speedup"),
-        r("diprs_all_cold_vs_flat_speedup")
+        r("graph_diprs_vs_flat_speedup"),
+        r("graph_diprs_warm_vs_flat_speedup"),
+        r("graph_diprs_all_cold_vs_flat_speedup")
     );
     for percent in PREFIX_SHARES {
         println!(
@@ -1231,18 +1238,19 @@ fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_j
 }
 
 /// The headline figures of every dataset side by side: the DIPR range at the reference β, on
-/// the graph and on the codes, then the rows that choose β to meet the error target.
+/// the codes (DIPRS) and by the graph's walk, then the rows that choose β to meet the error
+/// target.
 fn print_side_by_side(reports: &[serde_json::Value]) {
     println!(
-        "{:<28} {:<20} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
         "dataset (β=5·√d)", "row", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
     );
     for v in reports {
-        for name in [DIPRS_ROW, CODES_DIPRS_ROW] {
+        for name in [DIPRS_ROW, GRAPH_ROW] {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
             println!(
-                "{:<28} {:<20} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
+                "{:<28} {:<22} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
                 v["dataset"].as_str().unwrap_or(""),
                 name,
                 v["tokens"],
@@ -1257,7 +1265,7 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
     }
     println!();
     println!(
-        "{:<28} {:<13} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<28} {:<19} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "dataset", "row", "target", "met", "÷ oracle", "selected", "scored", "estimate", "err÷est"
     );
     for v in reports {
@@ -1265,7 +1273,7 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
             println!(
-                "{:<28} {:<13} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
+                "{:<28} {:<19} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
                 v["dataset"].as_str().unwrap_or(""),
                 name,
                 f("target_error"),

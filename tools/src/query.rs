@@ -37,8 +37,8 @@ pub struct Args {
     /// Only this layer (default: every layer the query file has).
     #[arg(long)]
     layer: Option<usize>,
-    /// auto, full, flat, diprs, topk, quest, infllm, pq or pq-diprs (the DIPR range found on
-    /// the PQ codes instead of the graph).
+    /// auto, full, flat, diprs (the DIPR range, found on the PQ codes), graph-diprs (the
+    /// same range by a walk of the graph), topk, quest, infllm or pq.
     #[arg(long, default_value = "auto", value_parser = parse_mode)]
     mode: Mode,
     /// DIPR range below the best inner product, in inner-product units.

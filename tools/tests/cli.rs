@@ -532,19 +532,17 @@ fn import_then_query_matches_exact_attention() {
         sparse.iter().any(|r| r["selected"].as_array().unwrap().len() < 1500),
         "DIPRS selected everything everywhere"
     );
-    // The same range found on the PQ codes: every token of the graph's range (a generated
+    // DIPRS found on the PQ codes holds every token of the graph walk's range (a generated
     // context's, which the graph finds), from exact scores of a few of the keys.
-    let on_codes = run(&["--mode", "pq-diprs", "--beta", "16"]);
-    for (c, s) in on_codes.iter().zip(&sparse) {
-        assert_eq!(plan(c), "pq-diprs");
+    let on_graph = run(&["--mode", "graph-diprs", "--beta", "16"]);
+    for (c, g) in sparse.iter().zip(&on_graph) {
+        assert_eq!(plan(g), "graph-diprs");
         let ids = |r: &Value| r["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<_>>();
         let from_codes = ids(c);
-        let missed = ids(s).iter().filter(|t| from_codes.binary_search(t).is_err()).count();
-        assert!(missed * 20 <= ids(s).len(), "the codes missed {missed} of the graph's {}", ids(s).len());
+        let missed = ids(g).iter().filter(|t| from_codes.binary_search(t).is_err()).count();
+        assert!(missed * 20 <= ids(g).len(), "the codes missed {missed} of the graph's {}", ids(g).len());
         assert!(c["keys_scored"].as_u64().unwrap() < 3000, "{c}");
     }
-    let targeted_range = ctxfs(&[&base[..], &["--mode", "pq-diprs", "--target-error", "0.02"]].concat());
-    assert!(String::from_utf8_lossy(&targeted_range.stderr).contains("fixed β"), "{targeted_range:?}");
     // --tail on: the seeds the range left out estimate the rest of the softmax; their values
     // entered the output, so they are in `selected` too. A forced mode has none by default.
     let tailed = run(&["--mode", "diprs", "--beta", "16", "--tail", "on"]);
@@ -668,12 +666,13 @@ fn bench_search_reports_every_method_against_exact_attention() {
         "topk k=100",
         "topk k=2000",
         "diprs beta=5·√d",
-        "diprs beta=5·√d all-cold",
-        "diprs beta=5·√d warm",
-        "diprs filtered 20%",
-        "diprs 20% prefix graph",
+        "graph diprs beta=5·√d",
+        "graph diprs beta=5·√d all-cold",
+        "graph diprs beta=5·√d warm",
+        "graph diprs filtered 20%",
+        "graph diprs 20% prefix graph",
         "flat 20% prefix",
-        "diprs filtered 50%",
+        "graph diprs filtered 50%",
     ];
     for m in methods {
         assert!(names.contains(&m), "{m} missing from {names:?}");
@@ -690,23 +689,32 @@ fn bench_search_reports_every_method_against_exact_attention() {
     }
     // Speed-ups are ratios of sums over every group step, each head's sums reported.
     let total = |name: &str| row(name)["total_us"].as_f64().unwrap();
-    let speedup = v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap();
-    assert!((speedup - total("flat") / total("diprs beta=5·√d")).abs() <= 1e-9 * speedup, "{speedup}");
+    for (key, name) in [("diprs", "diprs beta=5·√d"), ("graph_diprs", "graph diprs beta=5·√d")] {
+        let speedup = v["ratios"][format!("{key}_vs_flat_speedup")].as_f64().unwrap();
+        assert!((speedup - total("flat") / total(name)).abs() <= 1e-9 * speedup, "{key}: {speedup}");
+    }
     let heads = v["per_head"].as_array().unwrap();
     assert_eq!(heads.len(), 2, "one head per seed");
     assert_eq!((heads[0]["tuning_seed"].as_bool(), heads[1]["tuning_seed"].as_bool()), (Some(true), Some(false)));
     let head_sum: f64 = heads.iter().map(|h| h["flat_us"].as_f64().unwrap()).sum();
     assert!((head_sum - total("flat")).abs() <= 1e-6 * head_sum, "the heads' sums add up to the row's");
-    for k in ["diprs_warm_vs_flat_speedup", "diprs_all_cold_vs_flat_speedup", "filtered20_vs_prefix_graph_latency"] {
+    for k in [
+        "graph_diprs_warm_vs_flat_speedup",
+        "graph_diprs_all_cold_vs_flat_speedup",
+        "filtered20_vs_prefix_graph_latency",
+    ] {
         assert!(v["ratios"][k].as_f64().unwrap() > 0.0, "{k}");
     }
     assert!(v["ratios"]["filtered50_vs_flat_prefix_speedup"].as_f64().unwrap() > 0.0);
     // The all-cold row is the same search, timed without the warm-up: the same answers.
     for field in ["dipr_recall", "keys_scored_fraction", "output_error", "selected_tokens"] {
-        assert_eq!(row("diprs beta=5·√d")[field], row("diprs beta=5·√d all-cold")[field], "{field}");
+        assert_eq!(row("graph diprs beta=5·√d")[field], row("graph diprs beta=5·√d all-cold")[field], "{field}");
     }
     // A filtered search answers over the prefix exactly as a flat scan of the prefix would.
-    assert_eq!(row("diprs filtered 20%")["exact_dipr_output_error"], row("flat 20% prefix")["exact_dipr_output_error"]);
+    assert_eq!(
+        row("graph diprs filtered 20%")["exact_dipr_output_error"],
+        row("flat 20% prefix")["exact_dipr_output_error"]
+    );
     let costs = &v["row_costs"];
     let (flat_ns, scattered_ns) = (costs["flat_row_ns"].as_f64().unwrap(), costs["scattered_row_ns"].as_f64().unwrap());
     assert!(flat_ns > 0.0 && scattered_ns > 0.0, "{costs}");
@@ -999,7 +1007,7 @@ fn bench_search_measures_captured_attention_beside_the_generator() {
     assert!((0.5..=1.0).contains(&recall), "{recall}");
     // The target rows: the share of queries that met --target-error (default 0.01), and the
     // tokens retrieved against the oracle's (the fewest best-scoring tokens that meet it).
-    for name in ["flat target", "diprs target"] {
+    for name in ["flat target", "graph diprs target", "pq target"] {
         let row = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == name).unwrap();
         assert_eq!(row["target_error"].as_f64(), Some(0.01), "{row}");
         let met = row["target_met"].as_f64().unwrap();
