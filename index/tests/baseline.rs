@@ -1,14 +1,16 @@
-//! The regression baseline: hops and keys scored by DIPRS and top-k, per dataset, checked in
-//! as `tests/baseline.json`: the generator at a fixed seed, and real attention (SmolLM2-135M,
+//! The regression baseline: hops and keys scored by graph DIPRS and top-k, and keys scored by
+//! DIPRS on the PQ scan codes (the seeds and the range's candidates, scored exactly), per
+//! dataset, checked in as `tests/baseline.json`: the generator at a fixed seed, and real attention (SmolLM2-135M,
 //! layer 15, 4,096 tokens of prose: `tests/data/smollm2-prose-4k.safetensors` at the
 //! repository root, written by `python -m ctxfs.capture`). A change that makes either grow by
 //! more than 10% on any dataset fails here. After an intended change, rerun with
 //! `CTXFS_UPDATE_BASELINE=1` and commit the new file.
 
-use ctxfs_index::search::{diprs, topk};
+use ctxfs_index::approx;
+use ctxfs_index::coarse::pq::{Pq, PqParams};
+use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
-use ctxfs_index::Pair;
-use ctxfs_index::{build, BuildParams, DiprsParams, MemKeys, SearchStats};
+use ctxfs_index::{build, BuildParams, DiprsParams, Keys, MemKeys, Pair, SearchStats};
 use half::f16;
 use safetensors::{Dtype, SafeTensors};
 
@@ -57,21 +59,43 @@ fn smollm2_prose() -> Vec<Head> {
         .collect()
 }
 
+/// DIPRS on the codes, as sessions run it: the seeds scored exactly, the codes' margin on
+/// them, then the range's candidates scored exactly. `approx`: every key's approximate score.
+fn on_codes(keys: &MemKeys, q: &[f32], approx: &[f32], beta: f32) -> SearchStats {
+    let mut stats = SearchStats::default();
+    let mut seeds = Vec::new();
+    keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, &mut stats).unwrap();
+    let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
+    let known = seeds.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    approx::in_range(approx, known, beta, margin, |ids| {
+        let mut scores = vec![0.0; ids.len()];
+        keys.score(ids, q, &mut scores, &mut stats).map(|()| scores)
+    })
+    .unwrap();
+    stats
+}
+
 fn measure() -> Vec<(String, u64)> {
     let d = 64;
+    let beta = 5.0 * 8.0;
     let mut out = Vec::new();
     for (set, heads) in [("generator", generator()), ("smollm2-prose-4k", smollm2_prose())] {
         for (kv, h) in heads.iter().enumerate() {
             let keys = MemKeys::new(d, h.keys.clone());
             let (graph, _) = build(&keys, &h.prefill, &BuildParams { threads: 2, ..Default::default() });
             let idx = Pair { keys: &keys, graph: &graph };
-            let (mut dipr, mut top) = (SearchStats::default(), SearchStats::default());
-            for q in h.decode.chunks(d) {
-                dipr += diprs(&idx, q, &DiprsParams { beta: 5.0 * 8.0, ..Default::default() }).unwrap().stats;
+            let codes = Pq::build(&keys, &PqParams::scan_codes(d)).unwrap();
+            let scan = codes.token_scores_many(&h.decode, None).unwrap();
+            let (mut walk, mut coded, mut top) =
+                (SearchStats::default(), SearchStats::default(), SearchStats::default());
+            for (i, q) in h.decode.chunks(d).enumerate() {
+                walk += diprs(&idx, q, &DiprsParams { beta, ..Default::default() }).unwrap().stats;
+                coded += on_codes(&keys, q, scan.scores(i), beta);
                 top += topk(&idx, q, 100, 128, None).unwrap().stats;
             }
-            out.push((format!("{set}.head{kv}.diprs.hops"), dipr.hops));
-            out.push((format!("{set}.head{kv}.diprs.keys_scored"), dipr.keys_scored));
+            out.push((format!("{set}.head{kv}.graph_diprs.hops"), walk.hops));
+            out.push((format!("{set}.head{kv}.graph_diprs.keys_scored"), walk.keys_scored));
+            out.push((format!("{set}.head{kv}.diprs.keys_scored"), coded.keys_scored));
             out.push((format!("{set}.head{kv}.topk.hops"), top.hops));
             out.push((format!("{set}.head{kv}.topk.keys_scored"), top.keys_scored));
         }
