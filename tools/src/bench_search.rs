@@ -82,6 +82,10 @@ pub struct Args {
     /// fewest best-scoring tokens that meet it.
     #[arg(long, default_value_t = 0.01)]
     target_error: f32,
+    /// The reference DIPR range, in units of √d: the range the DIPRS rows find and their
+    /// recall is measured on (√d·ln 100, AlayaDB's, is 4.61).
+    #[arg(long, default_value_t = 5.0, value_parser = positive_units)]
+    beta: f32,
     #[arg(long)]
     json: bool,
 }
@@ -290,8 +294,8 @@ struct Row {
 
 /// The rows, in order: the graph and flat searches, then per budget graph top-k and the
 /// coarse indexes.
-fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
-    let beta = 5.0 * sqrt_d;
+fn methods(n: usize, sqrt_d: f32, target_error: f32, names: &RowNames) -> Vec<(String, Method)> {
+    let beta = names.units * sqrt_d;
     let plain = |beta: f32, prefix: Option<u32>| Method::Diprs { beta, prefix, warm: false, target: None };
     let target = Some(target_error);
     let mut m: Vec<(String, Method)> = vec![
@@ -300,13 +304,13 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
         ("topk k=2000".into(), Method::Topk(2000)),
         ("graph diprs beta=2·√d".into(), plain(2.0 * sqrt_d, None)),
         ("graph diprs beta=3·√d".into(), plain(3.0 * sqrt_d, None)),
-        (GRAPH_ROW.into(), plain(beta, None)),
-        (ALL_COLD_ROW.into(), plain(beta, None)),
-        (WARM_ROW.into(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
+        (names.graph.clone(), plain(beta, None)),
+        (names.all_cold.clone(), plain(beta, None)),
+        (names.warm.clone(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
         (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
         (GRAPH_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
         (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error }),
-        (DIPRS_ROW.into(), Method::CodesRange { beta }),
+        (names.diprs.clone(), Method::CodesRange { beta }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
         let p = Some(prefix_len(n, percent) as u32);
@@ -326,12 +330,44 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32) -> Vec<(String, Method)> {
 
 /// The baseline row: the session's flat plan over all tokens.
 const FLAT_ROW: &str = "flat";
-/// The DIPR range as `ctxfs query --mode diprs` finds it: on the PQ scan codes.
-const DIPRS_ROW: &str = "diprs beta=5·√d";
-/// The same range by a walk of the graph (`--mode graph-diprs`).
-const GRAPH_ROW: &str = "graph diprs beta=5·√d";
-/// The graph's walk started from the last decode step's best tokens.
-const WARM_ROW: &str = "graph diprs beta=5·√d warm";
+/// The names of the rows that find the reference range β = `units`·√d (`--beta`).
+struct RowNames {
+    units: f32,
+    /// The DIPR range as `ctxfs query --mode diprs` finds it: on the PQ scan codes.
+    diprs: String,
+    /// The same range by a walk of the graph (`--mode graph-diprs`).
+    graph: String,
+    /// The graph's walk started from the last decode step's best tokens.
+    warm: String,
+    /// The graph's walk timed with its code cold as well as the head's data (see
+    /// [`WARM_UP_TOKENS`]): the bound for a search that runs after unrelated work.
+    all_cold: String,
+}
+
+impl RowNames {
+    fn at(units: f32) -> RowNames {
+        let beta = format!("beta={units}·√d");
+        RowNames {
+            units,
+            diprs: format!("diprs {beta}"),
+            graph: format!("graph diprs {beta}"),
+            warm: format!("graph diprs {beta} warm"),
+            all_cold: format!("graph diprs {beta} all-cold"),
+        }
+    }
+
+    /// The names a dataset's report was made with.
+    fn of(report: &serde_json::Value) -> RowNames {
+        RowNames::at(report["reference_beta_sqrt_d"].as_f64().unwrap_or(5.0) as f32)
+    }
+}
+
+fn positive_units(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("expected a positive number of √d, got {s:?}")),
+    }
+}
 /// The rows that choose β per query to meet `--target-error`.
 const FLAT_TARGET_ROW: &str = "flat target";
 const GRAPH_TARGET_ROW: &str = "graph diprs target";
@@ -348,10 +384,6 @@ fn prefix_graph_row(percent: usize) -> String {
 fn flat_prefix_row(percent: usize) -> String {
     format!("flat {percent}% prefix")
 }
-
-/// The graph's walk timed with its code cold as well as the head's data (see
-/// [`WARM_UP_TOKENS`]): the bound for a search that runs after unrelated work.
-const ALL_COLD_ROW: &str = "graph diprs beta=5·√d all-cold";
 
 /// Tokens of the warm-up head. After the caches are flushed, each row's method first runs
 /// once on this small head, as a decode step runs it on every head and layer in turn: the
@@ -872,8 +904,9 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
     let (n, d, group) = (src.tokens(), src.head_dim(), src.group());
     let scale = 1.0 / (d as f32).sqrt();
     let sqrt_d = (d as f32).sqrt();
-    let reference_beta = 5.0 * sqrt_d;
-    let all_methods = methods(n, sqrt_d, a.target_error);
+    let names = RowNames::at(a.beta);
+    let reference_beta = a.beta * sqrt_d;
+    let all_methods = methods(n, sqrt_d, a.target_error, &names);
     let mut rows: Vec<Row> = all_methods
         .iter()
         .map(|(name, m)| Row {
@@ -898,7 +931,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
         let windows = WindowSet::of(&ix);
         (ix, qs, windows)
     };
-    let warm_up_methods = methods(WARM_UP_TOKENS, sqrt_d, a.target_error);
+    let warm_up_methods = methods(WARM_UP_TOKENS, sqrt_d, a.target_error, &names);
     // Nanoseconds per row of each probe.
     let mut probe_row_ns = Vec::new();
     {
@@ -945,7 +978,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                 probe_row_ns.push(t.elapsed().as_secs_f64() * 1e9 / PROBE_ROWS as f64);
                 for (mi, (name, method)) in all_methods.iter().enumerate() {
                     evict_caches(&mut flush);
-                    if name != ALL_COLD_ROW {
+                    if *name != names.all_cold {
                         let (wix, wqs, wwin) = (&warm_up.0, &warm_up.1, &warm_up.2);
                         let mut scratch = vec![Vec::new(); GROUP];
                         std::hint::black_box(run_group(warm_up_methods[mi].1, wix, wqs, wwin, &mut scratch)?);
@@ -1015,7 +1048,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
             let mut one = label;
             one["sharpness"] = json!(sharpness);
             one["flat_us"] = json!(sum_of(FLAT_ROW));
-            for (key, row) in [("diprs", DIPRS_ROW), ("graph_diprs", GRAPH_ROW)] {
+            for (key, row) in [("diprs", &names.diprs), ("graph_diprs", &names.graph)] {
                 one[format!("{key}_us")] = json!(sum_of(row));
                 one[format!("{key}_vs_flat_speedup")] = json!(ratio(sum_of(FLAT_ROW), sum_of(row)));
             }
@@ -1029,7 +1062,7 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
         }
         Source::File { about, path, .. } => format!("{} ({about})", path.display()),
     };
-    Ok(report(src.name(), about, n, d, group, &rows, builds, heads_json, median(probe_row_ns)))
+    Ok(report(src.name(), about, n, d, group, &names, &rows, builds, heads_json, median(probe_row_ns)))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1039,6 +1072,7 @@ fn report(
     n: usize,
     d: usize,
     group: usize,
+    names: &RowNames,
     rows: &[Row],
     builds: Vec<serde_json::Value>,
     heads: Vec<serde_json::Value>,
@@ -1077,10 +1111,10 @@ fn report(
     let steps = rows[0].micros.len().max(1) as f64;
     let flat_row_ns = flat_total * 1e3 / steps / (n * group) as f64;
     let mut ratios = serde_json::Map::new();
-    ratios.insert("diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(DIPRS_ROW))));
-    ratios.insert("graph_diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(GRAPH_ROW))));
-    ratios.insert("graph_diprs_warm_vs_flat_speedup".into(), json!(ratio(flat_total, total(WARM_ROW))));
-    ratios.insert("graph_diprs_all_cold_vs_flat_speedup".into(), json!(ratio(flat_total, total(ALL_COLD_ROW))));
+    ratios.insert("diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(&names.diprs))));
+    ratios.insert("graph_diprs_vs_flat_speedup".into(), json!(ratio(flat_total, total(&names.graph))));
+    ratios.insert("graph_diprs_warm_vs_flat_speedup".into(), json!(ratio(flat_total, total(&names.warm))));
+    ratios.insert("graph_diprs_all_cold_vs_flat_speedup".into(), json!(ratio(flat_total, total(&names.all_cold))));
     for percent in PREFIX_SHARES {
         let filtered = total(&filtered_row(percent));
         ratios.insert(
@@ -1097,7 +1131,7 @@ fn report(
     let row_costs = json!({"flat_row_ns": flat_row_ns, "scattered_row_ns": scattered_row_ns, "probe_rows": PROBE_ROWS});
     json!({"dataset": name, "about": about, "tokens": n, "head_dim": d, "group": group,
            "heads": heads.len(), "steps_per_head": steps as usize / heads.len().max(1),
-           "ratios": ratios, "row_costs": row_costs, "rows": out_rows, "per_head": heads, "build": builds})
+           "reference_beta_sqrt_d": names.units.to_string().parse::<f64>().unwrap_or(f64::from(names.units)), "ratios": ratios, "row_costs": row_costs, "rows": out_rows, "per_head": heads, "build": builds})
 }
 
 /// One dataset's report as text: every row, each head, each build, the ratios.
@@ -1199,7 +1233,8 @@ fn print_dataset(v: &serde_json::Value) {
         v["row_costs"]["scattered_row_ns"].as_f64().unwrap_or(0.0),
     );
     println!(
-        "DIPRS (β=5·√d) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster; graph DIPRS {:.1}× (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
+        "DIPRS (β={}·√d) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster; graph DIPRS {:.1}× (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
+        RowNames::of(v).units,
         r("diprs_vs_flat_speedup"),
         r("graph_diprs_vs_flat_speedup"),
         r("graph_diprs_warm_vs_flat_speedup"),
@@ -1243,10 +1278,11 @@ fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_j
 fn print_side_by_side(reports: &[serde_json::Value]) {
     println!(
         "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
-        "dataset (β=5·√d)", "row", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
+        "dataset", "row", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
     );
     for v in reports {
-        for name in [DIPRS_ROW, GRAPH_ROW] {
+        let names = RowNames::of(v);
+        for name in [&names.diprs, &names.graph] {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
             println!(

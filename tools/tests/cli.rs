@@ -983,8 +983,23 @@ fn query_into_a_closed_pipe_exits_quietly() {
 #[test]
 fn bench_search_measures_captured_attention_beside_the_generator() {
     let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2-prose-4k.safetensors");
-    let args =
-        ["--tokens", "4000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--seeds", "1", "--data", data];
+    // At AlayaDB's range, √d·ln 100 (4.61·√d), instead of the default 5·√d.
+    let args = [
+        "--tokens",
+        "4000",
+        "--head-dim",
+        "64",
+        "--heads",
+        "1",
+        "--queries",
+        "2",
+        "--seeds",
+        "1",
+        "--data",
+        data,
+        "--beta",
+        "4.61",
+    ];
     let all = json(&[&["bench", "search"][..], &args, &["--json"]].concat());
     let sets = all["datasets"].as_array().unwrap();
     assert_eq!(
@@ -1002,9 +1017,13 @@ fn bench_search_measures_captured_attention_beside_the_generator() {
     assert_eq!(real["steps_per_head"].as_u64(), Some(2), "--queries caps the captured steps");
     let flat = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "flat").unwrap();
     assert_eq!(flat["dipr_recall"].as_f64(), Some(1.0));
-    let diprs = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "diprs beta=5·√d").unwrap();
+    assert_eq!(real["reference_beta_sqrt_d"].as_f64(), Some(4.61));
+    let diprs = real["rows"].as_array().unwrap().iter().find(|r| r["method"] == "diprs beta=4.61·√d").unwrap();
     let recall = diprs["dipr_recall"].as_f64().unwrap();
     assert!((0.5..=1.0).contains(&recall), "{recall}");
+    assert!(real["ratios"]["graph_diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
+    let refused = ctxfs(&["bench", "search", "--beta", "0"]);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("positive number of √d"), "{refused:?}");
     // The target rows: the share of queries that met --target-error (default 0.01), and the
     // tokens retrieved against the oracle's (the fewest best-scoring tokens that meet it).
     for name in ["flat target", "graph diprs target", "pq target"] {
