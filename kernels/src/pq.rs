@@ -144,25 +144,31 @@ mod avx512table {
     }
 }
 
-/// The scores of the first `out.len()` tokens of a run of `r` tokens' codes, subspace-major
-/// (`codes`: `m · r` bytes, `m` = `lut.subspaces()`).
-pub fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) {
-    pq_scores_on(crate::active(), lut, codes, r, out)
+/// The scores of tokens `from .. from + out.len()` of a run of `r` tokens' codes,
+/// subspace-major (`codes`: `m · r` bytes, `m` = `lut.subspaces()`). A caller scoring
+/// several queries over a long run takes a slice of its tokens at a time for all of them,
+/// so that the slice's codes stay in cache between the queries.
+pub fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) {
+    pq_scores_on(crate::active(), lut, codes, r, from, out)
 }
 
-pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) {
+pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) {
     let m = lut.subspaces();
-    assert!(codes.len() == m * r && out.len() <= r, "{} code bytes for {m} subspaces of {r} tokens", codes.len());
+    assert!(
+        codes.len() == m * r && from + out.len() <= r,
+        "{} code bytes for {m} subspaces of {r} tokens, tokens {from}.. scored",
+        codes.len()
+    );
     let done = match usable(isa) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
             // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
             // checked above.
-            unsafe { avx512vbmi::pq_scores(lut, codes, r, out) }
+            unsafe { avx512vbmi::pq_scores(lut, codes, r, from, out) }
         }
         _ => 0,
     };
-    scalar_scores(lut, codes, r, done, &mut out[done..]);
+    scalar_scores(lut, codes, r, from + done, &mut out[done..]);
 }
 
 /// Subspaces whose byte sums fit a u16 lane (255 each).
@@ -207,16 +213,37 @@ mod avx512vbmi {
     /// for all of them.
     const CHUNKS: usize = 4;
 
-    /// Every token of `out`, 64 at a time (the last chunk's bytes and scores masked); returns
-    /// how many tokens it scored. A chunk's looked-up bytes are summed as 16-bit words
-    /// without widening: the even bytes masked, the odd ones shifted down, and the two sums
-    /// interleaved back into token order once per chunk.
+    /// Tokens `from .. from + out.len()`, 64 at a time (the last chunk's bytes and scores
+    /// masked); returns how many tokens it scored. Runs of [`CHUNKS`] chunks while they
+    /// fill, then one chunk at a time: a short run (a block's 127 tokens at `m` = 32) does
+    /// not look up chunks that are wholly masked.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`, `out.len() ≤ r` and
-    /// `m ≤ MAX_U16_SUBSPACES` (`m` = `lut.subspaces()`).
+    /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`, `from + out.len() ≤ r`
+    /// and `m ≤ MAX_U16_SUBSPACES` (`m` = `lut.subspaces()`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub(super) unsafe fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, out: &mut [f32]) -> usize {
+    pub(super) unsafe fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) -> usize {
+        let whole = out.len() / (64 * CHUNKS) * (64 * CHUNKS);
+        for at in (0..whole).step_by(64 * CHUNKS) {
+            // SAFETY: as this function's; tokens `at .. at + 256 ≤ out.len()`.
+            unsafe { chunks::<CHUNKS>(lut, codes, r, from, at, out) };
+        }
+        for at in (whole..out.len()).step_by(64) {
+            // SAFETY: as this function's; `at < out.len()`.
+            unsafe { chunks::<1>(lut, codes, r, from, at, out) };
+        }
+        out.len()
+    }
+
+    /// `N` chunks of 64 tokens from `at` (of `out`; beyond its end, masked), summed side by
+    /// side. A chunk's looked-up bytes are summed as 16-bit words without widening: the even
+    /// bytes masked, the odd ones shifted down, and the two sums interleaved back into token
+    /// order once per chunk.
+    ///
+    /// # Safety
+    /// As [`pq_scores`]', and `at < out.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn chunks<const N: usize>(lut: &PqLut, codes: &[u8], r: usize, from: usize, at: usize, out: &mut [f32]) {
         let (bias, step) = (_mm512_set1_ps(lut.bias), _mm512_set1_ps(lut.step));
         let low_bytes = _mm512_set1_epi16(0x00FF);
         // Word `i` of the even sums is token 2i, of the odd sums token 2i + 1 (index 32 + i
@@ -227,58 +254,55 @@ mod avx512vbmi {
             unsafe { _mm512_loadu_si512(words.as_ptr().cast()) }
         };
         let (first_half, second_half) = (order(0), order(16));
-        for at in (0..out.len()).step_by(64 * CHUNKS) {
-            let masks: [__mmask64; CHUNKS] = std::array::from_fn(|c| match (out.len() - at).saturating_sub(64 * c) {
-                w if w >= 64 => !0,
-                w => (1u64 << w) - 1,
-            });
-            let mut even = [_mm512_setzero_si512(); CHUNKS];
-            let mut odd = [_mm512_setzero_si512(); CHUNKS];
-            for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
-                let t = table.as_ptr();
-                // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
-                let (t0, t1, t2, t3) = unsafe {
-                    (
-                        _mm512_loadu_si512(t.cast()),
-                        _mm512_loadu_si512(t.add(64).cast()),
-                        _mm512_loadu_si512(t.add(128).cast()),
-                        _mm512_loadu_si512(t.add(192).cast()),
-                    )
-                };
-                for c in 0..CHUNKS {
-                    // SAFETY: the mask reads bytes `j·r + at + 64c ..` below `j·r + out.len()
-                    // ≤ m·r` of `codes` (an empty mask reads none).
-                    let idx =
-                        unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast()) };
-                    // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
-                    let low = _mm512_permutex2var_epi8(t0, idx, t1);
-                    let high = _mm512_permutex2var_epi8(t2, idx, t3);
-                    let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
-                    even[c] = _mm512_add_epi16(even[c], _mm512_and_si512(v, low_bytes));
-                    odd[c] = _mm512_add_epi16(odd[c], _mm512_srli_epi16::<8>(v));
-                }
+        let masks: [__mmask64; N] = std::array::from_fn(|c| match (out.len() - at).saturating_sub(64 * c) {
+            w if w >= 64 => !0,
+            w => (1u64 << w) - 1,
+        });
+        let mut even = [_mm512_setzero_si512(); N];
+        let mut odd = [_mm512_setzero_si512(); N];
+        for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
+            let t = table.as_ptr();
+            // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
+            let (t0, t1, t2, t3) = unsafe {
+                (
+                    _mm512_loadu_si512(t.cast()),
+                    _mm512_loadu_si512(t.add(64).cast()),
+                    _mm512_loadu_si512(t.add(128).cast()),
+                    _mm512_loadu_si512(t.add(192).cast()),
+                )
+            };
+            for c in 0..N {
+                // SAFETY: the mask reads bytes `j·r + from + at + 64c ..` below
+                // `j·r + from + out.len() ≤ m·r` of `codes` (an empty mask reads none).
+                let idx =
+                    unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + from + at + 64 * c).cast()) };
+                // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
+                let low = _mm512_permutex2var_epi8(t0, idx, t1);
+                let high = _mm512_permutex2var_epi8(t2, idx, t3);
+                let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
+                even[c] = _mm512_add_epi16(even[c], _mm512_and_si512(v, low_bytes));
+                odd[c] = _mm512_add_epi16(odd[c], _mm512_srli_epi16::<8>(v));
             }
-            for c in 0..CHUNKS {
-                let tokens = [
-                    _mm512_permutex2var_epi16(even[c], first_half, odd[c]),
-                    _mm512_permutex2var_epi16(even[c], second_half, odd[c]),
-                ];
-                for (i, sums) in tokens.into_iter().enumerate() {
-                    for (half, part) in
-                        [_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64::<1>(sums)].into_iter().enumerate()
-                    {
-                        let wide = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(part));
-                        let scores = _mm512_add_ps(bias, _mm512_mul_ps(step, wide));
-                        let first = 32 * i + 16 * half;
-                        let lanes = (masks[c] >> first) as u16;
-                        // SAFETY: the mask writes tokens `at + 64c + first ..` below
-                        // `out.len()` (an empty mask writes none).
-                        unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(at + 64 * c + first), lanes, scores) };
-                    }
+        }
+        for c in 0..N {
+            let tokens = [
+                _mm512_permutex2var_epi16(even[c], first_half, odd[c]),
+                _mm512_permutex2var_epi16(even[c], second_half, odd[c]),
+            ];
+            for (i, sums) in tokens.into_iter().enumerate() {
+                for (half, part) in
+                    [_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64::<1>(sums)].into_iter().enumerate()
+                {
+                    let wide = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(part));
+                    let scores = _mm512_add_ps(bias, _mm512_mul_ps(step, wide));
+                    let first = 32 * i + 16 * half;
+                    let lanes = (masks[c] >> first) as u16;
+                    // SAFETY: the mask writes tokens `at + 64c + first ..` below `out.len()`
+                    // (an empty mask writes none).
+                    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(at + 64 * c + first), lanes, scores) };
                 }
             }
         }
-        out.len()
     }
 }
 
@@ -302,7 +326,7 @@ mod tests {
                 (0..r).map(|t| (0..m).map(|j| tables[j * k + codes[j * r + t] as usize]).sum()).collect();
             let reference = {
                 let mut out = vec![0.0; r];
-                pq_scores_on(Isa::Scalar, &lut, &codes, r, &mut out);
+                pq_scores_on(Isa::Scalar, &lut, &codes, r, 0, &mut out);
                 out
             };
             for (e, s) in exact.iter().zip(&reference) {
@@ -310,8 +334,13 @@ mod tests {
             }
             for isa in crate::available() {
                 let mut out = vec![0.0; r - r / 3];
-                pq_scores_on(isa, &lut, &codes, r, &mut out);
+                pq_scores_on(isa, &lut, &codes, r, 0, &mut out);
                 assert_eq!(out, reference[..out.len()], "{isa:?} m {m} k {k} r {r}");
+                // A slice of the run's tokens from the middle.
+                let from = r / 5;
+                let mut out = vec![0.0; r / 2];
+                pq_scores_on(isa, &lut, &codes, r, from, &mut out);
+                assert_eq!(out, reference[from..from + out.len()], "{isa:?} m {m} k {k} r {r} from {from}");
             }
         }
     }
@@ -342,7 +371,7 @@ mod tests {
     fn flat_tables_score_their_constant() {
         let lut = PqLut::quantise(&[1.5; 8], 4);
         let mut out = [0.0; 3];
-        pq_scores(&lut, &[0, 1, 2, 3, 3, 0], 3, &mut out);
+        pq_scores(&lut, &[0, 1, 2, 3, 3, 0], 3, 0, &mut out);
         assert_eq!(out, [3.0; 3]);
         assert_eq!(lut.max_error(), 0.0);
     }

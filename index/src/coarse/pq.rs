@@ -447,6 +447,7 @@ fn token_scores(
         CodeLayout::SubspaceMajor => (lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize),
         CodeLayout::TokenMajor => lim,
     };
+    let slice = (SCAN_SLICE_BYTES / s.m.max(1)).max(256) / 256 * 256;
     codes.visit(0..end, &mut stats, &mut |first, bytes| {
         let tokens = bytes.len() / s.m;
         check_codes(bytes, s, first, tokens)?;
@@ -466,8 +467,13 @@ fn token_scores(
                 }
             };
             let wanted = lim.saturating_sub(at).min(r);
-            for (t, lut) in tables.iter().enumerate() {
-                ctxfs_kernels::pq_scores(lut, sub, r, &mut out[t * lim + at..t * lim + at + wanted]);
+            // A slice of the run's tokens at a time for every query: the slice's codes stay in
+            // the core's cache from one query to the next.
+            for from in (0..wanted).step_by(slice) {
+                let to = (from + slice).min(wanted);
+                for (t, lut) in tables.iter().enumerate() {
+                    ctxfs_kernels::pq_scores(lut, sub, r, from, &mut out[t * lim + at + from..t * lim + at + to]);
+                }
             }
         }
         Ok(())
@@ -478,6 +484,10 @@ fn token_scores(
 
 /// Tokens of token-major codes transposed at a time for the scan.
 const TRANSPOSED_RUN: usize = 256;
+
+/// Bytes of codes a group's scan takes for all its queries at a time (a multiple of 256
+/// tokens, the kernel's unit): within a core's L1 data cache.
+const SCAN_SLICE_BYTES: usize = 32 << 10;
 
 /// A run of tokens' codes (`m` per token, token-major) subspace-major.
 fn subspace_major(codes: &[u8], m: usize) -> Vec<u8> {
