@@ -402,8 +402,9 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
             let a = session.attention_with(0, &q, &opts(plan, beta)).unwrap();
             assert!(rel_err(&a.output, &want) <= 1e-3, "{plan:?}: {}", rel_err(&a.output, &want));
         }
-        // Without codes (a bf16 context stores none), DIPRS walks the graph.
+        // Without codes (a bf16 context stores none), DIPRS walks the graph, and says so.
         let a = session.attention_with(0, &q, &opts(Plan::Diprs, 40.0)).unwrap();
+        assert_eq!(a.plan(), "graph-diprs");
         assert!(a.heads.iter().all(|h| h.stats.keys_scored < n as u64 && h.stats.hops > 0), "DIPRS walks the graph");
     }
     // A coarse plan needs metadata a bf16 context does not store: refused, not wrong.

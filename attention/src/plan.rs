@@ -14,7 +14,8 @@ pub enum Plan {
     /// (`ctxfs_index::approx::in_range`). On real attention this finds 0.99 of the range
     /// where the graph's walk finds 0.88–0.93 (`ctxfs bench search --data`: `diprs` against
     /// `graph diprs`), but it scans every code, so the optimizer walks the graph instead. A
-    /// context stored without codes is searched on the graph ([`Plan::GraphDiprs`]).
+    /// context stored without codes is searched on the graph, and the choice reports
+    /// [`Plan::GraphDiprs`].
     Diprs,
     /// DIPRS as a walk of the graph index from its seeds (AlayaDB's). It scores fewer keys
     /// than the codes scan on long contexts (9.7× the flat plan at 128K on the generator,

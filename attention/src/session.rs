@@ -484,6 +484,7 @@ impl Session {
             }
         }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
+        let choice = self.on_stored_index(layer, choice)?;
         let on_gpu =
             !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed));
         let group = qh / kv;
@@ -675,7 +676,6 @@ impl Session {
             .zip(&files)
             .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
-        let choice = self.on_stored_index(choice, &readers)?;
         // A flat plan scores every key for each q head of the group, and Quest every page's
         // bound: one pass over each segment's keys or pages for all of them (its time is shared
         // out as their search time).
@@ -951,14 +951,18 @@ impl Session {
             .then(|| self.db.inner.prefetcher.submit(reqs))
     }
 
-    /// `choice` as the stored indexes can serve it: DIPRS on the graph where a segment was
-    /// stored without PQ codes (`PqCodes::Off`).
-    fn on_stored_index(&self, choice: Choice, readers: &[SegmentReader<'_>]) -> Result<Choice> {
+    /// `choice` as the stored indexes of `layer` can serve it: DIPRS on the graph where a
+    /// segment was stored without PQ codes (`PqCodes::Off`, a bf16 context, or a session's
+    /// own tokens). An import stores the same indexes for every kv head: kv head 0 answers
+    /// for all of them.
+    fn on_stored_index(&self, layer: usize, choice: Choice) -> Result<Choice> {
         if choice.plan != Plan::Diprs {
             return Ok(choice);
         }
-        for r in readers {
-            if self.stored_run(r, CoarseKind::Pq, choice.plan)?.is_none() {
+        for s in self.reuse.as_ref().map_or(&[][..], |r| &r.segments) {
+            let file = self.db.inner.file(&self.snap, s.context, layer as u16, 0)?;
+            let r = SegmentReader { seg: *s, index: self.open_index(&file, s, layer, 0)?, file: &file };
+            if self.stored_run(&r, CoarseKind::Pq, choice.plan)?.is_none() {
                 return Ok(Choice { plan: Plan::GraphDiprs, ..choice });
             }
         }
