@@ -1015,10 +1015,12 @@ impl Session {
         PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
     }
 
-    /// The window's tokens within `seg`: a budget of tokens beyond the window asks a
-    /// selection that may return them for this many more.
-    fn window_in(&self, seg: &Segment) -> usize {
-        self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable).count()
+    /// The tokens a selection from `seg` asks for: `budget` beyond the window
+    /// (`COARSE_BUDGET` if none), and as many more as the window holds within `seg`, since
+    /// the selection may return them.
+    fn selection_size(&self, budget: Option<usize>, seg: &Segment) -> usize {
+        let in_window = self.window_ids.iter().filter(|&&t| t >= seg.base && t < seg.base + seg.usable).count();
+        budget.unwrap_or(COARSE_BUDGET) + in_window
     }
 
     /// A segment's PQ codes.
@@ -1041,7 +1043,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg) = (&r.index, &r.seg);
-        let budget = budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg);
+        let budget = self.selection_size(budget, seg);
         let pool = &self.db.inner.pool;
         let corrupt = |e: String| coarse_corrupt(seg, plan, e);
         let selected = match plan {
@@ -1179,7 +1181,7 @@ impl Session {
                         Some(t) => CodesChoice::Target(t),
                         None if plan == Plan::Diprs => CodesChoice::Range { beta: opts.beta },
                         None => CodesChoice::Best {
-                            want: budget.unwrap_or(COARSE_BUDGET) + self.window_in(seg),
+                            want: self.selection_size(budget, seg),
                             negligible: MassTarget {
                                 share: NEGLIGIBLE_SHARE,
                                 scale: self.scale(opts),
@@ -1399,7 +1401,7 @@ struct Tail {
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
 /// optimizer chose them or the caller gave an error target.
 fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
-    (matches!(choice.plan, Plan::Diprs | Plan::GraphDiprs | Plan::Flat) || codes_choose(choice))
+    (matches!(choice.plan, Plan::GraphDiprs | Plan::Flat) || codes_choose(choice))
         && opts.tail.unwrap_or(!choice.forced || choice.error_target.is_some())
 }
 
