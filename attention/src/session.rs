@@ -22,6 +22,7 @@ use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
+use ctxfs_index::flat::QueryScores;
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
@@ -707,7 +708,7 @@ impl Session {
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
-            let scanned: Vec<(&[f32], SearchStats)> = scans.iter().map(|s| (s.scores(i), s.stats)).collect();
+            let scanned: Vec<(QueryScores<'_>, SearchStats)> = scans.iter().map(|s| (s.query(i), s.stats)).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::GraphDiprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
@@ -1038,7 +1039,7 @@ impl Session {
         r: &SegmentReader<'_>,
         plan: Plan,
         q: &[f32],
-        scanned: Option<(&[f32], SearchStats)>,
+        scanned: Option<(QueryScores<'_>, SearchStats)>,
         budget: Option<usize>,
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
@@ -1049,7 +1050,7 @@ impl Session {
         let selected = match plan {
             Plan::Quest => {
                 let (scores, work) = scanned.expect("search_group scores Quest's pages for the whole GQA group");
-                self.open_quest(r)?.select_scored(scores, work, budget, seg.filter())
+                self.open_quest(r)?.select_scored(scores.scores, work, budget, seg.filter())
             }
             Plan::Infllm => {
                 let run = self.coarse_run(r, CoarseKind::Infllm, plan)?;
@@ -1077,12 +1078,12 @@ impl Session {
         &self,
         r: &SegmentReader<'_>,
         q: &[f32],
-        (approx, work): (&[f32], SearchStats),
+        (scored, work): (QueryScores<'_>, SearchStats),
         best: f32,
         codes: CodesChoice<'_>,
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
-        let (index, seg) = (&r.index, &r.seg);
+        let (index, seg, approx) = (&r.index, &r.seg, scored.scores);
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
         let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
@@ -1095,10 +1096,10 @@ impl Session {
             CodesChoice::Target(t) => approx::attended(approx, best, t, margin, &mut score)?,
             CodesChoice::Range { beta } => {
                 let known = seeds.iter().copied().fold(best, f32::max);
-                approx::in_range(approx, known, beta, margin, &mut score)?
+                approx::in_range(scored, known, beta, margin, &mut score)?
             }
             CodesChoice::Best { want, negligible } => {
-                let mut ids = take_tokens(approx, want);
+                let mut ids = take_tokens(scored, want);
                 let cut = approx::cut_among(approx, &ids, best, &negligible, margin);
                 ids.retain(|&t| approx[t as usize] >= cut);
                 let scores = score(&ids)?;
@@ -1125,7 +1126,7 @@ impl Session {
     fn retrieve(
         &self,
         readers: &[SegmentReader<'_>],
-        scanned: &[(&[f32], SearchStats)],
+        scanned: &[(QueryScores<'_>, SearchStats)],
         q: &[f32],
         own: OwnScores<'_>,
         choice: Choice,
@@ -1150,8 +1151,10 @@ impl Session {
         for (si, r) in readers.iter().enumerate() {
             let (seg, index) = (&r.seg, &r.index);
             let r: SearchResult = match plan {
-                Plan::Full => flat::dipr_of(scanned[si].0, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
-                Plan::Flat => flat::dipr_or_target(scanned[si].0, opts.beta, best, target.as_ref(), scanned[si].1),
+                Plan::Full => flat::dipr_of(scanned[si].0.scores, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
+                Plan::Flat => {
+                    flat::dipr_or_target(scanned[si].0.scores, opts.beta, best, target.as_ref(), scanned[si].1)
+                }
                 Plan::GraphDiprs => diprs_from(
                     index,
                     q,
@@ -1205,7 +1208,7 @@ impl Session {
                 seeds.push(match plan {
                     Plan::Flat => SeedScores {
                         stride: SEED_STRIDE,
-                        scores: scanned[si].0.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                        scores: scanned[si].0.scores.iter().step_by(SEED_STRIDE as usize).copied().collect(),
                     },
                     _ => r.seeds,
                 });

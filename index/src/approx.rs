@@ -16,6 +16,7 @@
 //! ([`MassTarget::refined`]) widens the candidates.
 
 use crate::coarse::reaching;
+use crate::flat::QueryScores;
 use crate::target::MassTarget;
 
 /// How many root-mean-square errors of the approximation below the approximate cut the
@@ -114,11 +115,11 @@ pub const RANGE_MARGIN_SIGMAS: f32 = 1.5;
 pub const RANGE_ROUNDS: usize = 3;
 
 /// A DIPR range from the codes: every key within `beta` of the best score, found by scoring
-/// exactly only the keys whose approximate score (`approx`) reaches `best − beta − margin`,
-/// as (id, exact score), ascending. `best` is the best score known exactly (`known_max`: the
-/// caller's window and seeds; then the candidates'), or the best approximate one lowered by
-/// the margin where that is higher. `score` gives the exact scores of the ids it is given,
-/// in their order.
+/// exactly only the keys whose approximate score (`scored`: the scan's, with its runs' best
+/// where it recorded them) reaches `best − beta − margin`, as (id, exact score), ascending.
+/// `best` is the best score known exactly (`known_max`: the caller's window and seeds; then
+/// the candidates'), or the best approximate one lowered by the margin where that is higher.
+/// `score` gives the exact scores of the ids it is given, in their order.
 ///
 /// The caller's margin comes from keys sampled evenly (the seeds), but the keys of a range
 /// are the few that score highest, and the codes may render them worse than the bulk they
@@ -127,14 +128,15 @@ pub const RANGE_ROUNDS: usize = 3;
 /// that is wider, and the keys the wider margin adds are scored too, for [`RANGE_ROUNDS`]
 /// rounds at most.
 pub fn in_range<E>(
-    approx: &[f32],
+    scored: QueryScores<'_>,
     known_max: f32,
     beta: f32,
     margin: f32,
     mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
 ) -> Result<Vec<(u32, f32)>, E> {
+    let approx = scored.scores;
     let mut margin = margin.max(0.0);
-    let best_approx = approx.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let best_approx = scored.best();
     let mut pairs: Vec<(u32, f32)> = Vec::new();
     let mut best = known_max;
     // Keys at or above it are scored already.
@@ -144,7 +146,7 @@ pub fn in_range<E>(
         if cut >= scored_down_to {
             break;
         }
-        let mut ids = reaching(approx, cut);
+        let mut ids = scored.reaching(cut);
         ids.retain(|&t| approx[t as usize] < scored_down_to);
         scored_down_to = cut;
         let scores = score(&ids)?;
@@ -218,7 +220,7 @@ mod tests {
         approx[2] -= 1.0;
         let run = |known: f32, beta: f32, margin: f32| {
             let mut asked = Vec::new();
-            let pairs = in_range(&approx, known, beta, margin, |ids| -> Result<Vec<f32>, ()> {
+            let pairs = in_range(QueryScores::plain(&approx), known, beta, margin, |ids| -> Result<Vec<f32>, ()> {
                 asked = ids.to_vec();
                 Ok(ids.iter().map(|&t| exact[t as usize]).collect())
             })

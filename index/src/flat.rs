@@ -1,6 +1,7 @@
 //! Exact answers by scanning every key: the reference every approximate search is measured
 //! against, and the optimizer's plan for layer 0.
 
+use crate::coarse::{reaching, reaching_into};
 use crate::source::Keys;
 use crate::stats::{SearchResult, SearchStats};
 use crate::target::MassTarget;
@@ -13,12 +14,20 @@ pub fn scan<K: Keys>(keys: &K, q: &[f32], limit: u32, stats: &mut SearchStats) -
     Ok(group.scores)
 }
 
+/// Tokens per run whose best score a scan of codes records beside the scores
+/// ([`QueryScores`]): a pass for the scores that reach a cut near the top (a DIPR range's,
+/// a budget's) then reads only the runs whose best reaches it, not every score.
+pub const BEST_RUN: usize = 64;
+
 /// Every key's score for each query of a group, from one pass over the keys.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupScan {
     /// Query after query, `keys` scores each.
     scores: Vec<f32>,
     keys: usize,
+    /// Query after query, the best score of each run of [`BEST_RUN`] keys; empty when the
+    /// scan did not record them.
+    run_best: Vec<f32>,
     /// What each query's scan counts (the same for all of them).
     pub stats: SearchStats,
 }
@@ -27,12 +36,77 @@ impl GroupScan {
     /// `scores` of `m` queries over `keys` items each, query after query.
     pub(crate) fn new(scores: Vec<f32>, keys: usize, stats: SearchStats) -> GroupScan {
         debug_assert!(keys == 0 || scores.len().is_multiple_of(keys));
-        GroupScan { scores, keys, stats }
+        GroupScan { scores, keys, run_best: Vec::new(), stats }
+    }
+
+    /// [`GroupScan::new`] with the best score of each run ([`fold_run_best`]).
+    pub(crate) fn with_run_best(scores: Vec<f32>, run_best: Vec<f32>, keys: usize, stats: SearchStats) -> GroupScan {
+        debug_assert_eq!(run_best.len() * keys, scores.len() * keys.div_ceil(BEST_RUN));
+        GroupScan { run_best, ..GroupScan::new(scores, keys, stats) }
     }
 
     /// Query `t`'s score of every key scanned.
     pub fn scores(&self, t: usize) -> &[f32] {
         &self.scores[t * self.keys..(t + 1) * self.keys]
+    }
+
+    /// Query `t`'s scores with the best of each run, where the scan recorded them.
+    pub fn query(&self, t: usize) -> QueryScores<'_> {
+        let runs = self.keys.div_ceil(BEST_RUN);
+        let run_best = if self.run_best.is_empty() { &[][..] } else { &self.run_best[t * runs..(t + 1) * runs] };
+        QueryScores { scores: self.scores(t), run_best }
+    }
+}
+
+/// Folds `scores`, of keys `first..`, into `run_best`, the best score of each run of
+/// [`BEST_RUN`] keys (`f32::max`: a NaN is not counted).
+pub(crate) fn fold_run_best(scores: &[f32], first: usize, run_best: &mut [f32]) {
+    let mut at = 0;
+    while at < scores.len() {
+        let run = (first + at) / BEST_RUN;
+        let end = ((run + 1) * BEST_RUN - first).min(scores.len());
+        run_best[run] = run_best[run].max(ctxfs_kernels::max(&scores[at..end]));
+        at = end;
+    }
+}
+
+/// One query's score of every key, and the best score of each run of [`BEST_RUN`] keys
+/// where the scan recorded them. The scores are numbers (a NaN is not counted as a run's
+/// best).
+#[derive(Debug, Clone, Copy)]
+pub struct QueryScores<'a> {
+    pub scores: &'a [f32],
+    run_best: &'a [f32],
+}
+
+impl<'a> QueryScores<'a> {
+    /// Scores without their runs' best: every pass reads them all.
+    pub fn plain(scores: &'a [f32]) -> QueryScores<'a> {
+        QueryScores { scores, run_best: &[] }
+    }
+
+    /// The best of each run of [`BEST_RUN`] keys; empty when the scan did not record them.
+    pub fn run_best(&self) -> &'a [f32] {
+        self.run_best
+    }
+
+    /// The best score (−∞ over none).
+    pub fn best(&self) -> f32 {
+        ctxfs_kernels::max(if self.run_best.is_empty() { self.scores } else { self.run_best })
+    }
+
+    /// The keys whose score reaches `cut`, ascending ([`crate::coarse::reaching`]), looking
+    /// only inside the runs whose best reaches it.
+    pub fn reaching(&self, cut: f32) -> Vec<u32> {
+        if self.run_best.is_empty() {
+            return reaching(self.scores, cut);
+        }
+        let mut ids = Vec::new();
+        for (run, _) in self.run_best.iter().enumerate().filter(|(_, &b)| b >= cut) {
+            let from = run * BEST_RUN;
+            reaching_into(&self.scores[from..(from + BEST_RUN).min(self.scores.len())], from as u32, cut, &mut ids);
+        }
+        ids
     }
 }
 

@@ -8,6 +8,7 @@
 
 use ctxfs_index::approx;
 use ctxfs_index::coarse::pq::{Pq, PqParams};
+use ctxfs_index::flat::QueryScores;
 use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::{build, BuildParams, DiprsParams, Keys, MemKeys, Pair, SearchStats};
@@ -61,13 +62,13 @@ fn smollm2_prose() -> Vec<Head> {
 
 /// DIPRS on the codes, as sessions run it: the seeds scored exactly, the codes' margin on
 /// them, then the range's candidates scored exactly. `approx`: every key's approximate score.
-fn on_codes(keys: &MemKeys, q: &[f32], approx: &[f32], beta: f32) -> SearchStats {
+fn on_codes(keys: &MemKeys, q: &[f32], scored: QueryScores<'_>, beta: f32) -> SearchStats {
     let mut stats = SearchStats::default();
     let mut seeds = Vec::new();
     keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, &mut stats).unwrap();
-    let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
+    let margin = approx::seed_margin(&seeds, scored.scores, SEED_STRIDE);
     let known = seeds.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    approx::in_range(approx, known, beta, margin, |ids| {
+    approx::in_range(scored, known, beta, margin, |ids| {
         let mut scores = vec![0.0; ids.len()];
         keys.score(ids, q, &mut scores, &mut stats).map(|()| scores)
     })
@@ -90,7 +91,7 @@ fn measure() -> Vec<(String, u64)> {
                 (SearchStats::default(), SearchStats::default(), SearchStats::default());
             for (i, q) in h.decode.chunks(d).enumerate() {
                 walk += diprs(&idx, q, &DiprsParams { beta, ..Default::default() }).unwrap().stats;
-                coded += on_codes(&keys, q, scan.scores(i), beta);
+                coded += on_codes(&keys, q, scan.query(i), beta);
                 top += topk(&idx, q, 100, 128, None).unwrap().stats;
             }
             out.push((format!("{set}.head{kv}.graph_diprs.hops"), walk.hops));

@@ -6,7 +6,8 @@ use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
 use ctxfs_index::coarse::pq::{PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
-use ctxfs_index::coarse::{run_of, CoarseKind};
+use ctxfs_index::coarse::{reaching, run_of, CoarseKind};
+use ctxfs_index::flat::BEST_RUN;
 use ctxfs_index::synth::{head, Rng, SynthParams};
 use ctxfs_index::{Coarse, Keys, MemKeys};
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
@@ -421,6 +422,24 @@ fn paged_readers_answer_exactly_as_memory() {
             let one = quest.select(q, 1024, prefix).unwrap();
             let from_group = quest.select_scored(many.scores(t), many.stats, 1024, prefix);
             assert_eq!((one.ids, one.metadata_bytes), (from_group.ids, from_group.metadata_bytes));
+        }
+    }
+    // A group's scan of the codes records the best of each run of keys: a pass near the top
+    // looks only inside the runs that reach its cut, and finds what a pass over every score
+    // finds.
+    for (codes, prefix) in [(&pq48, None), (&pq48, Some(1500)), (&pq48_v1, Some(2999))] {
+        let many = codes.token_scores_many(&decode[..4 * 64], prefix).unwrap();
+        for t in 0..4 {
+            let (all, scored) = (many.scores(t), many.query(t));
+            let runs: Vec<f32> =
+                all.chunks(BEST_RUN).map(|run| run.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+            assert_eq!(scored.run_best(), &runs[..]);
+            assert_eq!(scored.best(), runs.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let mut sorted = all.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            for rank in [0, 1, 10, 100, sorted.len() - 1] {
+                assert_eq!(scored.reaching(sorted[rank]), reaching(all, sorted[rank]), "query {t}, rank {rank}");
+            }
         }
     }
     for q in decode.chunks(64) {

@@ -653,7 +653,7 @@ fn run_group(
                     }
                     Method::CodesRange { beta } => {
                         let known = seeds.iter().copied().fold(win_max[i], f32::max);
-                        let pairs = approx::in_range(approx, known, beta, margin, |ids| -> Result<Vec<f32>> {
+                        let pairs = approx::in_range(scan.query(i), known, beta, margin, |ids| -> Result<Vec<f32>> {
                             let mut scores = vec![0.0f32; ids.len()];
                             ix.keys.score(ids, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
                             Ok(scores)

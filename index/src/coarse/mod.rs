@@ -26,6 +26,7 @@ pub mod infllm;
 pub mod pq;
 pub mod quest;
 
+use crate::flat::QueryScores;
 use crate::stats::SearchStats;
 use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard};
 use ctxfs_vfs::BlockFault;
@@ -278,11 +279,12 @@ fn take_units(scores: &[f32], unit: u32, limit: u32, budget: usize) -> Vec<u32> 
     taken.iter().flat_map(|&u| u * unit..((u + 1).saturating_mul(unit)).min(limit)).collect()
 }
 
-/// The `k` best tokens by `scores` (ties: the lower id), ascending.
-pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
+/// The `k` best tokens by `scored` (ties: the lower id), ascending.
+pub fn take_tokens(scored: QueryScores<'_>, k: usize) -> Vec<u32> {
+    let scores = scored.scores;
     // The k best are among the scores that reach any cut at least k of them reach: a cut
     // from a sample leaves a few times k to choose from instead of every score.
-    let mut ids = match sample_cut(scores, k).map(|cut| reaching(scores, cut)) {
+    let mut ids = match sample_cut(scores, k).map(|cut| scored.reaching(cut)) {
         Some(ids) if ids.len() >= k => ids,
         _ => (0..scores.len() as u32).collect(),
     };
@@ -299,15 +301,20 @@ pub fn take_tokens(scores: &[f32], k: usize) -> Vec<u32> {
 /// 16 scores is tested in one branch-free pass (total order as integers), and only a run
 /// that holds a score reaching the cut is looked at score by score.
 pub fn reaching(scores: &[f32], cut: f32) -> Vec<u32> {
-    let cut = total_order_key(cut);
     let mut ids = Vec::new();
+    reaching_into(scores, 0, cut, &mut ids);
+    ids
+}
+
+/// [`reaching`] of the scores of tokens `first..`, appended to `ids`.
+pub(crate) fn reaching_into(scores: &[f32], first: u32, cut: f32, ids: &mut Vec<u32>) {
+    let cut = total_order_key(cut);
     for (r, run) in scores.chunks(16).enumerate() {
         if run.iter().fold(false, |any, &s| any | (total_order_key(s) >= cut)) {
-            let first = (r * 16) as u32;
+            let first = first + (r * 16) as u32;
             ids.extend((first..).zip(run).filter(|(_, &s)| total_order_key(s) >= cut).map(|(t, _)| t));
         }
     }
-    ids
 }
 
 /// `x` as an integer that orders as [`f32::total_cmp`] orders floats.
@@ -342,7 +349,7 @@ fn limit(tokens: u32, prefix: Option<u32>) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::take_tokens;
+    use super::*;
     use crate::synth::Rng;
 
     #[test]
@@ -359,7 +366,7 @@ mod tests {
                 want.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
                 want.truncate(k);
                 want.sort_unstable();
-                assert_eq!(take_tokens(&scores, k), want, "n {n} k {k}");
+                assert_eq!(take_tokens(QueryScores::plain(&scores), k), want, "n {n} k {k}");
             }
         }
     }

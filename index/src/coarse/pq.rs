@@ -49,7 +49,7 @@
 
 use super::{check_queries, check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
 use super::{records_per_block, run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
-use crate::flat::GroupScan;
+use crate::flat::{fold_run_best, GroupScan, BEST_RUN};
 use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
@@ -441,6 +441,9 @@ fn token_scores(
     let tables: Vec<PqLut> = luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect();
     let lim = limit(s.tokens, prefix) as usize;
     let mut out = vec![0.0f32; nq * lim];
+    // The best of each run, taken from each slice's scores while they are in the cache.
+    let runs = lim.div_ceil(BEST_RUN);
+    let mut run_best = vec![f32::NEG_INFINITY; nq * runs];
     // Subspace-major blocks are scanned whole (the last one's tokens past the prefix are
     // scored and dropped); token-major codes are transposed a run at a time.
     let end = match s.layout {
@@ -472,14 +475,16 @@ fn token_scores(
             for from in (0..wanted).step_by(slice) {
                 let to = (from + slice).min(wanted);
                 for (t, lut) in tables.iter().enumerate() {
-                    ctxfs_kernels::pq_scores(lut, sub, r, from, &mut out[t * lim + at + from..t * lim + at + to]);
+                    let scores = &mut out[t * lim + at + from..t * lim + at + to];
+                    ctxfs_kernels::pq_scores(lut, sub, r, from, scores);
+                    fold_run_best(scores, at + from, &mut run_best[t * runs..(t + 1) * runs]);
                 }
             }
         }
         Ok(())
     })?;
     stats.keys_scored = lim as u64;
-    Ok(GroupScan::new(out, lim, stats))
+    Ok(GroupScan::with_run_best(out, run_best, lim, stats))
 }
 
 /// Tokens of token-major codes transposed at a time for the scan.
@@ -543,7 +548,7 @@ fn select(
     let scan = token_scores(centroids, codes, s, q, prefix)?;
     let scores = scan.scores(0);
     Ok(CoarseResult {
-        ids: take_tokens(scores, budget),
+        ids: take_tokens(scan.query(0), budget),
         metadata_bytes: (s.centroid_bytes() + scores.len() * s.m) as u64,
         stats: scan.stats,
     })
