@@ -59,7 +59,7 @@ impl GroupScan {
 }
 
 /// Folds `scores`, of keys `first..`, into `run_best`, the best score of each run of
-/// [`BEST_RUN`] keys (`f32::max`: a NaN is not counted).
+/// [`BEST_RUN`] keys. The scores are numbers (the codes' sums of table entries).
 pub(crate) fn fold_run_best(scores: &[f32], first: usize, run_best: &mut [f32]) {
     let mut at = 0;
     while at < scores.len() {
@@ -71,8 +71,8 @@ pub(crate) fn fold_run_best(scores: &[f32], first: usize, run_best: &mut [f32]) 
 }
 
 /// One query's score of every key, and the best score of each run of [`BEST_RUN`] keys
-/// where the scan recorded them. The scores are numbers (a NaN is not counted as a run's
-/// best).
+/// where the scan recorded them. The scores are numbers: a run's best is a vector maximum,
+/// which a NaN would not order.
 #[derive(Debug, Clone, Copy)]
 pub struct QueryScores<'a> {
     pub scores: &'a [f32],
