@@ -18,8 +18,8 @@ pub enum Plan {
     /// [`Plan::GraphDiprs`].
     Diprs,
     /// DIPRS as a walk of the graph index from its seeds (AlayaDB's). It scores fewer keys
-    /// than the codes scan on long contexts (9.7–11× the flat plan at 128K on the generator,
-    /// where the codes are 3.4–4.0×), but misses more of the range on real attention.
+    /// than the codes scan on long contexts (10–11× the flat plan at 128K on the generator,
+    /// where the codes are 4.4–4.6×), but misses more of the range on real attention.
     GraphDiprs,
     /// Beam search for the `k` best keys.
     Topk,
