@@ -27,6 +27,8 @@ pub struct WriteReport {
     pub seconds: f64,
     /// The graph build's phases.
     pub knn: Duration,
+    /// Heads whose kNN ran on a GPU (`BuildParams::gpu`).
+    pub knn_gpu_heads: usize,
     pub projection: Duration,
     pub enhancement: Duration,
     /// Reading the keys, values and training queries from the source (an import's only).
@@ -122,6 +124,7 @@ fn write_head(
     let train = if h.train.is_empty() { keys.data().iter().map(|x| x.to_f32()).collect() } else { h.train.clone() };
     let (graph, built) = build(&keys, &train, params);
     r.knn += built.knn;
+    r.knn_gpu_heads += usize::from(built.knn_on_gpu);
     r.projection += built.projection;
     r.enhancement += built.enhancement;
     let (l, hd) = (h.layer as u16, h.head as u16);

@@ -1,7 +1,8 @@
 //! Query-guided graph build (RoarGraph-style), per (layer, kv head):
 //!
 //! 1. **kNN**: for sampled prefill queries (from every q head of the GQA group), the exact
-//!    top-`nq` keys by inner product;
+//!    top-`nq` keys by inner product, on a CUDA GPU when one opens (`ctxfs_kernels::gpu`),
+//!    else on the CPU;
 //! 2. **projection**: each query's best keys (the pivots) are linked to the query's other top
 //!    keys, pruned by occlusion to `degree` edges (a candidate is dropped when it is more
 //!    similar to an already kept neighbour than to the pivot); reverse edges fill spare slots;
@@ -40,6 +41,10 @@ pub struct BuildParams {
     /// DIPRS recall on passage-structured data at the same work.
     pub sequence_edges: bool,
     pub threads: usize,
+    /// Run the kNN on a CUDA GPU when one opens (`CTXFS_GPU=off` keeps it on the CPU). The
+    /// GPU's scores are each one fused multiply-add chain; the CPU's group some sums
+    /// differently, so near-ties at the `nq`-th key may resolve differently.
+    pub gpu: bool,
 }
 
 impl Default for BuildParams {
@@ -54,6 +59,7 @@ impl Default for BuildParams {
             enhance_ef: 32,
             sequence_edges: true,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            gpu: true,
         }
     }
 }
@@ -62,6 +68,8 @@ impl Default for BuildParams {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BuildReport {
     pub knn: Duration,
+    /// Whether the kNN ran on a GPU.
+    pub knn_on_gpu: bool,
     pub projection: Duration,
     pub enhancement: Duration,
     pub queries: usize,
@@ -175,41 +183,9 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let picked = sample(queries.len() / d, p.max_queries, p.seed);
     report.queries = picked.len();
     let nq = p.nq.min(n);
-    // Queries go in batches against blocks of keys small enough to stay in cache: each key
-    // block is read from memory once per batch, not once per query.
-    let per_batch = picked.len().div_ceil(p.threads.max(1)).clamp(8, KNN_QUERY_BATCH);
-    let batches = picked.len().div_ceil(per_batch);
-    // The keys in f32, dimension-major by block, converted once for every batch: the kernel
-    // then scores eight queries per key load with no horizontal sum per score.
-    let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), p.threads, |b| {
-        let start = b * KNN_KEY_BLOCK;
-        let nk = (start + KNN_KEY_BLOCK).min(n) - start;
-        let mut kt = vec![0.0f32; nk * d];
-        for (k, row) in keys.data()[start * d..(start + nk) * d].chunks_exact(d).enumerate() {
-            for (j, x) in row.iter().enumerate() {
-                kt[j * nk + k] = x.to_f32();
-            }
-        }
-        kt
-    });
-    let knn: Vec<Vec<u32>> = parallel(batches, p.threads, |b| {
-        let batch = &picked[b * per_batch..((b + 1) * per_batch).min(picked.len())];
-        let mut best: Vec<Best> = batch.iter().map(|_| Best::new(nq)).collect();
-        let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
-        let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
-        for (kt, start) in blocks.iter().zip((0..n).step_by(KNN_KEY_BLOCK)) {
-            let nk = kt.len() / d;
-            ctxfs_kernels::scores_dim_major(kt, nk, &qbuf, &mut out[..batch.len() * nk]);
-            // Each block's scores go to the queries' best while still in cache.
-            for (b, s) in best.iter_mut().zip(out.chunks_exact(nk)) {
-                b.offer(start as u32, s);
-            }
-        }
-        best.into_iter().map(Best::into_ids).collect::<Vec<_>>()
-    })
-    .into_iter()
-    .flatten()
-    .collect();
+    let on_gpu = if p.gpu { knn_on_gpu(keys, queries, &picked, nq) } else { None };
+    report.knn_on_gpu = on_gpu.is_some();
+    let knn = on_gpu.unwrap_or_else(|| knn_on_cpu(keys, queries, &picked, nq, p.threads));
     report.knn = t.elapsed();
 
     // 2. Projection onto key–key edges with occlusion pruning.
@@ -273,6 +249,54 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     report.enhanced = enhance(keys, &mut lists, entry, p);
     report.enhancement = t.elapsed();
     (MemGraph::from_lists(p.degree + p.extra_degree, &lists, entry), report)
+}
+
+/// The kNN on a GPU, `None` where none opens or it fails (the CPU then runs it).
+fn knn_on_gpu(keys: &MemKeys, queries: &[f32], picked: &[usize], nq: usize) -> Option<Vec<Vec<u32>>> {
+    let gpu = ctxfs_kernels::gpu::Gpu::open().ok()?;
+    let d = keys.dim();
+    let rows: Vec<f32> = picked.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
+    gpu.knn(keys.data(), d, &rows, nq).ok()
+}
+
+/// The kNN on the CPU: the exact top-`nq` keys of each picked query, in `threads` threads.
+fn knn_on_cpu(keys: &MemKeys, queries: &[f32], picked: &[usize], nq: usize, threads: usize) -> Vec<Vec<u32>> {
+    let (d, n) = (keys.dim(), keys.len() as usize);
+    // Queries go in batches against blocks of keys small enough to stay in cache: each key
+    // block is read from memory once per batch, not once per query.
+    let per_batch = picked.len().div_ceil(threads.max(1)).clamp(8, KNN_QUERY_BATCH);
+    let batches = picked.len().div_ceil(per_batch);
+    // The keys in f32, dimension-major by block, converted once for every batch: the kernel
+    // then scores eight queries per key load with no horizontal sum per score.
+    let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), threads, |b| {
+        let start = b * KNN_KEY_BLOCK;
+        let nk = (start + KNN_KEY_BLOCK).min(n) - start;
+        let mut kt = vec![0.0f32; nk * d];
+        for (k, row) in keys.data()[start * d..(start + nk) * d].chunks_exact(d).enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                kt[j * nk + k] = x.to_f32();
+            }
+        }
+        kt
+    });
+    parallel(batches, threads, |b| {
+        let batch = &picked[b * per_batch..((b + 1) * per_batch).min(picked.len())];
+        let mut best: Vec<Best> = batch.iter().map(|_| Best::new(nq)).collect();
+        let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
+        let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
+        for (kt, start) in blocks.iter().zip((0..n).step_by(KNN_KEY_BLOCK)) {
+            let nk = kt.len() / d;
+            ctxfs_kernels::scores_dim_major(kt, nk, &qbuf, &mut out[..batch.len() * nk]);
+            // Each block's scores go to the queries' best while still in cache.
+            for (b, s) in best.iter_mut().zip(out.chunks_exact(nk)) {
+                b.offer(start as u32, s);
+            }
+        }
+        best.into_iter().map(Best::into_ids).collect::<Vec<_>>()
+    })
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// Keeps up to `degree` of `candidates` for `node`: most similar first, dropping any that is

@@ -503,3 +503,47 @@ fn misuse_is_an_error_not_a_crash() {
     let got = window.attention(&[0.5; 8 * 64], 1.0, None).unwrap();
     assert!(got.iter().all(|p| p.l == 2.0 && p.o.iter().all(|&x| x == 0.0)), "two zero tokens: l = 2, o = 0");
 }
+
+/// The kNN's reference: each score a chain of fused multiply-adds over the dimensions in
+/// order from +0 (the GPU's arithmetic), the best `k` by `total_cmp`, the lower id first among
+/// equal scores.
+fn knn_reference(keys: &[f16], dim: usize, q: &[f32], k: usize) -> Vec<u32> {
+    let mut ranked: Vec<(f32, u32)> = keys
+        .chunks_exact(dim)
+        .enumerate()
+        .map(|(id, key)| (q.iter().zip(key).fold(0.0f32, |acc, (x, y)| x.mul_add(y.to_f32(), acc)), id as u32))
+        .collect();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    ranked.into_iter().take(k).map(|(_, id)| id).collect()
+}
+
+/// The GPU kNN returns exactly the reference's ids in its order: sizes off the kernels' tiles,
+/// k above the key count, every head dim, and keys repeated many times over, so that the k-th
+/// score is tied across many ids and only the lowest of them may be taken.
+#[test]
+fn knn_matches_the_reference_with_ties_and_extreme_values() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x6b6e_6e00);
+    for (n, dim, m, k) in [
+        (1, 64, 1, 10),
+        (50, 64, 3, 100),
+        (777, 80, 65, 100),
+        (4099, 128, 130, 100),
+        (2000, 96, 9, 2000),
+        (513, 256, 64, 7),
+    ] {
+        let mut keys = rng.halves(n * dim, |r| r.wild(3000.0, 1e-6));
+        // Every 5th key repeats key 3: many ids share its score for every query.
+        for id in (8..n).step_by(5) {
+            keys.copy_within(3 * dim..4 * dim, id * dim);
+        }
+        let queries: Vec<f32> = (0..m * dim).map(|_| rng.wild(50.0, 1e-4)).collect();
+        let got = gpu.knn(&keys, dim, &queries, k).unwrap();
+        assert_eq!(got.len(), m);
+        for (qi, (q, ids)) in queries.chunks_exact(dim).zip(&got).enumerate() {
+            assert_eq!(ids, &knn_reference(&keys, dim, q, k), "n {n}, dim {dim}, query {qi}");
+        }
+    }
+    assert!(gpu.knn(&[f16::ZERO; 10], 3, &[0.0; 3], 1).is_err(), "keys that are not rows of dim");
+    assert_eq!(gpu.knn(&[], 4, &[0.0; 8], 5).unwrap(), vec![Vec::<u32>::new(); 2]);
+}

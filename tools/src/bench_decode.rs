@@ -270,7 +270,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
     v["import"] = json!(import.as_ref().map(|(r, peak)| json!({
         "seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak,
-        "seconds_per_head": crate::import::phases_json(r),
+        "seconds_per_head": crate::import::phases_json(r), "knn_gpu_heads": r.knn_gpu_heads,
     })));
     if args.json {
         println!("{v}");

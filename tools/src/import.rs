@@ -44,7 +44,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "context": args.name, "tokens": n, "layers": s.layers, "q_heads": s.q_heads, "kv_heads": s.kv_heads,
             "head_dim": s.head_dim, "dtype": s.dtype.name(), "seconds": report.seconds, "mib_per_second": mib / report.seconds,
             "blocks": report.blocks,
-            "seconds_per_head": phases_json(&report),
+            "seconds_per_head": phases_json(&report), "knn_gpu_heads": report.knn_gpu_heads,
         });
         println!("{v}");
     } else {
@@ -59,6 +59,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             mib / report.seconds,
             phases.join(", ")
         );
+        if report.knn_gpu_heads > 0 {
+            println!("kNN on the GPU for {} of {} heads", report.knn_gpu_heads, report.heads);
+        }
     }
     Ok(())
 }

@@ -118,8 +118,24 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("ctxfs: {e:#}");
+            eprintln!("ctxfs: {}", message(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, `: `-joined, leaving out a cause whose text the message already
+/// ends with (an error that prints its source, as `I/O error: {0}` does, and also names it as
+/// its source would otherwise print it twice).
+fn message(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.is_empty() {
+            text = part;
+        } else if !text.ends_with(&part) {
+            text = format!("{text}: {part}");
+        }
+    }
+    text
 }

@@ -38,6 +38,20 @@ fn mkfs_creates_a_store_and_refuses_to_overwrite_one() {
     assert_eq!(v["superblock"]["blocks"], 1024);
 }
 
+/// A store path that does not exist is named in the error, once.
+#[test]
+fn a_missing_store_is_named_in_the_error() {
+    let dir = tmp();
+    let store = dir.path().join("missing.ctxfs");
+    for args in [vec!["inspect", p(&store)], vec!["query", p(&store), "--context", "a", "--queries", p(&store)]] {
+        let out = ctxfs(&args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("missing.ctxfs: No such file"), "{args:?}: {err}");
+        assert_eq!(err.matches("No such file").count(), 1, "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn mkfs_rejects_bad_input_and_leaves_nothing_behind() {
     let dir = tmp();

@@ -821,7 +821,9 @@ impl Store {
 /// Finds a store's block size: slot 0 names it; if slot 0 is damaged, slot 1 is looked for at
 /// each possible block size.
 pub fn probe_block_size(path: &Path) -> Result<usize> {
-    let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)?;
+    // The path goes into the error: "No such file or directory" alone names no file.
+    let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
     let mut errors = Vec::new();
     if let Some(bs) = Superblock::peek_block_size(&prefix).map(|b| b as usize) {
         if device::check_block_size(bs).is_ok() {

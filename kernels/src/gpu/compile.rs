@@ -138,6 +138,8 @@ mod tests {
             "attend_cluster_d64",
             "attend_cluster_d128",
             "merge",
+            "knn_scores",
+            "knn_select",
         ] {
             assert!(image.windows(name.len()).any(|w| w == name.as_bytes()), "{name} missing from the image");
         }

@@ -638,3 +638,162 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     merge_heads(split_o, split_ml, splits, host, has_host, out, q_heads, dim, blockIdx.x * group + first,
                 min(GMAX, group - first), w_s, ml_s);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The exact kNN of the index build (knn.rs): every query's k keys of largest inner product.
+
+#define KNN_THREADS 256 // threads per block of both kNN kernels
+#define KNN_TILE 64     // queries and keys of a knn_scores block: 16 × 16 threads of 4 × 4
+#define KNN_CHUNK 32    // dimensions staged in shared memory at a time
+
+__device__ __forceinline__ float half_to_float(unsigned short bits) {
+    float f;
+    asm("{.reg .f16 h;\n\t"
+        "mov.b16 h, %1;\n\t"
+        "cvt.f32.f16 %0, h;\n\t}"
+        : "=f"(f)
+        : "h"(bits));
+    return f;
+}
+
+// scores[q][key] = queries[q] · keys[key] for q < m, key < n: keys [n][dim] f16, queries
+// [m][dim] f32, scores [m][n]. Each score is one chain of fused multiply-adds from dimension
+// 0 up, starting at +0 (f32::mul_add in that order gives the same bits). Grid (n / 64, m / 64).
+extern "C" __global__ void __launch_bounds__(KNN_THREADS)
+    knn_scores(const unsigned short* __restrict__ keys, int n, int dim, const float* __restrict__ queries, int m,
+               float* __restrict__ scores) {
+    // Dimension-major, padded by one: the staging stores (consecutive dimensions of a row
+    // across the warp) fall in distinct banks.
+    __shared__ float qs[KNN_CHUNK][KNN_TILE + 1];
+    __shared__ float ks[KNN_CHUNK][KNN_TILE + 1];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int k0 = blockIdx.x * KNN_TILE, q0 = blockIdx.y * KNN_TILE;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int j0 = 0; j0 < dim; j0 += KNN_CHUNK) {
+        for (int e = threadIdx.x; e < KNN_TILE * KNN_CHUNK; e += KNN_THREADS) {
+            const int r = e / KNN_CHUNK, c = e % KNN_CHUNK, j = j0 + c;
+            const int q = q0 + r, key = k0 + r;
+            qs[c][r] = q < m && j < dim ? queries[(size_t)q * dim + j] : 0.f;
+            ks[c][r] = key < n && j < dim ? half_to_float(keys[(size_t)key * dim + j]) : 0.f;
+        }
+        __syncthreads();
+        // Only the real dimensions: adding a padded 0 would turn a -0 sum into +0.
+        const int chunk = min(KNN_CHUNK, dim - j0);
+        for (int c = 0; c < chunk; ++c) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                a[i] = qs[c][ty + 16 * i];
+                b[i] = ks[c][tx + 16 * i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = q0 + ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int key = k0 + tx + 16 * j;
+            if (q < m && key < n) scores[(size_t)q * n + key] = acc[i][j];
+        }
+    }
+}
+
+// An f32's bits as an unsigned integer of the same order as f32::total_cmp.
+__device__ __forceinline__ unsigned int total_order(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// One block per row of scores ([rows][n]): the row's k best (1 <= k <= n) into ids and best
+// ([rows][k]), unordered, the ties at the k-th score resolved to the lowest ids. The k-th
+// score is found by a radix select on its total_order bits, a byte at a time from the top
+// (a histogram per warp, so that equal bytes contend within a warp only); then every id above
+// it is written, then the lowest ids equal to it, in id order, until k are.
+extern "C" __global__ void __launch_bounds__(KNN_THREADS)
+    knn_select(const float* __restrict__ scores, int n, int k, unsigned int* __restrict__ ids,
+               float* __restrict__ best) {
+    constexpr int warps = KNN_THREADS / 32;
+    __shared__ unsigned int hist[warps][256];
+    __shared__ unsigned int chosen_prefix, chosen_remaining, written;
+    __shared__ unsigned int warp_ties[warps];
+    const float* row = scores + (size_t)blockIdx.x * n;
+    unsigned int* out_ids = ids + (size_t)blockIdx.x * k;
+    float* out_best = best + (size_t)blockIdx.x * k;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    // The k-th largest: `prefix` holds its bytes found so far (those under `mask`), and
+    // `remaining` how many of the best k share them.
+    unsigned int prefix = 0, mask = 0, remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < warps * 256; i += KNN_THREADS) (&hist[0][0])[i] = 0;
+        __syncthreads();
+        for (int i = tid; i < n; i += KNN_THREADS) {
+            const unsigned int u = total_order(row[i]);
+            if ((u & mask) == prefix) atomicAdd(&hist[warp][(u >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        // KNN_THREADS >= 256: a thread per byte value sums the warps' counts.
+        if (tid < 256) {
+            unsigned int sum = 0;
+#pragma unroll
+            for (int w = 0; w < warps; ++w) sum += hist[w][tid];
+            hist[0][tid] = sum;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            unsigned int above = 0;
+            int b = 255;
+            for (; b > 0 && above + hist[0][b] < remaining; --b) above += hist[0][b];
+            chosen_prefix = prefix | ((unsigned int)b << shift);
+            chosen_remaining = remaining - above;
+        }
+        __syncthreads();
+        prefix = chosen_prefix;
+        remaining = chosen_remaining;
+        mask |= 255u << shift;
+    }
+
+    // Every score above the k-th: k - remaining of them.
+    if (tid == 0) written = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += KNN_THREADS) {
+        const float s = row[i];
+        if (total_order(s) > prefix) {
+            const unsigned int at = atomicAdd(&written, 1u);
+            out_ids[at] = i;
+            out_best[at] = s;
+        }
+    }
+    // Then `remaining` ties, the lowest ids first: a block-wide count of the ties before each
+    // thread, chunk by chunk in id order.
+    const unsigned int greater = k - remaining;
+    unsigned int filled = 0;
+    for (int base = 0; base < n && filled < remaining; base += KNN_THREADS) {
+        const int i = base + tid;
+        const bool tie = i < n && total_order(row[i]) == prefix;
+        const unsigned int ballot = __ballot_sync(0xffffffffu, tie);
+        if (lane == 0) warp_ties[warp] = __popc(ballot);
+        __syncthreads();
+        unsigned int before = filled + __popc(ballot & ((1u << lane) - 1u)), chunk = 0;
+        for (int w = 0; w < warps; ++w) {
+            if (w < warp) before += warp_ties[w];
+            chunk += warp_ties[w];
+        }
+        if (tie && before < remaining) {
+            out_ids[greater + before] = i;
+            out_best[greater + before] = row[i];
+        }
+        __syncthreads();
+        filled += chunk;
+    }
+}

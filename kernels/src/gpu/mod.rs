@@ -1,6 +1,7 @@
 //! The GPU half of the kernels: window attention and the log-sum-exp merge on a CUDA device
 //! (DESIGN.md, "Partial attention and merge": the window is attended on the GPU, the retrieved
-//! set on the CPU, and the parts are merged exactly).
+//! set on the CPU, and the parts are merged exactly), and the exact kNN of the index build
+//! ([`Gpu::knn`]).
 //!
 //! Everything here is optional at run time. [`Gpu::open`] either returns a device with the
 //! kernels compiled and loaded, or a [`GpuUnavailable`] that says why not (no NVIDIA driver, no
@@ -24,6 +25,7 @@
 //! GQA: q head h reads kv head h / (q_heads / kv_heads).
 
 mod compile;
+mod knn;
 mod load;
 mod window;
 
@@ -85,6 +87,9 @@ struct Device {
     /// The window-attention kernels for each of [`HEAD_DIMS`], in that order.
     attend: Vec<AttendKernels>,
     merge: CudaFunction,
+    /// The kNN's scores and its selection of each row's best (`knn.rs`).
+    knn_scores: CudaFunction,
+    knn_select: CudaFunction,
     name: String,
     capability: (u32, u32),
     multiprocessors: usize,
@@ -342,7 +347,19 @@ impl Device {
             })
             .collect::<Result<_, GpuUnavailable>>()?;
         let merge = function("merge")?;
-        Ok(Device { ctx, attend, merge, name, capability, multiprocessors, memory_bandwidth, nvrtc })
+        let (knn_scores, knn_select) = (function("knn_scores")?, function("knn_select")?);
+        Ok(Device {
+            ctx,
+            attend,
+            merge,
+            knn_scores,
+            knn_select,
+            name,
+            capability,
+            multiprocessors,
+            memory_bandwidth,
+            nvrtc,
+        })
     }
 }
 
