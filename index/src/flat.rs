@@ -9,9 +9,9 @@ use ctxfs_buffer::BufferError;
 
 /// q · key for every key below `limit`.
 pub fn scan<K: Keys>(keys: &K, q: &[f32], limit: u32, stats: &mut SearchStats) -> Result<Vec<f32>, BufferError> {
-    let group = scan_many(keys, q, limit)?;
+    let mut group = scan_many(keys, q, limit)?;
     *stats += group.stats;
-    Ok(group.scores)
+    Ok(std::mem::take(&mut group.scores))
 }
 
 /// Tokens per run whose best score a scan of codes records beside the scores
@@ -32,6 +32,13 @@ pub struct GroupScan {
     pub stats: SearchStats,
 }
 
+/// The scores' buffer goes back to this thread for its next scan (`scratch`).
+impl Drop for GroupScan {
+    fn drop(&mut self) {
+        crate::scratch::give_back(std::mem::take(&mut self.scores));
+    }
+}
+
 impl GroupScan {
     /// `scores` of `m` queries over `keys` items each, query after query.
     pub(crate) fn new(scores: Vec<f32>, keys: usize, stats: SearchStats) -> GroupScan {
@@ -42,7 +49,9 @@ impl GroupScan {
     /// [`GroupScan::new`] with the best score of each run ([`fold_run_best`]).
     pub(crate) fn with_run_best(scores: Vec<f32>, run_best: Vec<f32>, keys: usize, stats: SearchStats) -> GroupScan {
         debug_assert_eq!(run_best.len() * keys, scores.len() * keys.div_ceil(BEST_RUN));
-        GroupScan { run_best, ..GroupScan::new(scores, keys, stats) }
+        let mut scan = GroupScan::new(scores, keys, stats);
+        scan.run_best = run_best;
+        scan
     }
 
     /// Query `t`'s score of every key scanned.
@@ -118,7 +127,8 @@ pub fn scan_many<K: Keys>(keys: &K, queries: &[f32], limit: u32) -> Result<Group
     let d = keys.dim();
     let n = limit.min(keys.len()) as usize;
     let m = queries.len() / d;
-    let mut scores = vec![0.0; m * n];
+    // `score_range_many` writes every score.
+    let mut scores = crate::scratch::scores(m * n);
     let mut stats = SearchStats::default();
     keys.score_range_many(0, &queries[..m * d], &mut scores, n, n, &mut stats)?;
     Ok(GroupScan::new(scores, n, stats))

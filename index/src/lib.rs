@@ -19,6 +19,7 @@ pub mod coarse;
 pub mod flat;
 pub mod mem;
 pub mod paged;
+mod scratch;
 pub mod search;
 mod source;
 mod stats;

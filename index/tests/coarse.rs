@@ -152,6 +152,51 @@ fn pq_scores_are_inner_products_with_the_reconstructed_keys() {
     }
 }
 
+/// A scan's score buffer is reused by the thread's next scan without zeroing: every score
+/// of a scan, whatever the earlier scans on its thread held, equals a scan on a fresh thread
+/// (a larger scan first, then smaller ones, prefixes and fewer queries; and the flat scan).
+#[test]
+fn reused_score_buffers_hold_only_the_scan_s_own_scores() {
+    let mut rng = Rng::new(11);
+    let (n, d) = (5000, 32);
+    let keys = random_keys(n, d, &mut rng);
+    let pq = Pq::build(&keys, &PqParams::M4B8).unwrap();
+    let queries = random_queries(4, d, &mut rng);
+    let cases: [(usize, Option<u32>); 4] = [(4, None), (4, Some(1234)), (1, None), (3, Some(4999))];
+    let fresh = |pq: &Pq, keys: &MemKeys| {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                cases
+                    .iter()
+                    .map(|&(m, prefix)| {
+                        let codes = pq.token_scores_many(&queries[..m * d], prefix).unwrap();
+                        let exact = ctxfs_index::flat::scan_many(keys, &queries[..m * d], prefix.unwrap_or(n as u32));
+                        (
+                            (0..m).flat_map(|t| codes.scores(t).to_vec()).collect::<Vec<f32>>(),
+                            (0..m).flat_map(|t| exact.as_ref().unwrap().scores(t).to_vec()).collect::<Vec<f32>>(),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    let want = fresh(&pq, &keys);
+    // This thread's buffer first holds other scores: a full scan of other queries.
+    let other = random_queries(4, d, &mut rng);
+    drop(pq.token_scores_many(&other, None).unwrap());
+    for (&(m, prefix), (codes, exact)) in cases.iter().zip(&want) {
+        let got = pq.token_scores_many(&queries[..m * d], prefix).unwrap();
+        let got: Vec<f32> = (0..m).flat_map(|t| got.scores(t).to_vec()).collect();
+        assert_eq!(&got, codes, "codes, {m} queries, prefix {prefix:?}");
+        drop(ctxfs_index::flat::scan_many(&keys, &other, n as u32).unwrap());
+        let got = ctxfs_index::flat::scan_many(&keys, &queries[..m * d], prefix.unwrap_or(n as u32)).unwrap();
+        let got: Vec<f32> = (0..m).flat_map(|t| got.scores(t).to_vec()).collect();
+        assert_eq!(&got, exact, "flat, {m} queries, prefix {prefix:?}");
+    }
+}
+
 #[test]
 fn pq_kmeans_is_deterministic_for_a_seed_and_more_centroids_reconstruct_better() {
     let (keys, _, _) = synth(4000, 64);

@@ -440,7 +440,8 @@ fn token_scores(
     })?;
     let tables: Vec<PqLut> = luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect();
     let lim = limit(s.tokens, prefix) as usize;
-    let mut out = vec![0.0f32; nq * lim];
+    // Every score below `lim` of every query is written by the scan below.
+    let mut out = crate::scratch::scores(nq * lim);
     // The best of each run, taken from each slice's scores while they are in the cache.
     let runs = lim.div_ceil(BEST_RUN);
     let mut run_best = vec![f32::NEG_INFINITY; nq * runs];
