@@ -183,9 +183,9 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     let picked = sample(queries.len() / d, p.max_queries, p.seed);
     report.queries = picked.len();
     let nq = p.nq.min(n);
-    let on_gpu = if p.gpu { knn_on_gpu(keys, queries, &picked, nq) } else { None };
-    report.knn_on_gpu = on_gpu.is_some();
-    let knn = on_gpu.unwrap_or_else(|| knn_on_cpu(keys, queries, &picked, nq, p.threads));
+    let rows: Vec<f32> = picked.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
+    let (knn, on_gpu) = knn(keys, &rows, nq, p.threads, p.gpu);
+    report.knn_on_gpu = on_gpu;
     report.knn = t.elapsed();
 
     // 2. Projection onto key–key edges with occlusion pruning.
@@ -251,21 +251,30 @@ pub fn build(keys: &MemKeys, queries: &[f32], p: &BuildParams) -> (MemGraph, Bui
     (MemGraph::from_lists(p.degree + p.extra_degree, &lists, entry), report)
 }
 
-/// The kNN on a GPU, `None` where none opens or it fails (the CPU then runs it).
-fn knn_on_gpu(keys: &MemKeys, queries: &[f32], picked: &[usize], nq: usize) -> Option<Vec<Vec<u32>>> {
-    let gpu = ctxfs_kernels::gpu::Gpu::open().ok()?;
-    let d = keys.dim();
-    let rows: Vec<f32> = picked.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
-    gpu.knn(keys.data(), d, &rows, nq).ok()
+/// The exact top-`k` keys of each query (rows of the keys' dimension), best first (among
+/// equal scores the lower id): on a CUDA GPU when `gpu` is set and one opens, else (or when
+/// the GPU fails) in `threads` CPU threads. Says whether the GPU ran it. The GPU's scores are
+/// each one fused multiply-add chain; the CPU groups some sums differently, so near-ties at
+/// the `k`-th key may resolve differently.
+pub fn knn(keys: &MemKeys, queries: &[f32], k: usize, threads: usize, gpu: bool) -> (Vec<Vec<u32>>, bool) {
+    let on_gpu = gpu
+        .then(ctxfs_kernels::gpu::Gpu::open)
+        .and_then(Result::ok)
+        .and_then(|device| device.knn(keys.data(), keys.dim(), queries, k).ok());
+    match on_gpu {
+        Some(lists) => (lists, true),
+        None => (knn_on_cpu(keys, queries, k, threads), false),
+    }
 }
 
-/// The kNN on the CPU: the exact top-`nq` keys of each picked query, in `threads` threads.
-fn knn_on_cpu(keys: &MemKeys, queries: &[f32], picked: &[usize], nq: usize, threads: usize) -> Vec<Vec<u32>> {
+/// The kNN on the CPU: the exact top-`nq` keys of each query, in `threads` threads.
+fn knn_on_cpu(keys: &MemKeys, queries: &[f32], nq: usize, threads: usize) -> Vec<Vec<u32>> {
     let (d, n) = (keys.dim(), keys.len() as usize);
+    let count = queries.len() / d;
     // Queries go in batches against blocks of keys small enough to stay in cache: each key
     // block is read from memory once per batch, not once per query.
-    let per_batch = picked.len().div_ceil(threads.max(1)).clamp(8, KNN_QUERY_BATCH);
-    let batches = picked.len().div_ceil(per_batch);
+    let per_batch = count.div_ceil(threads.max(1)).clamp(8, KNN_QUERY_BATCH);
+    let batches = count.div_ceil(per_batch);
     // The keys in f32, dimension-major by block, converted once for every batch: the kernel
     // then scores eight queries per key load with no horizontal sum per score.
     let blocks: Vec<Vec<f32>> = parallel(n.div_ceil(KNN_KEY_BLOCK), threads, |b| {
@@ -280,13 +289,12 @@ fn knn_on_cpu(keys: &MemKeys, queries: &[f32], picked: &[usize], nq: usize, thre
         kt
     });
     parallel(batches, threads, |b| {
-        let batch = &picked[b * per_batch..((b + 1) * per_batch).min(picked.len())];
-        let mut best: Vec<Best> = batch.iter().map(|_| Best::new(nq)).collect();
-        let qbuf: Vec<f32> = batch.iter().flat_map(|&q| queries[q * d..(q + 1) * d].iter().copied()).collect();
-        let mut out = vec![0.0f32; batch.len() * KNN_KEY_BLOCK];
+        let qbuf = &queries[b * per_batch * d..((b + 1) * per_batch).min(count) * d];
+        let mut best: Vec<Best> = qbuf.chunks_exact(d).map(|_| Best::new(nq)).collect();
+        let mut out = vec![0.0f32; best.len() * KNN_KEY_BLOCK];
         for (kt, start) in blocks.iter().zip((0..n).step_by(KNN_KEY_BLOCK)) {
             let nk = kt.len() / d;
-            ctxfs_kernels::scores_dim_major(kt, nk, &qbuf, &mut out[..batch.len() * nk]);
+            ctxfs_kernels::scores_dim_major(kt, nk, qbuf, &mut out[..best.len() * nk]);
             // Each block's scores go to the queries' best while still in cache.
             for (b, s) in best.iter_mut().zip(out.chunks_exact(nk)) {
                 b.offer(start as u32, s);
@@ -396,7 +404,39 @@ fn enhance(keys: &MemKeys, lists: &mut [Vec<u32>], entry: u32, p: &BuildParams) 
 
 #[cfg(test)]
 mod tests {
-    use super::Best;
+    use super::{knn, Best};
+    use crate::mem::MemKeys;
+    use crate::synth::Rng;
+
+    /// The kNN on the CPU, and on a GPU where one opens, against a sort of scores taken in
+    /// f64, on keys whose scores have no near-ties: the same lists, best first.
+    #[test]
+    fn knn_finds_the_exact_best_keys_on_every_device() {
+        let mut rng = Rng::new(5);
+        let (n, d, m, k) = (3000, 48, 37, 100);
+        let keys = MemKeys::new(d, (0..n * d).map(|_| half::f16::from_f32(rng.normal())).collect());
+        let queries: Vec<f32> = (0..m * d).map(|_| rng.normal()).collect();
+        let want: Vec<Vec<u32>> = queries
+            .chunks_exact(d)
+            .map(|q| {
+                let s: Vec<f64> = keys
+                    .data()
+                    .chunks_exact(d)
+                    .map(|key| key.iter().zip(q).map(|(a, b)| f64::from(a.to_f32()) * f64::from(*b)).sum())
+                    .collect();
+                let mut ids: Vec<u32> = (0..n as u32).collect();
+                ids.sort_by(|&a, &b| s[b as usize].total_cmp(&s[a as usize]));
+                ids.truncate(k);
+                ids
+            })
+            .collect();
+        for gpu in [false, true] {
+            let (got, on_gpu) = knn(&keys, &queries, k, 3, gpu);
+            assert!(gpu || !on_gpu);
+            assert_eq!(got, want, "gpu asked: {gpu}, ran there: {on_gpu}");
+        }
+        assert_eq!(knn(&keys, &queries[..0], k, 2, false).0, Vec::<Vec<u32>>::new());
+    }
 
     /// The best k by a full sort (score descending, then id ascending; NaN above all, as
     /// `total_cmp` ranks a positive NaN).

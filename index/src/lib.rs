@@ -26,7 +26,7 @@ mod stats;
 pub mod synth;
 pub mod target;
 
-pub use build::{build, BuildParams, BuildReport};
+pub use build::{build, knn, BuildParams, BuildReport};
 pub use coarse::{Coarse, CoarseResult};
 pub use mem::{MemGraph, MemKeys, NO_NODE};
 pub use search::DiprsParams;

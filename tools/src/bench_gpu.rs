@@ -50,6 +50,15 @@ pub struct Args {
     /// Skip the SDPA baseline.
     #[arg(long)]
     no_sdpa: bool,
+    /// Keys of the kNN part (the index build's kNN, GPU against CPU, `--head-dim` wide).
+    #[arg(long, default_value_t = 131072)]
+    knn_keys: usize,
+    /// Training queries of the kNN part (512 per q head of a group of 4 by default).
+    #[arg(long, default_value_t = 2048)]
+    knn_queries: usize,
+    /// Skip the kNN part.
+    #[arg(long)]
+    no_knn: bool,
     #[arg(long)]
     json: bool,
 }
@@ -220,6 +229,12 @@ pub fn run(a: Args) -> Result<()> {
     let sdpa_seconds_eager = sdpa.as_ref().ok().and_then(|v| v["sdpa_layer_seconds_eager"].as_f64());
     let speedup = sdpa_seconds.map(|s| s / layer_seconds);
 
+    let knn = if a.no_knn {
+        Err("skipped (--no-knn)".to_string())
+    } else {
+        crate::bench_gpu_knn::run(a.knn_keys, a.knn_queries, d).map_err(|e| format!("{e:#}"))
+    };
+
     let gbps = |b: f64| b / 1e9;
     if a.json {
         let (major, minor) = gpu.compute_capability();
@@ -253,6 +268,7 @@ pub fn run(a: Args) -> Result<()> {
                 "speedup_vs_sdpa": speedup,
                 "speedup_vs_sdpa_eager": sdpa_seconds_eager.map(|s| s / layer_seconds_eager),
                 "sdpa": sdpa.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
+                "knn": knn.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
                 "nvrtc": gpu.nvrtc(),
             })
         );
@@ -297,6 +313,20 @@ pub fn run(a: Args) -> Result<()> {
         ),
         (Err(e), _, _) => println!("torch SDPA: {e}"),
         _ => println!("torch SDPA: the script's output had no timing"),
+    }
+    match &knn {
+        Ok(v) => println!(
+            "index build kNN, {} queries × {} keys, top {}: GPU {:.1} ms, CPU {:.1} ms on {} threads ({:.1}× as fast); {:.4} of the CPU's lists found",
+            v["queries"],
+            v["keys"],
+            v["k"],
+            v["gpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+            v["cpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+            v["cpu_threads"],
+            v["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
+            v["overlap_with_cpu"].as_f64().unwrap_or(0.0),
+        ),
+        Err(e) => println!("index build kNN: {e}"),
     }
     Ok(())
 }
