@@ -17,6 +17,8 @@ const SCORE_BYTES: usize = 256 << 20;
 const TILE: usize = 64;
 /// Threads per block of both kernels (`KNN_THREADS`).
 const THREADS: u32 = 256;
+/// The most blocks a launch's grid has along y.
+const MAX_GRID_Y: usize = 65_535;
 
 impl Gpu {
     /// For each query (rows of `dim` in `queries`), the ids of the `k` keys (rows of `dim` in
@@ -54,8 +56,9 @@ impl Gpu {
         if k == 0 || m == 0 {
             return Ok(vec![Vec::new(); m]);
         }
-        // Whole tiles of queries per batch where the budget allows.
-        let batch = if batch >= TILE { batch / TILE * TILE } else { batch.max(1) }.min(m);
+        // Whole tiles of queries per batch where the budget allows, and no more tiles than a
+        // grid's y dimension holds.
+        let batch = if batch >= TILE { batch / TILE * TILE } else { batch.max(1) }.min(m).min(MAX_GRID_Y * TILE);
 
         let bits: &[u16] = bytemuck::cast_slice(keys);
         let mut dev_keys = self.alloc::<u16>(bits.len())?;
