@@ -5,8 +5,9 @@
 //! import of a generated context builds it: by default 131,072 keys of d = 128 and 512
 //! prefill queries from each of a GQA group's 4 q heads. The GPU is timed as the import
 //! calls it, the keys' upload included (the median of 3 after one untimed call, which loads
-//! the kernels); the CPU once, on every core. The lists are compared: the GPU's scores are
-//! each one fused multiply-add chain and the CPU's are not, so only near-ties may differ.
+//! the kernels); the CPU once, on every core. The lists are compared: each GPU score is one
+//! fused multiply-add chain, as the CPU's tiles are, but the CPU's tail columns sum without
+//! fusing, so near-ties there may resolve differently.
 
 use crate::bench::median;
 use anyhow::{ensure, Result};
