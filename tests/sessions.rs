@@ -577,6 +577,55 @@ fn an_error_target_is_met_on_real_attention() {
     assert_eq!(tiny.pool_stats().index.resident_pins, 0, "nothing held");
 }
 
+/// Served compact on a GPU machine, a group's scan of the codes runs on the device, from a
+/// copy of them made on first use: the same scores as the CPU's scan, so the same tokens are
+/// retrieved and the answers agree. Without a GPU it checks the CPU path and says so.
+#[test]
+fn the_codes_scanned_on_the_gpu_select_what_the_cpu_selects() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, db, src) = real_prose(dir.path());
+    drop(db);
+    let rules = Rules { short_context: 0, scan_context: 0, ..Default::default() };
+    let compact = Db::open_read_only(
+        &store,
+        DeviceChoice::Auto,
+        DbConfig { resident_budget: Some(0.125), rules, ..Default::default() },
+    )
+    .unwrap();
+    compact.warm("prose").unwrap();
+    let session = compact.open_session("prose", None).unwrap();
+    let shape = session.shape();
+    let d = shape.head_dim as usize;
+    let mut rng = SplitMix64::new(3);
+    for step in 0..4 {
+        // Keys of the context as queries, scaled: peaked attention, as a decode step has.
+        let q: Vec<f32> = (0..shape.q_heads as usize)
+            .flat_map(|qh| {
+                let h = qh / (shape.q_heads / shape.kv_heads) as usize;
+                let t = (rng.next_u64() % src.token_count() as u64) as usize;
+                src.keys(0, h).unwrap()[t * d..(t + 1) * d].iter().map(|x| x * 3.0).collect::<Vec<_>>()
+            })
+            .collect();
+        for opts in [AttentionOptions::default(), AttentionOptions { target_error: Some(0.01), ..Default::default() }] {
+            let opts = AttentionOptions { detail: true, ..opts };
+            let gpu = session.attention_with(0, &q, &opts).unwrap();
+            let cpu = session.attention_with(0, &q, &AttentionOptions { cpu_only: true, ..opts.clone() }).unwrap();
+            assert_eq!(gpu.choice.plan, Plan::Pq);
+            for (g, c) in gpu.heads.iter().zip(&cpu.heads) {
+                assert_eq!(g.selected, c.selected, "step {step}: the same tokens");
+            }
+            assert!(rel_err(&gpu.output, &cpu.output) < 1e-4, "step {step}");
+        }
+    }
+    match compact.gpu_codes_bytes() {
+        Some((held, budget)) => {
+            let codes = src.token_count() as u64 * (d as u64 / 4) * shape.kv_heads as u64;
+            assert_eq!(held, codes, "every kv head's codes of layer 0 held, within {budget}");
+        }
+        None => eprintln!("skipped the GPU half: {}", compact.gpu_status()),
+    }
+}
+
 /// The real attention of tests/data (SmolLM2-135M, layer 15, 4,096 tokens of prose)
 /// imported as "prose" into a fresh store under `dir`: the store, its DB and the source.
 fn real_prose(dir: &Path) -> (std::path::PathBuf, Db, SafetensorsKv) {

@@ -2,6 +2,7 @@
 //! contexts through (AlayaDB Table 2: `DB.open`, `DB.import`, `DB.create_session`,
 //! `DB.store`).
 
+use crate::device_codes::DeviceCodes;
 use crate::error::{Error, Result};
 use crate::footprint::{self, Footprint, IndexParts, Planned};
 use crate::layout::{files_of, segments, FileBlocks};
@@ -137,6 +138,8 @@ pub(crate) struct Inner {
     /// never reused and stored contexts never change, so entries stay valid until deleted.
     files: Mutex<HashMap<(u32, u16, u16), Arc<FileBlocks>>>,
     pub gpu: Option<Gpu>,
+    /// Compact contexts' PQ codes held on the GPU, scanned there.
+    pub device_codes: Option<DeviceCodes>,
     /// Which GPU, or why none is used.
     gpu_status: String,
 }
@@ -252,6 +255,7 @@ impl Db {
                 Err(e) => (None, e.reason().to_string()),
             },
         };
+        let device_codes = gpu.as_ref().and_then(|_| DeviceCodes::open());
         let prefetcher = Prefetcher::start(pool.clone()).map_err(ctxfs_vfs::Error::Io)?;
         let inner = Inner {
             store,
@@ -261,6 +265,7 @@ impl Db {
             trie: RwLock::default(),
             files: Mutex::default(),
             gpu,
+            device_codes,
             gpu_status,
         };
         inner.refresh_trie()?;
@@ -278,6 +283,12 @@ impl Db {
     /// The GPU's name when sessions use one, otherwise why they do not.
     pub fn gpu_status(&self) -> &str {
         &self.inner.gpu_status
+    }
+
+    /// Bytes of compact contexts' PQ codes the GPU holds now, and the most it may hold (half
+    /// its memory free when the DB opened); `None` without a GPU.
+    pub fn gpu_codes_bytes(&self) -> Option<(u64, u64)> {
+        self.inner.device_codes.as_ref().map(|c| (c.held_bytes() as u64, c.budget() as u64))
     }
 
     pub fn pool_stats(&self) -> PoolStats {

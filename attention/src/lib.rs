@@ -13,6 +13,7 @@
 
 mod db;
 pub mod describe;
+mod device_codes;
 mod error;
 pub mod footprint;
 mod import;

@@ -10,6 +10,7 @@
 //! out, each standing for its stride's tokens). The kv heads of a layer run in parallel.
 
 use crate::db::{Db, Window};
+use crate::device_codes::DeviceScan;
 use crate::error::{input, Error, Result};
 use crate::footprint::Planned;
 use crate::kv::first_unstorable;
@@ -22,7 +23,7 @@ use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::PagedPq;
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
-use ctxfs_index::flat::QueryScores;
+use ctxfs_index::flat::{GroupScan, QueryScores};
 use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
@@ -61,7 +62,7 @@ const PIN_BATCH: usize = 256;
 /// 32-layer step with 2 workers per core against 1.64–1.70 s with one, the disk busy 85% of
 /// the step against 73%; with the whole index held, 0.15–0.17 s against 0.15–0.20 s. Four per
 /// core were no faster than two (1.46–1.63 s).
-const WORKERS_PER_CORE: usize = 2;
+pub(crate) const WORKERS_PER_CORE: usize = 2;
 
 /// The stored prefix a session reuses.
 #[derive(Debug, Clone)]
@@ -93,7 +94,7 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
     /// Report every selected token id per head.
     pub detail: bool,
-    /// Attend the window on the CPU even when the DB has a GPU.
+    /// Attend the window, and scan the codes, on the CPU even when the DB has a GPU.
     pub cpu_only: bool,
     /// Start each graph DIPRS search ([`Plan::GraphDiprs`]) from the best tokens the same q
     /// head's last one in this layer returned ([`ctxfs_index::search::diprs_from`]):
@@ -495,8 +496,7 @@ impl Session {
         }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let choice = self.on_stored_index(layer, choice)?;
-        let on_gpu =
-            !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed));
+        let on_gpu = self.gpu_usable(opts);
         let group = qh / kv;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = (cores * WORKERS_PER_CORE).min(kv).max(1);
@@ -590,6 +590,12 @@ impl Session {
         }
         let host: Vec<Partial> = parts.iter().map(|p| p.retrieved.clone()).collect();
         windows[layer].as_mut().expect("loaded above").attention(q, scale, Some(&host))
+    }
+
+    /// Whether a call with `opts` may use the GPU: the session has one, it has not failed,
+    /// and the call does not ask for the CPU.
+    fn gpu_usable(&self, opts: &AttentionOptions) -> bool {
+        !opts.cpu_only && self.gpu.as_ref().is_some_and(|g| !g.failed.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     fn gpu_failed(&self, e: &GpuError) {
@@ -701,10 +707,9 @@ impl Session {
                 .collect::<Result<Vec<_>>>()?,
             // The codes' approximate scores, which the candidates of an error target, or of the
             // optimizer's budget, come from.
-            Plan::Pq | Plan::Diprs if codes_choose(choice) => readers
-                .iter()
-                .map(|r| Ok(self.open_pq(r)?.token_scores_many(qs, r.seg.filter())?))
-                .collect::<Result<Vec<_>>>()?,
+            Plan::Pq | Plan::Diprs if codes_choose(choice) => {
+                readers.iter().map(|r| self.codes_scan(r, qs, opts)).collect::<Result<Vec<_>>>()?
+            }
             _ => Vec::new(),
         };
         let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
@@ -1038,6 +1043,22 @@ impl Session {
     fn open_pq<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedPq<'a>> {
         let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
         PagedPq::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
+    }
+
+    /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
+    /// session attends there and the device holds (or takes) the codes, else on this core.
+    /// Both give the same scores; a GPU failure moves the session to the CPU.
+    fn codes_scan(&self, r: &SegmentReader<'_>, qs: &[f32], opts: &AttentionOptions) -> Result<GroupScan> {
+        let pq = self.open_pq(r)?;
+        if let Some(device) = self.db.inner.device_codes.as_ref().filter(|_| self.gpu_usable(opts)) {
+            let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
+            match device.scan(&pq, run, qs, r.seg.filter())? {
+                DeviceScan::Done(scan) => return Ok(scan),
+                DeviceScan::NotHeld => {}
+                DeviceScan::Failed(e) => self.gpu_failed(&e),
+            }
+        }
+        Ok(pq.token_scores_many(qs, r.seg.filter())?)
     }
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it

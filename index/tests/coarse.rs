@@ -487,6 +487,48 @@ fn paged_readers_answer_exactly_as_memory() {
             }
         }
     }
+    // The scan done elsewhere (a GPU holding the codes): the code blocks' bytes, scanned block
+    // by block as stored, give the pool's scan's scores and runs' best; token-major codes
+    // have no such copy.
+    let per_block = pq48.meta().codes_per_block as usize;
+    let bytes = pq48.code_bytes().unwrap().expect("subspace-major codes");
+    assert_eq!(bytes.len(), 3000 * 4);
+    assert_eq!(a.pq48.code_bytes().len(), 3000 * 4);
+    assert!(pq48_v1.code_bytes().unwrap().is_none());
+    let blockwise = |luts: &[ctxfs_kernels::PqLut], lim: usize, out: &mut [f32]| {
+        for (lut, out) in luts.iter().zip(out.chunks_exact_mut(lim)) {
+            for first in (0..lim).step_by(per_block) {
+                let r = per_block.min(3000 - first);
+                let upto = (first + r).min(lim);
+                ctxfs_kernels::pq_scores(lut, &bytes[first * 4..(first + r) * 4], r, 0, &mut out[first..upto]);
+            }
+        }
+        Ok::<(), ()>(())
+    };
+    for prefix in [None, Some(1500), Some(1)] {
+        let group = &decode[..4 * 64];
+        let (pool_scan, by) = (
+            pq48.token_scores_many(group, prefix).unwrap(),
+            pq48.token_scores_many_by(group, prefix, blockwise).unwrap().unwrap(),
+        );
+        let mem_by = a.pq48.token_scores_many_by(group, prefix, |luts, lim, out| {
+            for (lut, out) in luts.iter().zip(out.chunks_exact_mut(lim)) {
+                ctxfs_kernels::pq_scores(lut, a.pq48.code_bytes(), 3000, 0, out);
+            }
+            Ok::<(), ()>(())
+        });
+        let mem_by = mem_by.unwrap().unwrap();
+        for t in 0..4 {
+            assert_eq!(by.scores(t), pool_scan.scores(t), "prefix {prefix:?}, query {t}");
+            assert_eq!(by.query(t).run_best(), pool_scan.query(t).run_best());
+            assert_eq!(mem_by.scores(t), pool_scan.scores(t));
+        }
+        assert_eq!(by.stats.keys_scored, pool_scan.stats.keys_scored);
+    }
+    assert_eq!(
+        pq48.token_scores_many_by(&decode[..64], None, |_, _, _| Err("refused")).unwrap().unwrap_err(),
+        "refused"
+    );
     for q in decode.chunks(64) {
         assert_eq!(a.quest.page_scores(q, None).unwrap(), quest.page_scores(q, None).unwrap());
         assert_eq!(a.infllm.block_scores(q, Some(1000)).unwrap(), infllm.block_scores(q, Some(1000)).unwrap());

@@ -19,10 +19,10 @@ pub const PQ_TABLE: usize = 256;
 /// table's range over 255 (one step for all tables, so that byte sums add up).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PqLut {
-    bytes: Vec<u8>,
+    pub(crate) bytes: Vec<u8>,
     /// `Σ_j min_j`.
-    bias: f32,
-    step: f32,
+    pub(crate) bias: f32,
+    pub(crate) step: f32,
 }
 
 impl PqLut {

@@ -547,3 +547,76 @@ fn knn_matches_the_reference_with_ties_and_extreme_values() {
     assert!(gpu.knn(&[f16::ZERO; 10], 3, &[0.0; 3], 1).is_err(), "keys that are not rows of dim");
     assert_eq!(gpu.knn(&[], 4, &[0.0; 8], 5).unwrap(), vec![Vec::<u32>::new(); 2]);
 }
+
+/// Codes laid out as a stored PQ run: blocks of `per_block` tokens, each subspace-major.
+fn blocked_codes(token_major: &[u8], m: usize, per_block: usize) -> Vec<u8> {
+    let tokens = token_major.len() / m;
+    let mut out = Vec::with_capacity(token_major.len());
+    for first in (0..tokens).step_by(per_block) {
+        let r = per_block.min(tokens - first);
+        for j in 0..m {
+            out.extend((first..first + r).map(|t| token_major[t * m + j]));
+        }
+    }
+    out
+}
+
+/// The device scan of codes gives the CPU scan's scores bit for bit: tables of extreme ranges,
+/// partial last blocks, one-token blocks, scans of a prefix, and every subspace count the
+/// device takes; misuse is refused.
+#[test]
+fn pq_scan_matches_the_cpu_bit_for_bit() {
+    use ctxfs_kernels::gpu::{PqScanner, MAX_GPU_SUBSPACES};
+    use ctxfs_kernels::{pq_scores, PqLut};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x7071_0000);
+    // One scanner for all the cases: its buffers grow where a scan needs more.
+    let mut scanner = PqScanner::new(&gpu).unwrap();
+    for (tokens, m, per_block, queries, lim) in [
+        (1, 1, 1, 1, 1),
+        (1000, 32, 127, 4, 1000),
+        (1000, 32, 127, 4, 333),
+        (4097, 16, 255, 3, 4097),
+        (300, 64, 1, 2, 299),
+        (700, MAX_GPU_SUBSPACES, 63, 1, 700),
+    ] {
+        let token_major: Vec<u8> = (0..tokens * m).map(|_| (rng.next() % 256) as u8).collect();
+        let bytes = blocked_codes(&token_major, m, per_block);
+        let luts: Vec<PqLut> = (0..queries)
+            .map(|_| {
+                let tables: Vec<f32> = (0..m * 256).map(|_| rng.wild(1e4, 1e-3)).collect();
+                PqLut::quantise(&tables, 256)
+            })
+            .collect();
+        let mut want = vec![0.0f32; queries * lim];
+        for (lut, out) in luts.iter().zip(want.chunks_exact_mut(lim.max(1))) {
+            // The CPU scans one stored block at a time, as the index does.
+            for first in (0..lim).step_by(per_block) {
+                let r = per_block.min(tokens - first);
+                let block = &bytes[first * m..(first + r) * m];
+                let upto = (first + r).min(lim);
+                pq_scores(lut, block, r, 0, &mut out[first..upto]);
+            }
+        }
+        let codes = gpu.codes(&bytes, tokens, per_block, m).unwrap();
+        assert_eq!(codes.device_bytes(), tokens * m);
+        let mut got = vec![f32::NAN; queries * lim];
+        scanner.scan(&codes, &luts, lim, &mut got).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{tokens} tokens, m {m}, blocks of {per_block}, lim {lim}");
+    }
+    let codes = gpu.codes(&[7; 40], 10, 3, 4).unwrap();
+    let lut = PqLut::quantise(&[1.0; 4 * 256], 256);
+    assert!(scanner.scan(&codes, std::slice::from_ref(&lut), 11, &mut [0.0; 11]).is_err(), "beyond the tokens");
+    assert!(scanner.scan(&codes, std::slice::from_ref(&lut), 10, &mut [0.0; 9]).is_err(), "a short output");
+    let other = PqLut::quantise(&[1.0; 2 * 256], 256);
+    assert!(scanner.scan(&codes, &[other], 10, &mut [0.0; 10]).is_err(), "tables of other subspaces");
+    assert!(gpu.codes(&[0; 39], 10, 3, 4).is_err(), "bytes that are not the tokens' codes");
+    assert!(gpu.codes(&[0; 10 * 193], 10, 3, MAX_GPU_SUBSPACES + 1).is_err(), "tables beyond shared memory");
+    // Codes uploaded through another Gpu (stream) of the device scan the same.
+    let mut want = vec![0.0; 10];
+    pq_scores(&lut, &[7; 40], 10, 0, &mut want);
+    let mut got = vec![0.0; 10];
+    PqScanner::new(&Gpu::open().unwrap()).unwrap().scan(&codes, &[lut], 10, &mut got).unwrap();
+    assert_eq!(got, want);
+}

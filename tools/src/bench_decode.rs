@@ -205,6 +205,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     drop(session);
     let quality = quality(&db, base, steps, &step_q)?;
     let stored = store_on_top(&db, layers, n)?;
+    let gpu_codes = db.gpu_codes_bytes();
+    let gpu_status = db.gpu_status().to_string();
     drop(db);
 
     // The loader baseline: the K+V bytes from disk, attended as they arrive.
@@ -265,6 +267,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["resident_bytes"] = json!(warmed.resident_bytes);
     v["resident_over_kv"] = json!(warmed.resident_over_kv());
     v["compact"] = json!(warmed.compact);
+    // Where the codes' scans ran: the codes the GPU holds (none: every scan on a core).
+    v["gpu_codes"] = json!(gpu_codes.map(|(held, budget)| json!({"held_bytes": held, "budget_bytes": budget})));
     v["peak_rss_bytes"] = json!(crate::bench::peak_rss_bytes());
     v["baseline_layers"] = json!(base);
     v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
@@ -303,6 +307,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         warmed.resident_over_kv(),
         if warmed.compact { " (served compact: meta, seeds and PQ codes)" } else { "" }
     );
+    if let Some((held, _)) = gpu_codes.filter(|c| c.0 > 0) {
+        println!("the codes' scans ran on the GPU ({gpu_status}), which holds {} MiB of them", held >> 20);
+    }
     println!("{:<44} {:>12}", "32-layer decode step", "seconds");
     println!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold);
     println!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady);

@@ -59,6 +59,13 @@ pub struct Args {
     /// Skip the kNN part.
     #[arg(long)]
     no_knn: bool,
+    /// Tokens of the PQ part (a GQA group's scan of a compact context's codes, GPU against
+    /// one core, `--head-dim` wide; also timed over the first 131,072).
+    #[arg(long, default_value_t = 1 << 20)]
+    pq_tokens: usize,
+    /// Skip the PQ part.
+    #[arg(long)]
+    no_pq: bool,
     #[arg(long)]
     json: bool,
 }
@@ -235,6 +242,12 @@ pub fn run(a: Args) -> Result<()> {
         crate::bench_gpu_knn::run(a.knn_keys, a.knn_queries, d).map_err(|e| format!("{e:#}"))
     };
 
+    let pq = if a.no_pq {
+        Err("skipped (--no-pq)".to_string())
+    } else {
+        crate::bench_gpu_pq::run(&gpu, a.pq_tokens, d).map_err(|e| format!("{e:#}"))
+    };
+
     let gbps = |b: f64| b / 1e9;
     if a.json {
         let (major, minor) = gpu.compute_capability();
@@ -269,6 +282,7 @@ pub fn run(a: Args) -> Result<()> {
                 "speedup_vs_sdpa_eager": sdpa_seconds_eager.map(|s| s / layer_seconds_eager),
                 "sdpa": sdpa.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
                 "knn": knn.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
+                "pq": pq.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
                 "nvrtc": gpu.nvrtc(),
             })
         );
@@ -327,6 +341,23 @@ pub fn run(a: Args) -> Result<()> {
             v["overlap_with_cpu"].as_f64().unwrap_or(0.0),
         ),
         Err(e) => println!("index build kNN: {e}"),
+    }
+    match &pq {
+        Ok(v) => {
+            for scan in v["scans"].as_array().into_iter().flatten() {
+                println!(
+                    "PQ scan of a GQA group ({} q heads), {} tokens' codes: GPU {:.3} ms, CPU {:.3} ms on one core ({:.1}× as fast); {} of {} scores identical",
+                    v["queries"],
+                    scan["tokens"],
+                    scan["gpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+                    scan["cpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+                    scan["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
+                    scan["scores_identical"],
+                    scan["scores"],
+                );
+            }
+        }
+        Err(e) => println!("PQ scan: {e}"),
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ mod bench_buffer;
 mod bench_decode;
 mod bench_gpu;
 mod bench_gpu_knn;
+mod bench_gpu_pq;
 mod bench_io;
 mod bench_search;
 mod decode_queries;

@@ -293,6 +293,16 @@ impl Pq {
         token_scores(&c, &k, self.shape(), queries, prefix)
     }
 
+    /// [`PagedPq::token_scores_many_by`] of the codes in memory.
+    pub fn token_scores_many_by<E>(&self, queries: &[f32], prefix: Option<u32>, scan: impl ScanCodes<E>) -> ScanBy<E> {
+        scores_by(&self.mem().0, self.shape(), queries, prefix, scan)
+    }
+
+    /// The codes as one block of every token, subspace-major.
+    pub fn code_bytes(&self) -> &[u8] {
+        &self.codes
+    }
+
     /// The meta block, the centroid blocks, then the code blocks, for blocks of `payload`
     /// bytes.
     pub fn payloads(&self, payload: usize) -> Result<Vec<Vec<u8>>, String> {
@@ -392,6 +402,19 @@ impl<'p> PagedPq<'p> {
     pub fn token_scores_many(&self, queries: &[f32], prefix: Option<u32>) -> Result<GroupScan, BufferError> {
         token_scores(&self.centroids, &self.codes, self.meta.shape(), queries, prefix)
     }
+
+    /// [`PagedPq::token_scores_many`] with the lookups done by `scan` (a device holding the
+    /// codes, say) instead of the pool's code blocks. The centroids are read through the pool.
+    pub fn token_scores_many_by<E>(&self, queries: &[f32], prefix: Option<u32>, scan: impl ScanCodes<E>) -> ScanBy<E> {
+        scores_by(&self.centroids, self.meta.shape(), queries, prefix, scan)
+    }
+
+    /// Every code block's bytes in order, checked, for a copy the scan can read elsewhere
+    /// ([`PagedPq::token_scores_many_by`]; blocks of `codes_per_block` tokens); `None` for
+    /// token-major codes (version 1), which only the pool's scan transposes.
+    pub fn code_bytes(&self) -> Result<Option<Vec<u8>>, BufferError> {
+        code_bytes(&self.codes, self.meta.shape())
+    }
 }
 
 impl Coarse for PagedPq<'_> {
@@ -417,29 +440,10 @@ fn token_scores(
     prefix: Option<u32>,
 ) -> Result<GroupScan, BufferError> {
     check_queries(queries, s.dim)?;
-    let sub = s.sub();
     let mut stats = SearchStats::default();
-    let nq = queries.len() / s.dim;
-    let mut luts = vec![0.0f32; nq * s.m * s.k];
-    centroids.visit(0..s.m * s.k, &mut stats, &mut |first, bytes| {
-        let rows: &[f16] = bytemuck::cast_slice(bytes);
-        let end = first + rows.len() / sub;
-        // The rows of each subspace in this block.
-        let mut at = first;
-        while at < end {
-            let j = at / s.k;
-            let upto = end.min((j + 1) * s.k);
-            let part = &rows[(at - first) * sub..(upto - first) * sub];
-            for (t, q) in queries.chunks_exact(s.dim).enumerate() {
-                let lut = &mut luts[t * s.m * s.k..(t + 1) * s.m * s.k];
-                ctxfs_kernels::pq_table(part, &q[j * sub..(j + 1) * sub], &mut lut[at..upto]);
-            }
-            at = upto;
-        }
-        Ok(())
-    })?;
-    let tables: Vec<PqLut> = luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect();
+    let tables = tables(centroids, s, queries, &mut stats)?;
     let lim = limit(s.tokens, prefix) as usize;
+    let nq = tables.len();
     // Every score below `lim` of every query is written by the scan below.
     let mut out = crate::scratch::scores(nq * lim);
     // The best of each run, taken from each slice's scores while they are in the cache.
@@ -486,6 +490,86 @@ fn token_scores(
     })?;
     stats.keys_scored = lim as u64;
     Ok(GroupScan::with_run_best(out, run_best, lim, stats))
+}
+
+/// A scan of codes held elsewhere (a GPU's copy, say): `scan(tables, lim, out)` writes query
+/// `i`'s scores of tokens `0..lim` to `out[i·lim..(i + 1)·lim]`, as
+/// [`ctxfs_kernels::pq_scores`] computes them from the code blocks, or fails with `E`.
+pub trait ScanCodes<E>: FnOnce(&[PqLut], usize, &mut [f32]) -> Result<(), E> {}
+impl<E, F: FnOnce(&[PqLut], usize, &mut [f32]) -> Result<(), E>> ScanCodes<E> for F {}
+
+/// A group scan by [`ScanCodes`]: the outer error is the pool's (reading the centroids), the
+/// inner one the scan's.
+pub type ScanBy<E> = Result<Result<GroupScan, E>, BufferError>;
+
+/// Scores as [`token_scores`] gives them, the lookups done by `scan`.
+fn scores_by<E>(
+    centroids: &dyn Records,
+    s: Shape,
+    queries: &[f32],
+    prefix: Option<u32>,
+    scan: impl ScanCodes<E>,
+) -> ScanBy<E> {
+    check_queries(queries, s.dim)?;
+    let mut stats = SearchStats::default();
+    let tables = tables(centroids, s, queries, &mut stats)?;
+    let lim = limit(s.tokens, prefix) as usize;
+    let mut out = crate::scratch::scores(tables.len() * lim);
+    if let Err(e) = scan(&tables, lim, &mut out) {
+        crate::scratch::give_back(out);
+        return Ok(Err(e));
+    }
+    let runs = lim.div_ceil(BEST_RUN);
+    let mut run_best = vec![f32::NEG_INFINITY; tables.len() * runs];
+    for (scores, best) in out.chunks_exact(lim.max(1)).zip(run_best.chunks_exact_mut(runs.max(1))) {
+        fold_run_best(scores, 0, best);
+    }
+    stats.keys_scored = lim as u64;
+    Ok(Ok(GroupScan::with_run_best(out, run_best, lim, stats)))
+}
+
+/// Every code block's bytes in order, checked; `None` for token-major codes.
+fn code_bytes(codes: &dyn Records, s: Shape) -> Result<Option<Vec<u8>>, BufferError> {
+    if s.layout != CodeLayout::SubspaceMajor {
+        return Ok(None);
+    }
+    let mut all = Vec::with_capacity(s.tokens as usize * s.m);
+    codes.visit(0..s.tokens as usize, &mut SearchStats::default(), &mut |first, bytes| {
+        check_codes(bytes, s, first, bytes.len() / s.m)?;
+        all.extend_from_slice(bytes);
+        Ok(())
+    })?;
+    Ok(Some(all))
+}
+
+/// Each query's lookup tables (rows of `dim` in `queries`), from one pass over the centroids.
+fn tables(
+    centroids: &dyn Records,
+    s: Shape,
+    queries: &[f32],
+    stats: &mut SearchStats,
+) -> Result<Vec<PqLut>, BufferError> {
+    let sub = s.sub();
+    let nq = queries.len() / s.dim;
+    let mut luts = vec![0.0f32; nq * s.m * s.k];
+    centroids.visit(0..s.m * s.k, stats, &mut |first, bytes| {
+        let rows: &[f16] = bytemuck::cast_slice(bytes);
+        let end = first + rows.len() / sub;
+        // The rows of each subspace in this block.
+        let mut at = first;
+        while at < end {
+            let j = at / s.k;
+            let upto = end.min((j + 1) * s.k);
+            let part = &rows[(at - first) * sub..(upto - first) * sub];
+            for (t, q) in queries.chunks_exact(s.dim).enumerate() {
+                let lut = &mut luts[t * s.m * s.k..(t + 1) * s.m * s.k];
+                ctxfs_kernels::pq_table(part, &q[j * sub..(j + 1) * sub], &mut lut[at..upto]);
+            }
+            at = upto;
+        }
+        Ok(())
+    })?;
+    Ok(luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect())
 }
 
 /// Tokens of token-major codes transposed at a time for the scan.

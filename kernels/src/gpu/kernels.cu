@@ -797,3 +797,38 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS)
         filled += chunk;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The PQ scan of a context's codes held on the device (codes.rs): every token's approximate
+// score for each query of a GQA group.
+
+#define PQ_THREADS 256   // threads per pq_scan block
+#define PQ_TOKENS 1024   // tokens per pq_scan block: its table is loaded once for them
+#define PQ_TABLE 256     // entries of a subspace's table, one byte each
+
+// scores[q][t] = bias[q] + step[q] · Σ_j luts[q][j][code(t, j)] for t < lim, the byte sums
+// exact integers and the score rounded as the CPU rounds it (a product, then a sum, no fused
+// multiply-add): the same bits as ctxfs_kernels::pq_scores. codes: blocks of per_block tokens
+// (the last one tokens - b·per_block), each subspace-major (token u's code in subspace j at
+// byte j·r + u of its block). Grid (lim / 1024, queries); m·256 bytes of dynamic shared
+// memory hold the query's tables.
+extern "C" __global__ void __launch_bounds__(PQ_THREADS)
+    pq_scan(const unsigned char* __restrict__ codes, int tokens, int per_block, int m,
+            const unsigned int* __restrict__ luts, const float* __restrict__ bias,
+            const float* __restrict__ step, int lim, float* __restrict__ scores) {
+    extern __shared__ unsigned int table_words[];
+    const unsigned char* table = reinterpret_cast<const unsigned char*>(table_words);
+    const int q = blockIdx.y;
+    const unsigned int* lut = luts + (size_t)q * m * (PQ_TABLE / 4);
+    for (int i = threadIdx.x; i < m * (PQ_TABLE / 4); i += PQ_THREADS) table_words[i] = lut[i];
+    __syncthreads();
+    const int end = min(lim, (int)(blockIdx.x + 1) * PQ_TOKENS);
+    for (int t = blockIdx.x * PQ_TOKENS + threadIdx.x; t < end; t += PQ_THREADS) {
+        const int b = t / per_block, u = t - b * per_block;
+        const int r = min(per_block, tokens - b * per_block);
+        const unsigned char* c = codes + (size_t)b * per_block * m + u;
+        unsigned int sum = 0;
+        for (int j = 0; j < m; ++j) sum += table[j * PQ_TABLE + c[(size_t)j * r]];
+        scores[(size_t)q * lim + t] = __fadd_rn(bias[q], __fmul_rn(step[q], (float)sum));
+    }
+}

@@ -1,7 +1,8 @@
 //! The GPU half of the kernels: window attention and the log-sum-exp merge on a CUDA device
 //! (DESIGN.md, "Partial attention and merge": the window is attended on the GPU, the retrieved
-//! set on the CPU, and the parts are merged exactly), and the exact kNN of the index build
-//! ([`Gpu::knn`]).
+//! set on the CPU, and the parts are merged exactly), the exact kNN of the index build
+//! ([`Gpu::knn`]), and the PQ scan of a compact context's codes held in device memory
+//! ([`Gpu::pq_scores`]).
 //!
 //! Everything here is optional at run time. [`Gpu::open`] either returns a device with the
 //! kernels compiled and loaded, or a [`GpuUnavailable`] that says why not (no NVIDIA driver, no
@@ -24,11 +25,13 @@
 //!
 //! GQA: q head h reads kv head h / (q_heads / kv_heads).
 
+mod codes;
 mod compile;
 mod knn;
 mod load;
 mod window;
 
+pub use codes::{GpuCodes, PqScanner, MAX_GPU_SUBSPACES};
 pub use window::{GpuPartials, GpuQueries, GpuWindow};
 
 use cudarc::driver::sys::{
@@ -90,6 +93,8 @@ struct Device {
     /// The kNN's scores and its selection of each row's best (`knn.rs`).
     knn_scores: CudaFunction,
     knn_select: CudaFunction,
+    /// The PQ scan of codes in device memory (`codes.rs`).
+    pq_scan: CudaFunction,
     name: String,
     capability: (u32, u32),
     multiprocessors: usize,
@@ -348,12 +353,14 @@ impl Device {
             .collect::<Result<_, GpuUnavailable>>()?;
         let merge = function("merge")?;
         let (knn_scores, knn_select) = (function("knn_scores")?, function("knn_select")?);
+        let pq_scan = function("pq_scan")?;
         Ok(Device {
             ctx,
             attend,
             merge,
             knn_scores,
             knn_select,
+            pq_scan,
             name,
             capability,
             multiprocessors,

@@ -1,0 +1,156 @@
+//! PQ codes held in GPU memory, so that a GQA group's scan of a context's codes runs on the
+//! device instead of a core ([`ctxfs_kernels::gpu::Gpu::pq_scores`]: the same scores as the
+//! CPU's, bit for bit, so every plan answers the same either way).
+//!
+//! A compact context's step scans every token's codes for each GQA group: at 1M tokens that
+//! scan bounds the step on 2 cores (docs/benchmarks.md). A run's codes are copied up the first
+//! time a session scans them and stay until evicted, least recently used first, to keep the
+//! codes held within [`DeviceCodes::budget`]. Runs are named by their vector file and the
+//! block of their meta block: stored contexts never change and context ids are never reused,
+//! so a held copy never goes stale.
+
+use crate::poison::lock;
+use ctxfs_buffer::{BlockRequest, BufferError};
+use ctxfs_index::coarse::pq::PagedPq;
+use ctxfs_index::flat::GroupScan;
+use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, MAX_GPU_SUBSPACES};
+use ctxfs_vfs::format::Owner;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Share of the device memory free when the DB opens that held codes may take.
+const BUDGET_SHARE: f64 = 0.5;
+
+/// Scanners at most: one per session worker up to this many scan at once, the others wait.
+const SCANNERS: usize = 8;
+
+/// Codes of PQ runs in device memory, and scanners on streams of their own.
+pub(crate) struct DeviceCodes {
+    /// Uploads the codes.
+    gpu: Gpu,
+    budget: usize,
+    held: Mutex<Held>,
+    scanners: Vec<Mutex<PqScanner>>,
+}
+
+/// A PQ run: its vector file and the block of its meta block.
+type RunKey = (Owner, u64);
+
+#[derive(Default)]
+struct Held {
+    runs: HashMap<RunKey, (Arc<GpuCodes>, u64)>,
+    bytes: usize,
+    /// Uses so far: a run's stamp is the count at its last use.
+    uses: u64,
+}
+
+/// What a device scan came to.
+pub(crate) enum DeviceScan {
+    Done(GroupScan),
+    /// These codes cannot be held on the device (token-major, too many subspaces, larger than
+    /// the budget): the CPU scans them.
+    NotHeld,
+    Failed(GpuError),
+}
+
+impl DeviceCodes {
+    /// Codes on the GPU, on streams of their own (the scans never wait behind a session's
+    /// window, nor behind each other); `None` when none opens.
+    pub fn open() -> Option<DeviceCodes> {
+        let gpu = Gpu::open().ok()?;
+        let budget = (gpu.memory_free().ok()? as f64 * BUDGET_SHARE) as usize;
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) * crate::session::WORKERS_PER_CORE;
+        let scanners = (0..workers.clamp(1, SCANNERS))
+            .map(|_| PqScanner::new(&gpu).map(Mutex::new))
+            .collect::<Result<_, _>>()
+            .ok()?;
+        Some(DeviceCodes { gpu, budget, held: Mutex::default(), scanners })
+    }
+
+    /// Bytes of codes the device holds at most.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Bytes of codes the device holds now.
+    pub fn held_bytes(&self) -> usize {
+        lock(&self.held).bytes
+    }
+
+    /// Every token's approximate score below `prefix` for each query of `queries`, as
+    /// [`PagedPq::token_scores_many`] gives them, from the device's copy of the codes of the
+    /// run `run` (`pq` opened on it); the copy is made on first use.
+    pub fn scan(
+        &self,
+        pq: &PagedPq<'_>,
+        run: &[BlockRequest],
+        queries: &[f32],
+        prefix: Option<u32>,
+    ) -> Result<DeviceScan, BufferError> {
+        let Some(meta_block) = run.first() else { return Ok(DeviceScan::NotHeld) };
+        let key = (meta_block.expect.owner, meta_block.block);
+        let codes = match self.held(key) {
+            Some(codes) => codes,
+            None => match self.upload(pq)? {
+                Ok(Some(codes)) => self.hold(key, codes),
+                Ok(None) => return Ok(DeviceScan::NotHeld),
+                Err(e) => return Ok(DeviceScan::Failed(e)),
+            },
+        };
+        let mut scanner = self.scanner();
+        let scanned =
+            pq.token_scores_many_by(queries, prefix, |luts, lim, out| scanner.scan(&codes, luts, lim, out))?;
+        Ok(match scanned {
+            Ok(scan) => DeviceScan::Done(scan),
+            Err(e) => DeviceScan::Failed(e),
+        })
+    }
+
+    /// A scanner no other thread is using, else the first one once it is free.
+    fn scanner(&self) -> std::sync::MutexGuard<'_, PqScanner> {
+        self.scanners.iter().find_map(|s| s.try_lock().ok()).unwrap_or_else(|| lock(&self.scanners[0]))
+    }
+
+    fn held(&self, key: RunKey) -> Option<Arc<GpuCodes>> {
+        let mut held = lock(&self.held);
+        held.uses += 1;
+        let now = held.uses;
+        held.runs.get_mut(&key).map(|(codes, stamp)| {
+            *stamp = now;
+            codes.clone()
+        })
+    }
+
+    /// The run's codes copied to the device; `None` where they cannot be held.
+    fn upload(&self, pq: &PagedPq<'_>) -> Result<Result<Option<GpuCodes>, GpuError>, BufferError> {
+        let meta = pq.meta();
+        let (tokens, m) = (meta.tokens as usize, meta.params.m as usize);
+        if m > MAX_GPU_SUBSPACES || tokens * m > self.budget {
+            return Ok(Ok(None));
+        }
+        let Some(bytes) = pq.code_bytes()? else { return Ok(Ok(None)) };
+        Ok(self.gpu.codes(&bytes, tokens, meta.codes_per_block as usize, m).map(Some))
+    }
+
+    /// Keeps `codes` under `key`, evicting the least recently used runs until they fit; a
+    /// run another thread copied up meanwhile is kept instead.
+    fn hold(&self, key: RunKey, codes: GpuCodes) -> Arc<GpuCodes> {
+        let mut held = lock(&self.held);
+        held.uses += 1;
+        let now = held.uses;
+        if let Some((codes, stamp)) = held.runs.get_mut(&key) {
+            *stamp = now;
+            return codes.clone();
+        }
+        while held.bytes + codes.device_bytes() > self.budget {
+            let Some(oldest) = held.runs.iter().min_by_key(|(_, (_, stamp))| *stamp).map(|(k, _)| *k) else { break };
+            if let Some((evicted, _)) = held.runs.remove(&oldest) {
+                held.bytes -= evicted.device_bytes();
+            }
+        }
+        let codes = Arc::new(codes);
+        held.bytes += codes.device_bytes();
+        held.runs.insert(key, (codes.clone(), now));
+        codes
+    }
+}

@@ -1,0 +1,190 @@
+//! The PQ scan on the GPU: a context's codes copied to device memory once
+//! ([`Gpu::codes`]), then each GQA group's scan of them in one launch
+//! ([`PqScanner::scan`]), its scores read back through page-locked memory.
+//!
+//! The scores are those of [`crate::pq_scores`], bit for bit: the tables are the same bytes
+//! ([`PqLut`]), their sums exact integers, and each score `bias + step · sum` rounded as the
+//! CPU rounds it (`pq_scan` in `kernels.cu`). A caller may switch between the two freely.
+
+use super::{Gpu, GpuError};
+use crate::{PqLut, PQ_TABLE};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits};
+use std::sync::Arc;
+
+/// Threads per `pq_scan` block (`PQ_THREADS` in `kernels.cu`)...
+const THREADS: u32 = 256;
+/// ...and the tokens each block scores (`PQ_TOKENS`).
+const TOKENS_PER_BLOCK: usize = 1024;
+/// Queries a launch takes at most: one per block along the grid's y dimension.
+const MAX_GRID_Y: usize = 65_535;
+/// Shared memory a block may use without opting in: a query's tables must fit it.
+const SHARED_BYTES: usize = 48 << 10;
+/// The most subspaces the device scan takes (their tables fill [`SHARED_BYTES`]).
+pub const MAX_GPU_SUBSPACES: usize = SHARED_BYTES / PQ_TABLE;
+
+/// One run of tokens' PQ codes in device memory, laid out as stored: blocks of `per_block`
+/// tokens (the last may hold fewer), each subspace-major.
+pub struct GpuCodes {
+    bytes: CudaSlice<u8>,
+    tokens: usize,
+    per_block: usize,
+    m: usize,
+    gpu: Gpu,
+}
+
+impl GpuCodes {
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Device memory the codes take.
+    pub fn device_bytes(&self) -> usize {
+        self.tokens * self.m
+    }
+}
+
+impl Drop for GpuCodes {
+    fn drop(&mut self) {
+        self.gpu.freed();
+    }
+}
+
+impl Gpu {
+    /// Copies the codes of `tokens` tokens, `m` subspaces, to the device: `bytes` is their
+    /// code blocks in order, each of `per_block` tokens (the last `tokens - b·per_block`)
+    /// subspace-major, as a stored PQ run holds them.
+    pub fn codes(&self, bytes: &[u8], tokens: usize, per_block: usize, m: usize) -> Result<GpuCodes, GpuError> {
+        if m == 0 || m > MAX_GPU_SUBSPACES || per_block == 0 || bytes.len() != tokens * m || tokens > i32::MAX as usize
+        {
+            return Err(GpuError::Invalid(format!(
+                "PQ codes: {} bytes for {tokens} tokens of {m} subspaces in blocks of {per_block} \
+                 (1..={MAX_GPU_SUBSPACES} subspaces, fewer than 2^31 tokens)",
+                bytes.len()
+            )));
+        }
+        let mut dev = self.alloc::<u8>(bytes.len().max(1))?;
+        if !bytes.is_empty() {
+            self.stream.memcpy_htod(bytes, &mut dev)?;
+        }
+        // Scanners read the codes from streams of their own: the copy must be complete.
+        self.synchronize()?;
+        Ok(GpuCodes { bytes: dev, tokens, per_block, m, gpu: self.clone() })
+    }
+
+    /// Device memory free now, in bytes.
+    pub fn memory_free(&self) -> Result<usize, GpuError> {
+        Ok(self.device.ctx.mem_get_info()?.0)
+    }
+}
+
+/// Scans codes on a stream of its own, with buffers kept from one scan to the next (they
+/// grow to the largest scan): the tables, the scores on the device, and page-locked host
+/// memory the scores come back through (a copy into pageable memory runs at a fraction of
+/// the bus's speed). One scanner per thread that scans at a time.
+pub struct PqScanner {
+    gpu: Gpu,
+    luts: Option<CudaSlice<u32>>,
+    bias_step: Option<CudaSlice<f32>>,
+    scores: Option<CudaSlice<f32>>,
+    host: Option<PinnedHostSlice<f32>>,
+}
+
+impl PqScanner {
+    /// A scanner on a new stream of `gpu`'s device.
+    pub fn new(gpu: &Gpu) -> Result<PqScanner, GpuError> {
+        let stream = gpu.device.ctx.new_stream()?;
+        let gpu = Gpu { device: gpu.device.clone(), stream, capture: Arc::default() };
+        Ok(PqScanner { gpu, luts: None, bias_step: None, scores: None, host: None })
+    }
+
+    /// Each query's score of tokens `0..lim` of `codes`, by its tables in `luts`: query `i`'s
+    /// scores are `out[i·lim .. (i + 1)·lim]`, the same as [`crate::pq_scores`] writes.
+    pub fn scan(&mut self, codes: &GpuCodes, luts: &[PqLut], lim: usize, out: &mut [f32]) -> Result<(), GpuError> {
+        if !Arc::ptr_eq(&self.gpu.device, &codes.gpu.device) {
+            return Err(GpuError::Invalid("the codes are on another device".into()));
+        }
+        if lim > codes.tokens
+            || out.len() != luts.len() * lim
+            || luts.len() > MAX_GRID_Y
+            || luts.iter().any(|l| l.subspaces() != codes.m)
+        {
+            return Err(GpuError::Invalid(format!(
+                "PQ scan: {} tables (at most {MAX_GRID_Y}), {lim} of {} tokens of {} subspaces, {} scores",
+                luts.len(),
+                codes.tokens,
+                codes.m,
+                out.len()
+            )));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let words: Vec<u32> = luts
+            .iter()
+            .flat_map(|l| l.bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
+            .collect();
+        let bias_step: Vec<f32> = luts.iter().map(|l| l.bias).chain(luts.iter().map(|l| l.step)).collect();
+        let gpu = &self.gpu;
+        let dev_luts = grown(gpu, &mut self.luts, words.len())?;
+        gpu.stream.memcpy_htod(&words, dev_luts)?;
+        let dev_bias_step = grown(gpu, &mut self.bias_step, bias_step.len())?;
+        gpu.stream.memcpy_htod(&bias_step, dev_bias_step)?;
+        let (bias, step) = (dev_bias_step.slice(..luts.len()), dev_bias_step.slice(luts.len()..2 * luts.len()));
+        let dev_scores = grown(gpu, &mut self.scores, out.len())?;
+
+        let (tokens, per_block, m, lim_arg) = (codes.tokens as i32, codes.per_block as i32, codes.m as i32, lim as i32);
+        let mut launch = gpu.stream.launch_builder(&gpu.device.pq_scan);
+        launch
+            .arg(&codes.bytes)
+            .arg(&tokens)
+            .arg(&per_block)
+            .arg(&m)
+            .arg(&*dev_luts)
+            .arg(&bias)
+            .arg(&step)
+            .arg(&lim_arg)
+            .arg(&mut *dev_scores);
+        let cfg = LaunchConfig {
+            grid_dim: (lim.div_ceil(TOKENS_PER_BLOCK) as u32, luts.len() as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: (codes.m * PQ_TABLE) as u32,
+        };
+        // SAFETY: the arguments match `pq_scan(const unsigned char* codes, int tokens, int
+        // per_block, int m, const unsigned int* luts, const float* bias, const float* step, int
+        // lim, float* scores)` in order and type. `codes.bytes` holds tokens × m bytes in blocks
+        // of per_block tokens (checked by `Gpu::codes`, whose copy completed before it
+        // returned), and a thread of token t < lim ≤ tokens reads only its block's bytes; block
+        // (x, q) reads query q < luts.len()'s m × 256 table bytes (m × 64 words, copied to
+        // `dev_luts` above on this stream) into m × 256 ≤ 48 KiB of shared memory, and `bias`
+        // and `step` element q, and writes scores q × lim + t for its tokens t < lim
+        // (1024x ≤ t < 1024(x + 1)), all below out.len() = queries × lim ≤ the buffer's length.
+        unsafe { launch.launch(cfg) }?;
+        let host = match &mut self.host {
+            Some(h) if h.len() >= out.len() => h,
+            slot => {
+                *slot = None;
+                // SAFETY: the memory is unset, and only read below after the copy into it
+                // (of `out.len()` elements) has completed.
+                let fresh = unsafe { gpu.device.ctx.alloc_pinned_with_flags::<f32>(out.len(), 0) }?;
+                slot.insert(fresh)
+            }
+        };
+        gpu.stream.memcpy_dtoh(&dev_scores.slice(..out.len()), host)?;
+        gpu.synchronize()?;
+        out.copy_from_slice(&host.as_slice()?[..out.len()]);
+        Ok(())
+    }
+}
+
+/// `slot`'s device buffer, replaced by a larger one where it holds fewer than `len` elements.
+fn grown<'a, T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<T>, GpuError> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(gpu.alloc(len)?);
+    }
+    Ok(slot.as_mut().expect("set above"))
+}
