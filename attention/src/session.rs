@@ -1132,7 +1132,10 @@ impl Session {
             CodesChoice::Best { want, negligible } => {
                 let mut ids = take_tokens(scored, want);
                 let cut = approx::cut_among(approx, &ids, best, &negligible, margin);
-                ids.retain(|&t| approx[t as usize] >= cut);
+                // The window's tokens are attended from the session: their keys are not read
+                // (`want` leaves room for them, and the caller drops them from what is found).
+                let (prefix, window) = (self.prefix_tokens(), self.window);
+                ids.retain(|&t| approx[t as usize] >= cut && !window.contains(prefix, seg.base + t));
                 let scores = score(&ids)?;
                 ids.into_iter().zip(scores).collect()
             }

@@ -297,6 +297,12 @@ class Store:
     def gpu_status(self) -> str:
         return self._native.gpu_status()
 
+    def gpu_codes_bytes(self) -> tuple[int, int] | None:
+        """Bytes of compact contexts' PQ codes the GPU holds (their scans run there), and
+        the most it may hold (half its memory free when the store opened); None without a
+        GPU."""
+        return self._native.gpu_codes_bytes()
+
     def import_kv(
         self,
         name: str,

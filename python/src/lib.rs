@@ -202,6 +202,12 @@ impl Store {
     fn gpu_status(&self) -> String {
         self.db.gpu_status().to_string()
     }
+
+    /// Bytes of compact contexts' PQ codes the GPU holds now and the most it may hold;
+    /// `None` without a GPU.
+    fn gpu_codes_bytes(&self) -> Option<(u64, u64)> {
+        self.db.gpu_codes_bytes()
+    }
 }
 
 fn config(pool: u64, window: (u32, u32), resident_budget: Option<f64>) -> DbConfig {

@@ -216,6 +216,9 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     assert np.linalg.norm(out - ref) <= 1e-3 * np.linalg.norm(ref)
     out = session.attention(1, q, plan="diprs", target_error=0.01)
     assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
+    # On a GPU machine the codes' scans ran there, from a copy of layer 1's codes.
+    held = reader.gpu_codes_bytes()
+    assert held is None or 0 < held[0] <= held[1], held
     # Below even the codes, it is refused, holding nothing.
     tiny = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["compact_over_kv"] / 2)
     with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):
