@@ -16,6 +16,7 @@ use ctxfs_index::flat::GroupScan;
 use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, MAX_GPU_SUBSPACES};
 use ctxfs_vfs::format::Owner;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Share of the device memory free when the DB opens that held codes may take.
@@ -31,6 +32,9 @@ pub(crate) struct DeviceCodes {
     budget: usize,
     held: Mutex<Held>,
     scanners: Vec<Mutex<PqScanner>>,
+    /// A copy failed (the device's memory taken by others, say): runs not yet held stay on
+    /// the CPU's scan from then on, rather than each scan trying again.
+    copy_failed: AtomicBool,
 }
 
 /// A PQ run: its vector file and the block of its meta block.
@@ -48,7 +52,7 @@ struct Held {
 pub(crate) enum DeviceScan {
     Done(GroupScan),
     /// These codes cannot be held on the device (token-major, too many subspaces, larger than
-    /// the budget): the CPU scans them.
+    /// the budget, or the device's memory is taken): the CPU scans them.
     NotHeld,
     Failed(GpuError),
 }
@@ -64,7 +68,7 @@ impl DeviceCodes {
             .map(|_| PqScanner::new(&gpu).map(Mutex::new))
             .collect::<Result<_, _>>()
             .ok()?;
-        Some(DeviceCodes { gpu, budget, held: Mutex::default(), scanners })
+        Some(DeviceCodes { gpu, budget, held: Mutex::default(), scanners, copy_failed: AtomicBool::new(false) })
     }
 
     /// Bytes of codes the device holds at most.
@@ -91,10 +95,14 @@ impl DeviceCodes {
         let key = (meta_block.expect.owner, meta_block.block);
         let codes = match self.held(key) {
             Some(codes) => codes,
+            None if self.copy_failed.load(Ordering::Relaxed) => return Ok(DeviceScan::NotHeld),
             None => match self.upload(pq)? {
                 Ok(Some(codes)) => self.hold(key, codes),
                 Ok(None) => return Ok(DeviceScan::NotHeld),
-                Err(e) => return Ok(DeviceScan::Failed(e)),
+                Err(_) => {
+                    self.copy_failed.store(true, Ordering::Relaxed);
+                    return Ok(DeviceScan::NotHeld);
+                }
             },
         };
         let mut scanner = self.scanner();
