@@ -1,5 +1,5 @@
 //! PQ codes held in GPU memory, so that a GQA group's scan of a context's codes runs on the
-//! device instead of a core ([`ctxfs_kernels::gpu::Gpu::pq_scores`]: the same scores as the
+//! device instead of a core ([`ctxfs_kernels::gpu::PqScanner`]: the same scores as the
 //! CPU's, bit for bit, so every plan answers the same either way).
 //!
 //! A compact context's step scans every token's codes for each GQA group: at 1M tokens that

@@ -19,7 +19,8 @@ const TOKENS_PER_BLOCK: usize = 1024;
 const MAX_GRID_Y: usize = 65_535;
 /// Shared memory a block may use without opting in: a query's tables must fit it.
 const SHARED_BYTES: usize = 48 << 10;
-/// The most subspaces the device scan takes (their tables fill [`SHARED_BYTES`]).
+/// The most subspaces the device scan takes: their tables fill the 48 KiB of shared memory a
+/// block has without opting in.
 pub const MAX_GPU_SUBSPACES: usize = SHARED_BYTES / PQ_TABLE;
 
 /// One run of tokens' PQ codes in device memory, laid out as stored: blocks of `per_block`
@@ -163,6 +164,7 @@ impl PqScanner {
             Some(h) if h.len() >= out.len() => h,
             slot => {
                 *slot = None;
+                // Not write-combined (cudarc's default): the host reads it.
                 // SAFETY: the memory is unset, and only read below after the copy into it
                 // (of `out.len()` elements) has completed.
                 let fresh = unsafe { gpu.device.ctx.alloc_pinned_with_flags::<f32>(out.len(), 0) }?;

@@ -2,7 +2,7 @@
 //! (DESIGN.md, "Partial attention and merge": the window is attended on the GPU, the retrieved
 //! set on the CPU, and the parts are merged exactly), the exact kNN of the index build
 //! ([`Gpu::knn`]), and the PQ scan of a compact context's codes held in device memory
-//! ([`Gpu::pq_scores`]).
+//! ([`PqScanner`]).
 //!
 //! Everything here is optional at run time. [`Gpu::open`] either returns a device with the
 //! kernels compiled and loaded, or a [`GpuUnavailable`] that says why not (no NVIDIA driver, no
