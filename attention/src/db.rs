@@ -255,7 +255,7 @@ impl Db {
                 Err(e) => (None, e.reason().to_string()),
             },
         };
-        let device_codes = gpu.as_ref().and_then(|_| DeviceCodes::open());
+        let device_codes = gpu.as_ref().and_then(DeviceCodes::open);
         let prefetcher = Prefetcher::start(pool.clone()).map_err(ctxfs_vfs::Error::Io)?;
         let inner = Inner {
             store,

@@ -58,10 +58,10 @@ pub(crate) enum DeviceScan {
 }
 
 impl DeviceCodes {
-    /// Codes on the GPU, on streams of their own (the scans never wait behind a session's
-    /// window, nor behind each other); `None` when none opens.
-    pub fn open() -> Option<DeviceCodes> {
-        let gpu = Gpu::open().ok()?;
+    /// Codes on `gpu`'s device, on streams of their own (the scans never wait behind a
+    /// session's window, nor behind each other); `None` when the streams do not open.
+    pub fn open(gpu: &Gpu) -> Option<DeviceCodes> {
+        let gpu = gpu.with_own_stream().ok()?;
         let budget = (gpu.memory_free().ok()? as f64 * BUDGET_SHARE) as usize;
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) * crate::session::WORKERS_PER_CORE;
         let scanners = (0..workers.clamp(1, SCANNERS))

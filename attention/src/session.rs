@@ -1041,7 +1041,11 @@ impl Session {
 
     /// A segment's PQ codes.
     fn open_pq<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedPq<'a>> {
-        let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
+        self.pq_of(r, self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?)
+    }
+
+    /// The PQ codes of `run`, a segment's PQ run.
+    fn pq_of<'a>(&'a self, r: &SegmentReader<'_>, run: &'a [BlockRequest]) -> Result<PagedPq<'a>> {
         PagedPq::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
     }
 
@@ -1049,9 +1053,9 @@ impl Session {
     /// session attends there and the device holds (or takes) the codes, else on this core.
     /// Both give the same scores; a GPU failure moves the session to the CPU.
     fn codes_scan(&self, r: &SegmentReader<'_>, qs: &[f32], opts: &AttentionOptions) -> Result<GroupScan> {
-        let pq = self.open_pq(r)?;
+        let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
+        let pq = self.pq_of(r, run)?;
         if let Some(device) = self.db.inner.device_codes.as_ref().filter(|_| self.gpu_usable(opts)) {
-            let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
             match device.scan(&pq, run, qs, r.seg.filter())? {
                 DeviceScan::Done(scan) => return Ok(scan),
                 DeviceScan::NotHeld => {}

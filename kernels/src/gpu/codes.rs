@@ -6,7 +6,7 @@
 //! ([`PqLut`]), their sums exact integers, and each score `bias + step · sum` rounded as the
 //! CPU rounds it (`pq_scan` in `kernels.cu`). A caller may switch between the two freely.
 
-use super::{Gpu, GpuError};
+use super::{Gpu, GpuError, MAX_GRID_Y};
 use crate::{PqLut, PQ_TABLE};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits};
 use std::sync::Arc;
@@ -15,8 +15,6 @@ use std::sync::Arc;
 const THREADS: u32 = 256;
 /// ...and the tokens each block scores (`PQ_TOKENS`).
 const TOKENS_PER_BLOCK: usize = 1024;
-/// Queries a launch takes at most: one per block along the grid's y dimension.
-const MAX_GRID_Y: usize = 65_535;
 /// Shared memory a block may use without opting in: a query's tables must fit it.
 const SHARED_BYTES: usize = 48 << 10;
 /// The most subspaces the device scan takes: their tables fill the 48 KiB of shared memory a
@@ -93,9 +91,7 @@ pub struct PqScanner {
 impl PqScanner {
     /// A scanner on a new stream of `gpu`'s device.
     pub fn new(gpu: &Gpu) -> Result<PqScanner, GpuError> {
-        let stream = gpu.device.ctx.new_stream()?;
-        let gpu = Gpu { device: gpu.device.clone(), stream, capture: Arc::default() };
-        Ok(PqScanner { gpu, luts: None, bias_step: None, scores: None, host: None })
+        Ok(PqScanner { gpu: gpu.with_own_stream()?, luts: None, bias_step: None, scores: None, host: None })
     }
 
     /// Each query's score of tokens `0..lim` of `codes`, by its tables in `luts`: query `i`'s
@@ -106,6 +102,7 @@ impl PqScanner {
         }
         if lim > codes.tokens
             || out.len() != luts.len() * lim
+            // One query per block along the grid's y dimension.
             || luts.len() > MAX_GRID_Y
             || luts.iter().any(|l| l.subspaces() != codes.m)
         {

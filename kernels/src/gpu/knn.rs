@@ -7,7 +7,7 @@
 //! A batch's scores fill at most [`SCORE_BYTES`] of device memory, so that a 1M-token head
 //! needs no more than a 128K one beyond its keys.
 
-use super::{Gpu, GpuError};
+use super::{Gpu, GpuError, MAX_GRID_Y};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::f16;
 
@@ -17,8 +17,6 @@ const SCORE_BYTES: usize = 256 << 20;
 const TILE: usize = 64;
 /// Threads per block of both kernels (`KNN_THREADS`).
 const THREADS: u32 = 256;
-/// The most blocks a launch's grid has along y.
-const MAX_GRID_Y: usize = 65_535;
 
 impl Gpu {
     /// For each query (rows of `dim` in `queries`), the ids of the `k` keys (rows of `dim` in

@@ -46,6 +46,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+/// The most blocks a launch's grid has along y.
+const MAX_GRID_Y: usize = 65_535;
+
 /// Head dimensions with a compiled window-attention kernel (`attend_d{D}` in `kernels.cu`).
 pub const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 
@@ -174,8 +177,16 @@ impl Gpu {
         }
         static DEVICE: OnceLock<Result<Arc<Device>, GpuUnavailable>> = OnceLock::new();
         let device = DEVICE.get_or_init(|| Device::open().map(Arc::new)).clone()?;
-        let stream =
-            device.ctx.new_stream().map_err(|e| GpuUnavailable::new(format!("cannot create a CUDA stream: {e}")))?;
+        Gpu::on_new_stream(device).map_err(|e| GpuUnavailable::new(format!("cannot create a CUDA stream: {e}")))
+    }
+
+    /// The same device on a new stream of its own: work on it runs beside this `Gpu`'s.
+    pub fn with_own_stream(&self) -> Result<Gpu, GpuError> {
+        Ok(Gpu::on_new_stream(self.device.clone())?)
+    }
+
+    fn on_new_stream(device: Arc<Device>) -> Result<Gpu, DriverError> {
+        let stream = device.ctx.new_stream()?;
         Ok(Gpu { device, stream, capture: Arc::default() })
     }
 
