@@ -11,9 +11,10 @@
 
 use crate::poison::lock;
 use ctxfs_buffer::{BlockRequest, BufferError};
-use ctxfs_index::coarse::pq::PagedPq;
+use ctxfs_index::coarse::pq::{KeepCodes, KeptGroup, PagedPq};
 use ctxfs_index::flat::GroupScan;
-use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, MAX_GPU_SUBSPACES};
+use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, Reached, MAX_GPU_SUBSPACES};
+use ctxfs_kernels::PqLut;
 use ctxfs_vfs::format::Owner;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,12 +50,29 @@ struct Held {
 }
 
 /// What a device scan came to.
-pub(crate) enum DeviceScan {
-    Done(GroupScan),
+pub(crate) enum DeviceScan<T> {
+    Done(T),
     /// These codes cannot be held on the device (token-major, too many subspaces, larger than
     /// the budget, or the device's memory is taken): the CPU scans them.
     NotHeld,
     Failed(GpuError),
+}
+
+/// A scanner reading back only each query's best of the codes it scans
+/// ([`PagedPq::token_best_many_by`]).
+pub struct KeptOnDevice<'a> {
+    pub scanner: &'a mut PqScanner,
+    pub codes: &'a GpuCodes,
+}
+
+impl KeepCodes<GpuError> for KeptOnDevice<'_> {
+    fn scan_sampled(&mut self, luts: &[PqLut], lim: usize, stride: usize) -> Result<Vec<f32>, GpuError> {
+        self.scanner.scan_sampled(self.codes, luts, lim, stride)
+    }
+
+    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, GpuError> {
+        self.scanner.reaching(cuts, cap)
+    }
 }
 
 impl DeviceCodes {
@@ -90,27 +108,54 @@ impl DeviceCodes {
         run: &[BlockRequest],
         queries: &[f32],
         prefix: Option<u32>,
-    ) -> Result<DeviceScan, BufferError> {
-        let Some(meta_block) = run.first() else { return Ok(DeviceScan::NotHeld) };
-        let key = (meta_block.expect.owner, meta_block.block);
-        let codes = match self.held(key) {
-            Some(codes) => codes,
-            None if self.copy_failed.load(Ordering::Relaxed) => return Ok(DeviceScan::NotHeld),
-            None => match self.upload(pq)? {
-                Ok(Some(codes)) => self.hold(key, codes),
-                Ok(None) => return Ok(DeviceScan::NotHeld),
-                Err(_) => {
-                    self.copy_failed.store(true, Ordering::Relaxed);
-                    return Ok(DeviceScan::NotHeld);
-                }
-            },
-        };
+    ) -> Result<DeviceScan<GroupScan>, BufferError> {
+        let Some(codes) = self.codes_of(pq, run)? else { return Ok(DeviceScan::NotHeld) };
         let mut scanner = self.scanner();
         let scanned =
             pq.token_scores_many_by(queries, prefix, |luts, lim, out| scanner.scan(&codes, luts, lim, out))?;
         Ok(match scanned {
             Ok(scan) => DeviceScan::Done(scan),
             Err(e) => DeviceScan::Failed(e),
+        })
+    }
+
+    /// As [`DeviceCodes::scan`], but only each query's `k` best and every `stride`-th score come
+    /// back ([`PagedPq::token_best_many_by`]); `Done(None)` where a sample cannot bound them.
+    pub fn scan_kept(
+        &self,
+        pq: &PagedPq<'_>,
+        run: &[BlockRequest],
+        queries: &[f32],
+        prefix: Option<u32>,
+        (k, stride): (usize, u32),
+    ) -> Result<DeviceScan<Option<KeptGroup>>, BufferError> {
+        let Some(codes) = self.codes_of(pq, run)? else { return Ok(DeviceScan::NotHeld) };
+        let mut scanner = self.scanner();
+        let mut keep = KeptOnDevice { scanner: &mut scanner, codes: &codes };
+        Ok(match pq.token_best_many_by(queries, prefix, k, stride, &mut keep)? {
+            Ok(kept) => DeviceScan::Done(kept),
+            Err(e) => DeviceScan::Failed(e),
+        })
+    }
+
+    /// The device's copy of the codes of `run` (`pq` opened on it), made on first use; `None`
+    /// where they cannot be held.
+    fn codes_of(&self, pq: &PagedPq<'_>, run: &[BlockRequest]) -> Result<Option<Arc<GpuCodes>>, BufferError> {
+        let Some(meta_block) = run.first() else { return Ok(None) };
+        let key = (meta_block.expect.owner, meta_block.block);
+        if let Some(codes) = self.held(key) {
+            return Ok(Some(codes));
+        }
+        if self.copy_failed.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        Ok(match self.upload(pq)? {
+            Ok(Some(codes)) => Some(self.hold(key, codes)),
+            Ok(None) => None,
+            Err(_) => {
+                self.copy_failed.store(true, Ordering::Relaxed);
+                None
+            }
         })
     }
 

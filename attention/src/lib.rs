@@ -26,6 +26,7 @@ mod session;
 pub mod trie;
 
 pub use db::{Db, DbConfig, PqCodes, WarmReport, Window};
+pub use device_codes::KeptOnDevice;
 pub use error::{Error, Result};
 pub use footprint::Footprint;
 pub use import::WriteReport;

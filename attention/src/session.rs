@@ -20,7 +20,7 @@ use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
 use ctxfs_index::approx;
 use ctxfs_index::coarse::infllm::PagedInfllm;
-use ctxfs_index::coarse::pq::PagedPq;
+use ctxfs_index::coarse::pq::{KeptGroup, KeptScores, PagedPq};
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
@@ -697,18 +697,26 @@ impl Session {
         // bound: one pass over each segment's keys or pages for all of them (its time is shared
         // out as their search time).
         let scanning = Instant::now();
-        let scans = match choice.plan {
-            Plan::Full | Plan::Flat => {
-                readers.iter().map(|r| flat::scan_many(&r.index, qs, r.seg.usable)).collect::<Result<Vec<_>, _>>()?
-            }
+        let scans: Vec<GroupCodes> = match choice.plan {
+            Plan::Full | Plan::Flat => readers
+                .iter()
+                .map(|r| Ok(GroupCodes::Scores(flat::scan_many(&r.index, qs, r.seg.usable)?)))
+                .collect::<Result<Vec<_>>>()?,
             Plan::Quest => readers
                 .iter()
-                .map(|r| Ok(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?))
+                .map(|r| Ok(GroupCodes::Scores(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?)))
                 .collect::<Result<Vec<_>>>()?,
             // The codes' approximate scores, which the candidates of an error target, or of the
-            // optimizer's budget, come from.
+            // optimizer's budget, come from. Choosing the best within a budget, only the best
+            // are needed.
             Plan::Pq | Plan::Diprs if codes_choose(choice) => {
-                readers.iter().map(|r| self.codes_scan(r, qs, opts)).collect::<Result<Vec<_>>>()?
+                let budget = self.retrieval_budget(choice, opts, false);
+                readers
+                    .iter()
+                    .map(|r| {
+                        self.codes_scan(r, qs, opts, codes_best(choice).then(|| self.selection_size(budget, &r.seg)))
+                    })
+                    .collect::<Result<Vec<_>>>()?
             }
             _ => Vec::new(),
         };
@@ -723,7 +731,7 @@ impl Session {
             ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
-            let scanned: Vec<(QueryScores<'_>, SearchStats)> = scans.iter().map(|s| (s.query(i), s.stats)).collect();
+            let scanned: Vec<Scanned<'_>> = scans.iter().map(|s| s.query(i)).collect();
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::GraphDiprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
@@ -768,7 +776,7 @@ impl Session {
                     rounds += 1;
                 }
             }
-            if choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice) {
+            if codes_best(choice) {
                 // The codes' best within a budget: of its candidates, now scored exactly,
                 // those whose attention is negligible are not read.
                 drop_negligible(
@@ -1031,6 +1039,16 @@ impl Session {
         PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
     }
 
+    /// The tokens a retrieval takes beyond the window: the caller's budget, else, for a plan the
+    /// optimizer chose without a `target` (flat, graph and codes DIPR), the rules' (the smaller
+    /// where the tail is estimated), else none.
+    fn retrieval_budget(&self, choice: Choice, opts: &AttentionOptions, target: bool) -> Option<usize> {
+        let auto_dipr = !choice.forced && !target && matches!(choice.plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
+        let rules = &self.db.config().rules;
+        let tail = estimates_tail(choice, opts) || target;
+        opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }))
+    }
+
     /// The tokens a selection from `seg` asks for: `budget` beyond the window
     /// (`COARSE_BUDGET` if none), and as many more as the window holds within `seg`, since
     /// the selection may return them.
@@ -1051,18 +1069,35 @@ impl Session {
 
     /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
     /// session attends there and the device holds (or takes) the codes, else on this core.
-    /// Both give the same scores; a GPU failure moves the session to the CPU.
-    fn codes_scan(&self, r: &SegmentReader<'_>, qs: &[f32], opts: &AttentionOptions) -> Result<GroupScan> {
+    /// Both give the same scores; a GPU failure moves the session to the CPU. `best_of`: the
+    /// caller takes only each query's best that many, so the device reads back only those
+    /// (and the seeds' scores) where a sample bounds them.
+    fn codes_scan(
+        &self,
+        r: &SegmentReader<'_>,
+        qs: &[f32],
+        opts: &AttentionOptions,
+        best_of: Option<usize>,
+    ) -> Result<GroupCodes> {
         let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
         let pq = self.pq_of(r, run)?;
         if let Some(device) = self.db.inner.device_codes.as_ref().filter(|_| self.gpu_usable(opts)) {
-            match device.scan(&pq, run, qs, r.seg.filter())? {
-                DeviceScan::Done(scan) => return Ok(scan),
+            let kept = match best_of {
+                Some(k) => device.scan_kept(&pq, run, qs, r.seg.filter(), (k, SEED_STRIDE))?,
+                None => DeviceScan::Done(None),
+            };
+            match kept {
+                DeviceScan::Done(Some(kept)) => return Ok(GroupCodes::Kept(kept)),
+                DeviceScan::Done(None) => match device.scan(&pq, run, qs, r.seg.filter())? {
+                    DeviceScan::Done(scan) => return Ok(GroupCodes::Scores(scan)),
+                    DeviceScan::NotHeld => {}
+                    DeviceScan::Failed(e) => self.gpu_failed(&e),
+                },
                 DeviceScan::NotHeld => {}
                 DeviceScan::Failed(e) => self.gpu_failed(&e),
             }
         }
-        Ok(pq.token_scores_many(qs, r.seg.filter())?)
+        Ok(GroupCodes::Scores(pq.token_scores_many(qs, r.seg.filter())?))
     }
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it
@@ -1113,20 +1148,27 @@ impl Session {
         &self,
         r: &SegmentReader<'_>,
         q: &[f32],
-        (scored, work): (QueryScores<'_>, SearchStats),
+        scan: Scanned<'_>,
         best: f32,
         codes: CodesChoice<'_>,
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
-        let (index, seg, approx) = (&r.index, &r.seg, scored.scores);
+        let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
-        let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
+        let margin = match scan.kept {
+            // The device kept the scores of the seeds' tokens.
+            Some(kept) => approx::margin(&seeds, &kept.samples),
+            None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
+        };
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
             let mut scores = vec![0.0; ids.len()];
             index.score(ids, q, &mut scores, stats)?;
             Ok(scores)
         };
+        // Only the best within a budget are ever scanned keeping the best alone (`codes_best`):
+        // a target or a range has every score.
+        debug_assert!(matches!(codes, CodesChoice::Best { .. }) || scan.kept.is_none());
         let pairs = match codes {
             CodesChoice::Target(t) => approx::attended(approx, best, t, margin, &mut score)?,
             CodesChoice::Range { beta } => {
@@ -1134,19 +1176,25 @@ impl Session {
                 approx::in_range(scored, known, beta, margin, &mut score)?
             }
             CodesChoice::Best { want, negligible } => {
-                let mut ids = take_tokens(scored, want);
-                let cut = approx::cut_among(approx, &ids, best, &negligible, margin);
+                // (token, approximate score), ascending by token.
+                let mut chosen = match scan.kept {
+                    Some(kept) => kept.best.clone(),
+                    None => take_tokens(scored, want).into_iter().map(|t| (t, approx[t as usize])).collect(),
+                };
+                let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
+                let cut = approx::cut_among(&among, best, &negligible, margin);
                 // The window's tokens are attended from the session: their keys are not read
                 // (`want` leaves room for them, and the caller drops them from what is found).
                 let (prefix, window) = (self.prefix_tokens(), self.window);
-                ids.retain(|&t| approx[t as usize] >= cut && !window.contains(prefix, seg.base + t));
+                chosen.retain(|&(t, a)| a >= cut && !window.contains(prefix, seg.base + t));
+                let ids: Vec<u32> = chosen.into_iter().map(|c| c.0).collect();
                 let scores = score(&ids)?;
                 ids.into_iter().zip(scores).collect()
             }
         };
         // The codes' approximate scores are not inner products with keys: keys scored counts
         // the exact ones (the seeds' and the candidates').
-        let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..work });
+        let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..scan.stats });
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)
     }
@@ -1164,7 +1212,7 @@ impl Session {
     fn retrieve(
         &self,
         readers: &[SegmentReader<'_>],
-        scanned: &[(QueryScores<'_>, SearchStats)],
+        scanned: &[Scanned<'_>],
         q: &[f32],
         own: OwnScores<'_>,
         choice: Choice,
@@ -1174,10 +1222,8 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<(Found, Vec<SeedScores>)> {
         let plan = choice.plan;
-        let auto_dipr = !choice.forced && target.is_none() && matches!(plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
         let tail = estimates_tail(choice, opts) || target.is_some();
-        let rules = &self.db.config().rules;
-        let budget = opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }));
+        let budget = self.retrieval_budget(choice, opts, target.is_some());
         // With a target, the widest range any segment cut (each against its own best).
         let mut beta = if target.is_some() { 0.0 } else { opts.beta };
         let mut seeds = Vec::with_capacity(if tail { readers.len() } else { 0 });
@@ -1189,9 +1235,11 @@ impl Session {
         for (si, r) in readers.iter().enumerate() {
             let (seg, index) = (&r.seg, &r.index);
             let r: SearchResult = match plan {
-                Plan::Full => flat::dipr_of(scanned[si].0.scores, f32::INFINITY, f32::NEG_INFINITY, scanned[si].1),
+                Plan::Full => {
+                    flat::dipr_of(scanned[si].scores.scores, f32::INFINITY, f32::NEG_INFINITY, scanned[si].stats)
+                }
                 Plan::Flat => {
-                    flat::dipr_or_target(scanned[si].0.scores, opts.beta, best, target.as_ref(), scanned[si].1)
+                    flat::dipr_or_target(scanned[si].scores.scores, opts.beta, best, target.as_ref(), scanned[si].stats)
                 }
                 Plan::GraphDiprs => diprs_from(
                     index,
@@ -1213,9 +1261,11 @@ impl Session {
                     let want = opts.k + in_window as usize;
                     topk(index, q, want, want.max(64), seg.filter())?
                 }
-                Plan::Quest | Plan::Infllm => self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?,
+                Plan::Quest | Plan::Infllm => {
+                    self.coarse(r, plan, q, scanned.get(si).map(|s| s.all()), budget, stats)?
+                }
                 Plan::Pq if !codes_choose(choice) => {
-                    self.coarse(r, plan, q, scanned.get(si).copied(), budget, stats)?
+                    self.coarse(r, plan, q, scanned.get(si).map(|s| s.all()), budget, stats)?
                 }
                 Plan::Pq | Plan::Diprs => {
                     let codes = match &target {
@@ -1246,7 +1296,7 @@ impl Session {
                 seeds.push(match plan {
                     Plan::Flat => SeedScores {
                         stride: SEED_STRIDE,
-                        scores: scanned[si].0.scores.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                        scores: scanned[si].scores.scores.iter().step_by(SEED_STRIDE as usize).copied().collect(),
                     },
                     _ => r.seeds,
                 });
@@ -1345,6 +1395,41 @@ fn own_attention(
         Partial::from_scores_on(isa, &mut scaled(win_z), win_values, d),
         Partial::from_scores_on(isa, &mut scaled(fresh_z), fresh_values, d),
     ])
+}
+
+/// A segment's scan for a GQA group: every score, or, from the device, only each query's best
+/// within a budget ([`Session::codes_scan`]).
+enum GroupCodes {
+    Scores(GroupScan),
+    Kept(KeptGroup),
+}
+
+impl GroupCodes {
+    /// The group's `i`-th query's part.
+    fn query(&self, i: usize) -> Scanned<'_> {
+        match self {
+            GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), kept: None, stats: scan.stats },
+            GroupCodes::Kept(kept) => {
+                Scanned { scores: QueryScores::plain(&[]), kept: Some(&kept.queries[i]), stats: kept.stats }
+            }
+        }
+    }
+}
+
+/// One query's part of a segment's scan: its scores (none when only the best were kept), or
+/// its kept best, and the scan's work.
+#[derive(Clone, Copy)]
+struct Scanned<'a> {
+    scores: QueryScores<'a>,
+    kept: Option<&'a KeptScores>,
+    stats: SearchStats,
+}
+
+impl<'a> Scanned<'a> {
+    /// Every score and the work: what plans other than the codes' best take.
+    fn all(&self) -> (QueryScores<'a>, SearchStats) {
+        (self.scores, self.stats)
+    }
 }
 
 /// What the codes choose from one segment ([`Session::codes_select`]).
@@ -1456,6 +1541,12 @@ fn codes_choose(choice: Choice) -> bool {
         Plan::Diprs => true,
         _ => false,
     }
+}
+
+/// Whether the codes choose the best within a budget (the optimizer's `pq` plan without an
+/// error target): only each query's best of the codes' scores are needed.
+fn codes_best(choice: Choice) -> bool {
+    choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice)
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

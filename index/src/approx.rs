@@ -63,13 +63,12 @@ fn lowered_cut(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> 
     best - t.exact_beta(approx, best) - margin.max(0.0)
 }
 
-/// As [`candidates`]' cut, over the approximate scores of `ids` alone (the keys a budget
-/// already chose, the others to be estimated from a sample rather than left out). The
-/// others' mass is not counted: counted with the attended mass it would only raise the
-/// cut, so a key that cut keeps is kept.
-pub fn cut_among(approx: &[f32], ids: &[u32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
-    let among: Vec<f32> = ids.iter().map(|&i| approx[i as usize]).collect();
-    lowered_cut(&among, window_max, t, margin)
+/// As [`candidates`]' cut, over `among`, the approximate scores of the keys a budget already
+/// chose (the others to be estimated from a sample rather than left out). The others' mass
+/// is not counted: counted with the attended mass it would only raise the cut, so a key that
+/// cut keeps is kept.
+pub fn cut_among(among: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
+    lowered_cut(among, window_max, t, margin)
 }
 
 /// The score a candidate must reach once the candidates are scored exactly (`scored`: id and
@@ -195,20 +194,15 @@ mod tests {
     fn a_cut_among_chosen_keys_is_never_above_one_that_counts_the_others() {
         let t = MassTarget { share: 0.01, scale: 1.0, window_lse: f32::NEG_INFINITY };
         let approx: Vec<f32> = (0..50).map(|i| -(i as f32) / 4.0).collect();
-        let best: Vec<u32> = (0..20).collect();
-        let among = cut_among(&approx, &best, f32::NEG_INFINITY, &t, 0.5);
+        let among = cut_among(&approx[..20], f32::NEG_INFINITY, &t, 0.5);
         // The others' mass attended beside the window (as an estimate from a sample is):
         // a larger total, a higher cut.
         let others = approx[20..].iter().map(|a| a.exp()).sum::<f32>().ln();
         let counted = MassTarget { window_lse: others, ..t };
-        let higher = cut_among(&approx, &best, f32::NEG_INFINITY, &counted, 0.5);
+        let higher = cut_among(&approx[..20], f32::NEG_INFINITY, &counted, 0.5);
         assert!(among <= higher && among < 0.0, "{among} > {higher}");
         // All of the keys: the cut of the candidates.
-        let all: Vec<u32> = (0..50).collect();
-        assert_eq!(
-            cut_among(&approx, &all, f32::NEG_INFINITY, &t, 0.5),
-            lowered_cut(&approx, f32::NEG_INFINITY, &t, 0.5)
-        );
+        assert_eq!(cut_among(&approx, f32::NEG_INFINITY, &t, 0.5), lowered_cut(&approx, f32::NEG_INFINITY, &t, 0.5));
     }
 
     #[test]

@@ -4,12 +4,13 @@
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
-use ctxfs_index::coarse::pq::{PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
+use ctxfs_index::coarse::pq::{KeepCodes, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
-use ctxfs_index::coarse::{reaching, run_of, CoarseKind};
-use ctxfs_index::flat::BEST_RUN;
+use ctxfs_index::coarse::{reaching, run_of, take_tokens, CoarseKind};
+use ctxfs_index::flat::{QueryScores, BEST_RUN};
 use ctxfs_index::synth::{head, Rng, SynthParams};
 use ctxfs_index::{Coarse, Keys, MemKeys};
+use ctxfs_kernels::gpu::Reached;
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
 use half::f16;
 use std::sync::Arc;
@@ -682,4 +683,66 @@ fn on_generated_attention_every_method_beats_evenly_spaced_tokens() {
         }
         assert!(got > base * 1.5, "{name}: attention mass {got} vs {base} for evenly spaced tokens");
     }
+}
+
+/// A scan done elsewhere that keeps only the best ([`KeepCodes`]): here the CPU's scan of a
+/// memory index's codes, with `over_room` reporting more tokens reaching the cut than fit.
+struct KeptOnCpu<'a> {
+    pq: &'a Pq,
+    scores: Vec<Vec<f32>>,
+    over_room: bool,
+}
+
+impl KeepCodes<()> for KeptOnCpu<'_> {
+    fn scan_sampled(&mut self, luts: &[ctxfs_kernels::PqLut], lim: usize, stride: usize) -> Result<Vec<f32>, ()> {
+        let n = self.pq.tokens() as usize;
+        self.scores = luts
+            .iter()
+            .map(|lut| {
+                let mut out = vec![0.0; lim];
+                ctxfs_kernels::pq_scores(lut, self.pq.code_bytes(), n, 0, &mut out);
+                out
+            })
+            .collect();
+        Ok(self.scores.iter().flat_map(|s| s.iter().step_by(stride).copied()).collect())
+    }
+
+    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, ()> {
+        Ok(self
+            .scores
+            .iter()
+            .zip(cuts)
+            .map(|(scores, cut)| {
+                let ids = reaching(scores, *cut);
+                let count = if self.over_room { cap + 1 } else { ids.len() };
+                Reached { count, tokens: ids.iter().take(cap).map(|&t| (t, scores[t as usize])).collect() }
+            })
+            .collect())
+    }
+}
+
+#[test]
+fn kept_scores_are_the_best_the_full_scan_would_take() {
+    let (keys, _, decode) = synth(20_000, 64);
+    let pq = Pq::build(&keys, &PqParams::scan_codes(64)).unwrap();
+    let group = &decode[..4 * 64];
+    for (k, prefix) in [(64, None), (1024, None), (64, Some(1500)), (300, Some(19_999))] {
+        let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: false };
+        let kept = pq.token_best_many_by(group, prefix, k, 96, &mut keep).unwrap().unwrap().expect("a cut");
+        let full = pq.token_scores_many(group, prefix).unwrap();
+        assert_eq!(kept.stats.keys_scored, full.stats.keys_scored);
+        for (t, kept) in kept.queries.iter().enumerate() {
+            let scores = full.scores(t);
+            let best = take_tokens(QueryScores::plain(scores), k);
+            assert_eq!(kept.best.iter().map(|p| p.0).collect::<Vec<_>>(), best, "k {k}, prefix {prefix:?}");
+            assert!(kept.best.iter().all(|&(id, s)| s.to_bits() == scores[id as usize].to_bits()));
+            assert_eq!(kept.samples, scores.iter().step_by(96).copied().collect::<Vec<_>>());
+        }
+    }
+    // A sample too short to cut at (k near the tokens), or more reaching the cut than there is
+    // room for: no kept scores, so that the caller reads them all.
+    let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: false };
+    assert!(pq.token_best_many_by(group, None, 10_000, 96, &mut keep).unwrap().unwrap().is_none());
+    let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: true };
+    assert!(pq.token_best_many_by(group, None, 64, 96, &mut keep).unwrap().unwrap().is_none());
 }

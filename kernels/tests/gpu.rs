@@ -620,3 +620,67 @@ fn pq_scan_matches_the_cpu_bit_for_bit() {
     PqScanner::new(&Gpu::open().unwrap()).unwrap().scan(&codes, &[lut], 10, &mut got).unwrap();
     assert_eq!(got, want);
 }
+
+/// A scan that keeps its scores on the device: the sample is every `stride`-th of the scores
+/// `scan` gives, and the tokens reaching a cut are exactly those whose score reaches it (in
+/// total order), their count exact even when only `cap` fit; misuse is refused.
+#[test]
+fn pq_samples_and_reaching_tokens_are_those_of_the_scores() {
+    use ctxfs_kernels::gpu::PqScanner;
+    use ctxfs_kernels::PqLut;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(0x7071_0001);
+    let mut scanner = PqScanner::new(&gpu).unwrap();
+    assert!(scanner.reaching(&[0.0], 4).is_err(), "no scan's scores on the device");
+    for (tokens, m, per_block, queries, lim, stride) in [
+        (5000, 32, 127, 4, 5000, 96),
+        (5000, 32, 127, 4, 1234, 96),
+        (3000, 16, 255, 3, 3000, 1),
+        (40, 8, 7, 2, 40, 100),
+    ] {
+        let token_major: Vec<u8> = (0..tokens * m).map(|_| (rng.next() % 256) as u8).collect();
+        let bytes = blocked_codes(&token_major, m, per_block);
+        // Few table values, so that many scores tie (at the cut too).
+        let luts: Vec<PqLut> = (0..queries)
+            .map(|_| PqLut::quantise(&(0..m * 256).map(|_| (rng.next() % 4) as f32).collect::<Vec<_>>(), 256))
+            .collect();
+        let codes = gpu.codes(&bytes, tokens, per_block, m).unwrap();
+        let mut all = vec![0.0f32; queries * lim];
+        scanner.scan(&codes, &luts, lim, &mut all).unwrap();
+        let samples = scanner.scan_sampled(&codes, &luts, lim, stride).unwrap();
+        let want: Vec<f32> = all.chunks_exact(lim).flat_map(|q| q.iter().step_by(stride).copied()).collect();
+        assert_eq!(samples, want, "{tokens} tokens, lim {lim}, every {stride}th");
+        // The kept scores are those of the scan: read back whole, they are the same.
+        let mut again = vec![0.0f32; queries * lim];
+        scanner.read_scores(&mut again).unwrap();
+        assert_eq!(again, all);
+        for cap in [usize::MAX >> 40, 10] {
+            let cuts: Vec<f32> = all.chunks_exact(lim).map(|q| q[lim / 3]).collect();
+            let reached = scanner.reaching(&cuts, cap.min(lim)).unwrap();
+            assert_eq!(reached.len(), queries);
+            for ((r, q), cut) in reached.iter().zip(all.chunks_exact(lim)).zip(&cuts) {
+                let mut expect: Vec<(u32, f32)> =
+                    (0..lim as u32).map(|t| (t, q[t as usize])).filter(|p| p.1.total_cmp(cut).is_ge()).collect();
+                assert_eq!(r.count, expect.len(), "lim {lim}, cap {cap}");
+                assert_eq!(r.tokens.len(), expect.len().min(cap.min(lim)));
+                let mut got = r.tokens.clone();
+                got.sort_by_key(|p| p.0);
+                if got.len() == expect.len() {
+                    assert_eq!(got, expect);
+                } else {
+                    expect.retain(|p| got.binary_search_by_key(&p.0, |g| g.0).is_ok());
+                    assert_eq!(got, expect, "the tokens that fit are reaching ones, with their scores");
+                }
+            }
+        }
+    }
+    let codes = gpu.codes(&[7; 40], 10, 3, 4).unwrap();
+    let lut = PqLut::quantise(&[1.0; 4 * 256], 256);
+    assert!(scanner.scan_sampled(&codes, std::slice::from_ref(&lut), 10, 0).is_err(), "a stride of 0");
+    scanner.scan_sampled(&codes, std::slice::from_ref(&lut), 10, 3).unwrap();
+    assert!(scanner.reaching(&[0.0, 0.0], 4).is_err(), "cuts for more queries than scanned");
+    assert!(scanner.read_scores(&mut [0.0; 9]).is_err(), "a short output");
+    // Nothing below the prefix: no samples, nothing reaches.
+    assert!(scanner.scan_sampled(&codes, std::slice::from_ref(&lut), 0, 3).unwrap().is_empty());
+    assert_eq!(scanner.reaching(&[f32::NEG_INFINITY], 4).unwrap()[0].count, 0);
+}

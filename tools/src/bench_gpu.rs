@@ -355,6 +355,16 @@ pub fn run(a: Args) -> Result<()> {
                     scan["scores_identical"],
                     scan["scores"],
                 );
+                let best = &scan["best"];
+                println!(
+                    "  the best {} of each query alone: GPU {:.3} ms, CPU {:.3} ms ({:.1}× as fast); {} of {} queries chose the same tokens",
+                    best["per_query"],
+                    best["gpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+                    best["cpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
+                    best["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
+                    best["queries_identical"],
+                    v["queries"],
+                );
             }
         }
         Err(e) => println!("PQ scan: {e}"),

@@ -8,10 +8,18 @@
 //! thread as a session's worker runs it, and on the GPU as a session calls it: the tables built
 //! on the host, uploaded, the scan, and every score downloaded (the codes' one-time upload is
 //! timed apart). Medians of 5 after one untimed call. The scores are compared bit for bit.
+//!
+//! Then the same with only each query's best [`BEST`] taken, as a compact step's `pq` plan
+//! takes them: on the GPU, the scan, a sample of every 96th score, and the tokens reaching the
+//! sample's cut read back (`PagedPq::token_best_many_by`); on the core, the scan and the
+//! selection from every score (`take_tokens`). The chosen tokens are compared.
 
 use crate::bench::median;
 use anyhow::{anyhow, ensure, Result};
+use ctxfs_attention::KeptOnDevice;
 use ctxfs_index::coarse::pq::{Pq, PqParams};
+use ctxfs_index::coarse::take_tokens;
+use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::MemKeys;
 use ctxfs_kernels::gpu::{Gpu, PqScanner};
@@ -24,6 +32,9 @@ const GROUP: usize = 4;
 /// The shorter scan: the 128K context of `ctxfs bench decode`.
 const SHORT: usize = 131_072;
 const TIMED: usize = 5;
+/// Tokens each query takes in the timing of the best alone (a compact step takes the rules'
+/// 1,024 beyond the window, and the window's).
+const BEST: usize = 1024;
 
 /// Times the scan of `tokens` tokens' codes of dimension `dim` on `gpu` against one core.
 pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
@@ -63,17 +74,27 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
             })
             .sum::<usize>();
         drop((gpu_scan, cpu_scan));
-        let time = |f: &dyn Fn() -> Result<ctxfs_index::flat::GroupScan>| -> Result<f64> {
-            let runs = (0..TIMED)
-                .map(|_| {
-                    let t = Instant::now();
-                    drop(f()?);
-                    Ok(t.elapsed().as_secs_f64())
-                })
-                .collect::<Result<Vec<f64>>>()?;
-            Ok(median(runs))
+        let (gpu_seconds, cpu_seconds) = (timed(&on_gpu)?, timed(&on_cpu)?);
+
+        let k = BEST.min(lim);
+        let best_on_gpu = || -> Result<Option<Vec<Vec<u32>>>> {
+            let mut scanner = scanner.borrow_mut();
+            let mut keep = KeptOnDevice { scanner: &mut scanner, codes: &codes };
+            let kept =
+                pq.token_best_many_by(&queries, prefix, k, SEED_STRIDE, &mut keep).map_err(|e| anyhow!("{e}"))?;
+            let kept = kept.map_err(|e| anyhow!("{e}"))?;
+            Ok(kept.map(|kept| kept.queries.into_iter().map(|q| q.best.into_iter().map(|b| b.0).collect()).collect()))
         };
-        let (gpu_seconds, cpu_seconds) = (time(&on_gpu)?, time(&on_cpu)?);
+        let best_on_cpu = || -> Result<Option<Vec<Vec<u32>>>> {
+            let scan = on_cpu()?;
+            Ok(Some((0..GROUP).map(|i| take_tokens(scan.query(i), k)).collect()))
+        };
+        let (gpu_best, cpu_best) = (best_on_gpu()?, best_on_cpu()?);
+        let best_identical = match (&gpu_best, &cpu_best) {
+            (Some(g), Some(c)) => g.iter().zip(c).filter(|(g, c)| g == c).count(),
+            _ => 0,
+        };
+        let (best_gpu_seconds, best_cpu_seconds) = (timed(&best_on_gpu)?, timed(&best_on_cpu)?);
         scans.push(json!({
             "tokens": lim,
             "gpu_seconds": gpu_seconds,
@@ -81,6 +102,14 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
             "gpu_vs_cpu_speedup": cpu_seconds / gpu_seconds,
             "scores": GROUP * lim,
             "scores_identical": identical,
+            "best": {
+                "per_query": k,
+                "gpu_seconds": best_gpu_seconds,
+                "cpu_seconds": best_cpu_seconds,
+                "gpu_vs_cpu_speedup": best_cpu_seconds / best_gpu_seconds,
+                "sampled_cut_held": gpu_best.is_some(),
+                "queries_identical": best_identical,
+            },
         }));
     }
     Ok(json!({
@@ -94,4 +123,16 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
         "upload_seconds": upload_seconds,
         "scans": scans,
     }))
+}
+
+/// The median of [`TIMED`] runs of `f`, in seconds.
+fn timed<T>(f: &dyn Fn() -> Result<T>) -> Result<f64> {
+    let runs = (0..TIMED)
+        .map(|_| {
+            let t = Instant::now();
+            drop(f()?);
+            Ok(t.elapsed().as_secs_f64())
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(median(runs))
 }

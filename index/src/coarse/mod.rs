@@ -330,12 +330,34 @@ fn sample_cut(scores: &[f32], k: usize) -> Option<f32> {
     if stride < 4 {
         return None;
     }
-    let mut sample: Vec<f32> = scores.iter().step_by(stride).copied().collect();
-    let rank = (CUT_SPARE * k).div_ceil(stride) + 8;
+    cut_of_sample(scores.iter().step_by(stride).copied().collect(), stride, k)
+}
+
+/// A score that about `CUT_SPARE` × `k` of a query's scores reach, read off `sample`, every
+/// `stride`-th of them; none when the sample is too short to tell.
+pub(crate) fn cut_of_sample(mut sample: Vec<f32>, stride: usize, k: usize) -> Option<f32> {
+    let rank = cut_rank(stride, k);
     if rank >= sample.len() {
         return None;
     }
     Some(*sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a)).1)
+}
+
+/// The rank in a sample of every `stride`-th score at which [`cut_of_sample`] cuts: about
+/// `CUT_SPARE` × `k` scores reach it, and `rank + 1` samples do.
+pub(crate) fn cut_rank(stride: usize, k: usize) -> usize {
+    (CUT_SPARE * k).div_ceil(stride) + 8
+}
+
+/// The `k` best of `pairs` (token, score) by score (ties: the lower token), ascending by
+/// token: the tokens and order [`take_tokens`] gives.
+pub fn best_pairs(mut pairs: Vec<(u32, f32)>, k: usize) -> Vec<(u32, f32)> {
+    if k < pairs.len() {
+        pairs.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        pairs.truncate(k);
+    }
+    pairs.sort_unstable_by_key(|p| p.0);
+    pairs
 }
 
 /// How many times `k` a sampled cut aims to leave: enough that the sample's error rarely

@@ -47,7 +47,8 @@
 //! ([`ctxfs_kernels::PqLut`]): within half a table step per subspace of the reconstructed
 //! keys' inner products ([`ctxfs_kernels::PqLut::max_error`]).
 
-use super::{check_queries, check_query, check_run, decode_meta, encode_meta, limit, pack, read_meta, take_tokens};
+use super::{best_pairs, check_queries, check_query, check_run, cut_of_sample, decode_meta, encode_meta, limit, pack};
+use super::{cut_rank, read_meta, take_tokens};
 use super::{records_per_block, run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
 use crate::flat::{fold_run_best, GroupScan, BEST_RUN};
 use crate::mem::MemKeys;
@@ -55,6 +56,7 @@ use crate::source::Keys;
 use crate::stats::SearchStats;
 use crate::synth::Rng;
 use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_kernels::gpu::Reached;
 use ctxfs_kernels::PqLut;
 use half::f16;
 
@@ -298,6 +300,18 @@ impl Pq {
         scores_by(&self.mem().0, self.shape(), queries, prefix, scan)
     }
 
+    /// [`PagedPq::token_best_many_by`] of the codes in memory.
+    pub fn token_best_many_by<E>(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        k: usize,
+        stride: u32,
+        keep: &mut impl KeepCodes<E>,
+    ) -> KeptBy<E> {
+        kept_by(&self.mem().0, self.shape(), queries, prefix, (k, stride), keep)
+    }
+
     /// The codes as one block of every token, subspace-major.
     pub fn code_bytes(&self) -> &[u8] {
         &self.codes
@@ -407,6 +421,21 @@ impl<'p> PagedPq<'p> {
     /// codes, say) instead of the pool's code blocks. The centroids are read through the pool.
     pub fn token_scores_many_by<E>(&self, queries: &[f32], prefix: Option<u32>, scan: impl ScanCodes<E>) -> ScanBy<E> {
         scores_by(&self.centroids, self.meta.shape(), queries, prefix, scan)
+    }
+
+    /// Each query's `k` best tokens and every `stride`-th score ([`KeptScores`]), the scan and
+    /// the passes over its scores done by `keep` (a device holding the codes), which reads back
+    /// only those. The centroids are read through the pool. `None` where a sample cannot bound
+    /// the best: the caller then reads every score ([`PagedPq::token_scores_many_by`]).
+    pub fn token_best_many_by<E>(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        k: usize,
+        stride: u32,
+        keep: &mut impl KeepCodes<E>,
+    ) -> KeptBy<E> {
+        kept_by(&self.centroids, self.meta.shape(), queries, prefix, (k, stride), keep)
     }
 
     /// Every code block's bytes in order, checked, for a copy the scan can read elsewhere
@@ -526,6 +555,86 @@ fn scores_by<E>(
     }
     stats.keys_scored = lim as u64;
     Ok(Ok(GroupScan::with_run_best(out, run_best, lim, stats)))
+}
+
+/// A scan done elsewhere that reads back only each query's best
+/// ([`PagedPq::token_best_many_by`]).
+pub trait KeepCodes<E> {
+    /// Scans tokens `0..lim` with each query's tables `luts`, keeping the scores, and returns
+    /// every `stride`-th score of each query (⌈lim / stride⌉ per query, query after query).
+    fn scan_sampled(&mut self, luts: &[PqLut], lim: usize, stride: usize) -> Result<Vec<f32>, E>;
+    /// Of the scores the scan kept, each query's tokens whose score reaches `cuts[q]` (in
+    /// [`f32::total_cmp`]'s order): how many, and the first `cap` found.
+    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, E>;
+}
+
+/// One query's codes' scores where the scan kept only its best: every `stride`-th token's
+/// score (a sample, at the seeds' tokens when `stride` is theirs), and the `k` best tokens by
+/// score (ties: the lower token), as (token, score), ascending by token: what
+/// [`take_tokens`] would take from every score.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptScores {
+    pub stride: u32,
+    pub samples: Vec<f32>,
+    pub best: Vec<(u32, f32)>,
+}
+
+/// A GQA group's [`KeptScores`], query after query, and the work the scan counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptGroup {
+    pub queries: Vec<KeptScores>,
+    pub stats: SearchStats,
+}
+
+/// A group's kept scores by [`KeepCodes`]: the outer error is the pool's (reading the
+/// centroids), the inner one the scan's; `None` where a sample cannot bound the best.
+pub type KeptBy<E> = Result<Result<Option<KeptGroup>, E>, BufferError>;
+
+/// [`PagedPq::token_best_many_by`]: the tables, the scan with its sample, each query's cut
+/// from its sample (as [`take_tokens`] cuts), then the tokens reaching it, of which the `k`
+/// best. A query whose cut leaves fewer than `k`, or more than there is room for, gives
+/// `None` for the group.
+fn kept_by<E>(
+    centroids: &dyn Records,
+    s: Shape,
+    queries: &[f32],
+    prefix: Option<u32>,
+    (k, stride): (usize, u32),
+    keep: &mut impl KeepCodes<E>,
+) -> KeptBy<E> {
+    check_queries(queries, s.dim)?;
+    let mut stats = SearchStats::default();
+    let tables = tables(centroids, s, queries, &mut stats)?;
+    let (lim, stride) = (limit(s.tokens, prefix) as usize, stride.max(1) as usize);
+    stats.keys_scored = lim as u64;
+    let samples = match keep.scan_sampled(&tables, lim, stride) {
+        Ok(samples) => samples,
+        Err(e) => return Ok(Err(e)),
+    };
+    let per = lim.div_ceil(stride);
+    if per == 0 || samples.len() != per * tables.len() {
+        return Ok(Ok(None));
+    }
+    let Some(cuts) =
+        samples.chunks_exact(per).map(|q| cut_of_sample(q.to_vec(), stride, k)).collect::<Option<Vec<_>>>()
+    else {
+        return Ok(Ok(None));
+    };
+    // The cut's rank + 1 samples reach it, so about that many times `stride` tokens do; twice
+    // that is over 5 standard deviations of the sample's error at a rank of 30.
+    let room = 2 * (cut_rank(stride, k) + 1) * stride;
+    let reached = match keep.reaching(&cuts, room) {
+        Ok(reached) => reached,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut kept = Vec::with_capacity(reached.len());
+    for (reached, samples) in reached.into_iter().zip(samples.chunks_exact(per)) {
+        if reached.count < k || reached.count > room || reached.tokens.len() != reached.count {
+            return Ok(Ok(None));
+        }
+        kept.push(KeptScores { stride: stride as u32, samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
+    }
+    Ok(Ok((kept.len() == tables.len()).then_some(KeptGroup { queries: kept, stats })))
 }
 
 /// Every code block's bytes in order, checked; `None` for token-major codes.

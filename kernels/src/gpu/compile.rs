@@ -140,6 +140,9 @@ mod tests {
             "merge",
             "knn_scores",
             "knn_select",
+            "pq_scan",
+            "pq_sample",
+            "pq_reaching",
         ] {
             assert!(image.windows(name.len()).any(|w| w == name.as_bytes()), "{name} missing from the image");
         }

@@ -832,3 +832,42 @@ extern "C" __global__ void __launch_bounds__(PQ_THREADS)
         scores[(size_t)q * lim + t] = __fadd_rn(bias[q], __fmul_rn(step[q], (float)sum));
     }
 }
+
+// samples[q][j] = scores[q][j·stride] for j < count = ⌈lim / stride⌉: every stride-th score
+// of each query's row of lim ([queries][lim]). Grid (⌈count / 256⌉, queries).
+extern "C" __global__ void __launch_bounds__(PQ_THREADS)
+    pq_sample(const float* __restrict__ scores, int lim, int stride, int count, float* __restrict__ samples) {
+    const int q = blockIdx.y, j = blockIdx.x * PQ_THREADS + threadIdx.x;
+    if (j < count) samples[(size_t)q * count + j] = scores[(size_t)q * lim + (size_t)j * stride];
+}
+
+// Each query's tokens t < lim whose score reaches cuts[q] (in f32::total_cmp's order): reached[q]
+// counts them all (it must be zero before), and the first cap of them to be found are written
+// to ids and kept ([queries][cap]), in no order. A warp takes one atomic slot range for its
+// hits. Grid (⌈lim / 1024⌉, queries).
+extern "C" __global__ void __launch_bounds__(PQ_THREADS)
+    pq_reaching(const float* __restrict__ scores, int lim, const float* __restrict__ cuts, int cap,
+                unsigned int* __restrict__ reached, unsigned int* __restrict__ ids, float* __restrict__ kept) {
+    const int q = blockIdx.y, lane = threadIdx.x & 31;
+    const unsigned int cut = total_order(cuts[q]);
+    const float* row = scores + (size_t)q * lim;
+    const int end = min(lim, (int)(blockIdx.x + 1) * PQ_TOKENS);
+    // Every thread of a warp takes each pass (the ballot needs them all).
+    for (int base = blockIdx.x * PQ_TOKENS; base < end; base += PQ_THREADS) {
+        const int t = base + threadIdx.x;
+        const float s = t < end ? row[t] : 0.f;
+        const bool hit = t < end && total_order(s) >= cut;
+        const unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        if (ballot == 0) continue;
+        unsigned int first = 0;
+        if (lane == 0) first = atomicAdd(&reached[q], (unsigned int)__popc(ballot));
+        first = __shfl_sync(0xffffffffu, first, 0);
+        if (hit) {
+            const unsigned int at = first + __popc(ballot & ((1u << lane) - 1u));
+            if (at < (unsigned int)cap) {
+                ids[(size_t)q * cap + at] = (unsigned int)t;
+                kept[(size_t)q * cap + at] = s;
+            }
+        }
+    }
+}

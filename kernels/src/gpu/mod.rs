@@ -31,7 +31,7 @@ mod knn;
 mod load;
 mod window;
 
-pub use codes::{GpuCodes, PqScanner, MAX_GPU_SUBSPACES};
+pub use codes::{GpuCodes, PqScanner, Reached, MAX_GPU_SUBSPACES};
 pub use window::{GpuPartials, GpuQueries, GpuWindow};
 
 use cudarc::driver::sys::{
@@ -96,8 +96,11 @@ struct Device {
     /// The kNN's scores and its selection of each row's best (`knn.rs`).
     knn_scores: CudaFunction,
     knn_select: CudaFunction,
-    /// The PQ scan of codes in device memory (`codes.rs`).
+    /// The PQ scan of codes in device memory, and the passes over its scores that keep only
+    /// each query's best (`codes.rs`).
     pq_scan: CudaFunction,
+    pq_sample: CudaFunction,
+    pq_reaching: CudaFunction,
     name: String,
     capability: (u32, u32),
     multiprocessors: usize,
@@ -364,7 +367,8 @@ impl Device {
             .collect::<Result<_, GpuUnavailable>>()?;
         let merge = function("merge")?;
         let (knn_scores, knn_select) = (function("knn_scores")?, function("knn_select")?);
-        let pq_scan = function("pq_scan")?;
+        let (pq_scan, pq_sample, pq_reaching) =
+            (function("pq_scan")?, function("pq_sample")?, function("pq_reaching")?);
         Ok(Device {
             ctx,
             attend,
@@ -372,6 +376,8 @@ impl Device {
             knn_scores,
             knn_select,
             pq_scan,
+            pq_sample,
+            pq_reaching,
             name,
             capability,
             multiprocessors,
