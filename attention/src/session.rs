@@ -46,6 +46,7 @@ fn round_to(dtype: DType, x: f32) -> f32 {
 fn to_f16(x: &[f32]) -> Vec<f16> {
     x.iter().map(|&x| f16::from_f32(x)).collect()
 }
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -1157,7 +1158,8 @@ impl Session {
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
         let margin = match scan.kept {
-            // The device kept the scores of the seeds' tokens.
+            // `codes_scan` asked the device for the scores of the seeds' tokens (every
+            // `SEED_STRIDE`-th).
             Some(kept) => approx::margin(&seeds, &kept.samples),
             None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
         };
@@ -1177,8 +1179,8 @@ impl Session {
             }
             CodesChoice::Best { want, negligible } => {
                 // (token, approximate score), ascending by token.
-                let mut chosen = match scan.kept {
-                    Some(kept) => kept.best.clone(),
+                let chosen: Cow<'_, [(u32, f32)]> = match scan.kept {
+                    Some(kept) => Cow::Borrowed(&kept.best),
                     None => take_tokens(scored, want).into_iter().map(|t| (t, approx[t as usize])).collect(),
                 };
                 let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
@@ -1186,8 +1188,11 @@ impl Session {
                 // The window's tokens are attended from the session: their keys are not read
                 // (`want` leaves room for them, and the caller drops them from what is found).
                 let (prefix, window) = (self.prefix_tokens(), self.window);
-                chosen.retain(|&(t, a)| a >= cut && !window.contains(prefix, seg.base + t));
-                let ids: Vec<u32> = chosen.into_iter().map(|c| c.0).collect();
+                let ids: Vec<u32> = chosen
+                    .iter()
+                    .filter(|&&(t, a)| a >= cut && !window.contains(prefix, seg.base + t))
+                    .map(|c| c.0)
+                    .collect();
                 let scores = score(&ids)?;
                 ids.into_iter().zip(scores).collect()
             }

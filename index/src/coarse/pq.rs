@@ -569,12 +569,11 @@ pub trait KeepCodes<E> {
 }
 
 /// One query's codes' scores where the scan kept only its best: every `stride`-th token's
-/// score (a sample, at the seeds' tokens when `stride` is theirs), and the `k` best tokens by
-/// score (ties: the lower token), as (token, score), ascending by token: what
-/// [`take_tokens`] would take from every score.
+/// score for the `stride` the caller gave (a sample, at the seeds' tokens when `stride` is
+/// theirs), and the `k` best tokens by score (ties: the lower token), as (token, score),
+/// ascending by token: what [`take_tokens`] would take from every score.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeptScores {
-    pub stride: u32,
     pub samples: Vec<f32>,
     pub best: Vec<(u32, f32)>,
 }
@@ -632,7 +631,7 @@ fn kept_by<E>(
         if reached.count < k || reached.count > room || reached.tokens.len() != reached.count {
             return Ok(Ok(None));
         }
-        kept.push(KeptScores { stride: stride as u32, samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
+        kept.push(KeptScores { samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
     }
     Ok(Ok((kept.len() == tables.len()).then_some(KeptGroup { queries: kept, stats })))
 }
