@@ -1071,8 +1071,8 @@ impl Session {
     /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
     /// session attends there and the device holds (or takes) the codes, else on this core.
     /// Both give the same scores; a GPU failure moves the session to the CPU. `best_of`: the
-    /// caller takes only each query's best that many, so the device reads back only those
-    /// (and the seeds' scores) where a sample bounds them.
+    /// caller takes only each query's best that many, so only those (and the seeds' scores)
+    /// are made, or read back from the device, where a sample bounds them.
     fn codes_scan(
         &self,
         r: &SegmentReader<'_>,
@@ -1096,6 +1096,11 @@ impl Session {
                 },
                 DeviceScan::NotHeld => {}
                 DeviceScan::Failed(e) => self.gpu_failed(&e),
+            }
+        }
+        if let Some(k) = best_of {
+            if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, SEED_STRIDE)? {
+                return Ok(GroupCodes::Kept(kept));
             }
         }
         Ok(GroupCodes::Scores(pq.token_scores_many(qs, r.seg.filter())?))
@@ -1158,8 +1163,7 @@ impl Session {
         let mut seeds = Vec::new();
         index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
         let margin = match scan.kept {
-            // `codes_scan` asked the device for the scores of the seeds' tokens (every
-            // `SEED_STRIDE`-th).
+            // `codes_scan` kept the scores of the seeds' tokens (every `SEED_STRIDE`-th).
             Some(kept) => approx::margin(&seeds, &kept.samples),
             None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
         };
@@ -1402,7 +1406,7 @@ fn own_attention(
     ])
 }
 
-/// A segment's scan for a GQA group: every score, or, from the device, only each query's best
+/// A segment's scan for a GQA group: every score, or only each query's best
 /// within a budget ([`Session::codes_scan`]).
 enum GroupCodes {
     Scores(GroupScan),

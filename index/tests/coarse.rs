@@ -4,13 +4,13 @@
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
-use ctxfs_index::coarse::pq::{KeepCodes, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
+use ctxfs_index::coarse::pq::{KeepCodes, KeptGroup, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
 use ctxfs_index::coarse::{reaching, run_of, take_tokens, CoarseKind};
 use ctxfs_index::flat::{QueryScores, BEST_RUN};
 use ctxfs_index::synth::{head, Rng, SynthParams};
 use ctxfs_index::{Coarse, Keys, MemKeys};
-use ctxfs_kernels::gpu::Reached;
+use ctxfs_kernels::Reached;
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
 use half::f16;
 use std::sync::Arc;
@@ -366,9 +366,21 @@ fn prefix_filter_never_returns_a_token_at_or_beyond_the_prefix() {
     }
 }
 
-/// A PQ run as layout version 1 wrote it: the same meta fields and centroid blocks, code
-/// blocks token-major.
-fn token_major(mut run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+/// A PQ run as layout version 2 wrote it: the same meta fields, centroid and code blocks,
+/// and no sample blocks.
+fn version_2(mut run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+    let (tokens, per_block, stride) = (field(0), field(8), field(9));
+    let samples = if stride == 0 { 0 } else { tokens.div_ceil(stride).div_ceil(per_block) };
+    run.truncate(run.len() - samples);
+    run[0][4..8].copy_from_slice(&2u32.to_le_bytes());
+    run[0].truncate(8 + 4 * 9);
+    run
+}
+
+/// A PQ run as layout version 1 wrote it: version 2's, code blocks token-major.
+fn token_major(run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut run = version_2(run);
     let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
     let (m, k, per_block) = (field(2), 1 << field(3), field(7));
     run[0][4..8].copy_from_slice(&1u32.to_le_bytes());
@@ -593,9 +605,9 @@ fn damaged_meta_blocks_are_errors_never_panics() {
         for other in (0..3).filter(|&o| o != i) {
             assert!(!decode(other, meta), "method {other} decoded method {i}'s meta");
         }
-        // A version this build does not read (Quest and InfLLM read 1, PQ 1 and 2).
+        // A version this build does not read (Quest and InfLLM read 1, PQ 1 to 3).
         let mut bad = meta.clone();
-        bad[4] = if i == 2 { 3 } else { 2 };
+        bad[4] = if i == 2 { 4 } else { 2 };
         assert!(!decode(i, &bad));
         // Every single-byte corruption decodes or fails, and never panics.
         for at in 0..meta.len() {
@@ -745,4 +757,67 @@ fn kept_scores_are_the_best_the_full_scan_would_take() {
     assert!(pq.token_best_many_by(group, None, 10_000, 96, &mut keep).unwrap().unwrap().is_none());
     let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: true };
     assert!(pq.token_best_many_by(group, None, 64, 96, &mut keep).unwrap().unwrap().is_none());
+}
+
+/// The best as this core keeps them, scanning only for the tokens reaching each query's
+/// cut (`token_best_many`), from memory and from code blocks read through a pool on a real
+/// device: the tokens `take_tokens` takes from every score, with the same score bits, and
+/// the samples those of the seeds' tokens.
+#[test]
+fn the_best_kept_on_this_core_are_those_of_every_score() {
+    // d = 128: 126 codes to a block, so the 209 samples of 20,000 tokens fill sample blocks.
+    let (keys, _, decode) = synth(20_000, 128);
+    let pq = Pq::build(&keys, &PqParams::scan_codes(128)).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let payload = max_payload(4096);
+    let v3 = pq.payloads(payload).unwrap();
+    // 64 centroids a subspace: a code of 64 in a sample block is beyond them.
+    let pq6 = Pq::build(&keys, &PqParams { bits: 6, ..PqParams::scan_codes(128) }).unwrap();
+    let mut bad_sample = pq6.payloads(payload).unwrap();
+    *bad_sample.last_mut().unwrap().last_mut().unwrap() = 64;
+    let small = Pq::build(&synth(4_096, 128).0, &PqParams::scan_codes(128)).unwrap();
+    let runs = vec![v3.clone(), version_2(v3.clone()), token_major(v3), bad_sample, small.payloads(payload).unwrap()];
+    let (store, reqs) = store_runs(file_device(&dir), 128, &runs);
+    let config = PoolConfig { budget_bytes: 200 * 4096, data_fraction: 0.2, ..Default::default() };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    let paged = PagedPq::open(&pool, &reqs[0]).unwrap();
+    assert!(reqs[0].len() > 150, "the codes span many blocks");
+    assert_eq!(reqs[0].len(), reqs[1].len() + 2, "two sample blocks");
+    let group = &decode[..4 * 128];
+    for (k, prefix) in [(64, None), (1024, None), (64, Some(1500)), (300, Some(19_999)), (500, Some(7_777))] {
+        let full = pq.token_scores_many(group, prefix).unwrap();
+        let here = pq.token_best_many(group, prefix, k, 96).unwrap().expect("a cut");
+        let read = paged.token_best_many(group, prefix, k, 96).unwrap().expect("a cut");
+        assert_eq!(here, KeptGroup { stats: here.stats, ..read.clone() });
+        assert_eq!(read.stats.keys_scored, full.stats.keys_scored);
+        assert!(read.stats.blocks_touched > 0);
+        for (t, kept) in read.queries.iter().enumerate() {
+            let scores = full.scores(t);
+            let best = take_tokens(QueryScores::plain(scores), k);
+            assert_eq!(kept.best.iter().map(|p| p.0).collect::<Vec<_>>(), best, "k {k}, prefix {prefix:?}");
+            assert!(kept.best.iter().all(|&(id, s)| s.to_bits() == scores[id as usize].to_bits()));
+            let samples: Vec<f32> = scores.iter().step_by(96).copied().collect();
+            let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&kept.samples), bits(&samples));
+        }
+    }
+    // A sample too short to cut at, a stride other than the samples', and runs without
+    // sample codes (versions 2 and 1, read as ever): none kept, the caller scans every score.
+    assert!(paged.token_best_many(group, None, 10_000, 96).unwrap().is_none());
+    assert!(paged.token_best_many(group, None, 64, 48).unwrap().is_none());
+    for (run, version) in [(&reqs[1], 2), (&reqs[2], 1)] {
+        let old = PagedPq::open(&pool, run).unwrap();
+        assert_eq!(old.meta().version, version);
+        assert!(old.token_best_many(group, None, 64, 96).unwrap().is_none());
+        assert_eq!(
+            old.token_scores_many(group, None).unwrap().scores(0),
+            pq.token_scores_many(group, None).unwrap().scores(0)
+        );
+    }
+    let e = PagedPq::open(&pool, &reqs[3]).unwrap().token_best_many(group, None, 64, 96).unwrap_err();
+    assert_eq!(e.block(), Some(reqs[3].last().unwrap().block), "{e}");
+    // A run whose 43 samples would not fill a block has none: scanned from every score.
+    let small = PagedPq::open(&pool, &reqs[4]).unwrap();
+    assert_eq!((small.meta().version, small.meta().sample_stride), (3, 0));
+    assert!(small.token_best_many(group, None, 64, 96).unwrap().is_none());
 }

@@ -9,6 +9,7 @@
 //! `ctxfs_index::coarse::pq`).
 
 use crate::{usable, Isa};
+use std::ops::Range;
 
 /// Entries of a quantised table: a code is one byte, so 256 whatever the centroid count
 /// (entries beyond it are 0 and never looked up by valid codes).
@@ -72,6 +73,69 @@ impl PqLut {
     #[inline(always)]
     fn score(&self, sum: u32) -> f32 {
         self.bias + self.step * sum as f32
+    }
+
+    /// The cut `cut` as a byte sum: the least sum whose score reaches it in
+    /// [`f32::total_cmp`]'s order, which every larger sum's reaches too (the score grows with
+    /// the sum: `step ≥ 0`, and adding and multiplying round monotonically); `None` when no
+    /// sum of `m` bytes reaches it. A scan then compares integers, and the tokens it keeps
+    /// are exactly those whose score reaches the cut.
+    pub fn least_sum_reaching(&self, cut: f32) -> Option<u32> {
+        let reaches = |sum: u32| self.score(sum).total_cmp(&cut).is_ge();
+        let most = 255 * self.subspaces() as u32;
+        if !reaches(most) {
+            return None;
+        }
+        // `reaches(hi)` holds throughout.
+        let (mut lo, mut hi) = (0, most);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if reaches(mid) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        Some(lo)
+    }
+}
+
+/// A run of `tokens` tokens' codes, subspace-major (`codes`: `m · tokens` bytes), whose first
+/// token is `first` of the context.
+#[derive(Debug, Clone, Copy)]
+pub struct CodeRun<'a> {
+    pub codes: &'a [u8],
+    pub tokens: usize,
+    pub first: u32,
+}
+
+/// A cut as [`pq_reaching`] applies it: the least byte sum that reaches it
+/// ([`PqLut::least_sum_reaching`]), and how many of the tokens reaching it to keep.
+#[derive(Debug, Clone, Copy)]
+pub struct SumCut {
+    pub least: u32,
+    pub cap: usize,
+}
+
+/// One query's tokens whose score reaches its cut ([`pq_reaching`]; the GPU scan's
+/// `PqScanner::reaching`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reached {
+    /// How many reach it.
+    pub count: usize,
+    /// Of those, the first `cap` found (all of them when `count ≤ cap`), as (token, score), in
+    /// no order.
+    pub tokens: Vec<(u32, f32)>,
+}
+
+impl Reached {
+    /// Counts token `token` of the context, keeping it while fewer than `cap` are kept.
+    #[inline]
+    fn add(&mut self, token: u32, score: f32, cap: usize) {
+        self.count += 1;
+        if self.tokens.len() < cap {
+            self.tokens.push((token, score));
+        }
     }
 }
 
@@ -171,6 +235,63 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
     scalar_scores(lut, codes, r, from + done, &mut out[done..]);
 }
 
+/// The scores of every `stride`-th token of a run of `r` tokens' codes (subspace-major) from
+/// token `from`, `out.len()` of them, as [`pq_scores`] gives them (the same byte sums and the
+/// same expression): a sample, read a subspace at a time so that its loads walk each
+/// subspace's row in order.
+pub fn pq_strided_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, stride: usize, out: &mut [f32]) {
+    let m = lut.subspaces();
+    assert!(
+        codes.len() == m * r && stride > 0 && (out.is_empty() || from + (out.len() - 1) * stride < r),
+        "{} code bytes for {m} subspaces of {r} tokens, {} tokens from {from} every {stride} scored",
+        codes.len(),
+        out.len()
+    );
+    let mut sums = [0u32; 64];
+    for (c, chunk) in out.chunks_mut(64).enumerate() {
+        let sums = &mut sums[..chunk.len()];
+        sums.fill(0);
+        let at = from + c * 64 * stride;
+        for (table, sub) in lut.bytes.chunks_exact(PQ_TABLE).zip(codes.chunks_exact(r)) {
+            for (s, &code) in sums.iter_mut().zip(sub[at..].iter().step_by(stride)) {
+                *s += table[code as usize] as u32;
+            }
+        }
+        for (o, &s) in chunk.iter_mut().zip(sums.iter()) {
+            *o = lut.score(s);
+        }
+    }
+}
+
+/// Of the run's tokens `tokens` (positions within it), those whose byte sum reaches
+/// `cut.least`, added to `out` as (context token, score) while it keeps fewer than
+/// `cut.cap`; `out.count` counts every one. The scores are [`pq_scores`]' bit for bit, and
+/// only these are made: a caller that wants a query's best reads a few thousand scores
+/// instead of every token's.
+pub fn pq_reaching(lut: &PqLut, run: CodeRun<'_>, tokens: Range<usize>, cut: SumCut, out: &mut Reached) {
+    pq_reaching_on(crate::active(), lut, run, tokens, cut, out)
+}
+
+pub fn pq_reaching_on(isa: Isa, lut: &PqLut, run: CodeRun<'_>, tokens: Range<usize>, cut: SumCut, out: &mut Reached) {
+    let m = lut.subspaces();
+    assert!(
+        run.codes.len() == m * run.tokens && tokens.start <= tokens.end && tokens.end <= run.tokens,
+        "{} code bytes for {m} subspaces of {} tokens, tokens {tokens:?} scanned",
+        run.codes.len(),
+        run.tokens
+    );
+    let done = match usable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
+            // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
+            // checked above.
+            unsafe { avx512vbmi::pq_reaching(lut, run, tokens.clone(), cut, out) }
+        }
+        _ => 0,
+    };
+    scalar_reaching(lut, run, tokens.start + done..tokens.end, cut, out);
+}
+
 /// Subspaces whose byte sums fit a u16 lane (255 each).
 #[cfg(target_arch = "x86_64")]
 const MAX_U16_SUBSPACES: usize = u16::MAX as usize / 255;
@@ -185,29 +306,49 @@ fn vbmi() -> bool {
     })
 }
 
-/// Tokens `from .. from + out.len()` of the run, 64 at a time with their sums side by side
-/// (independent loads, not one long chain of adds per token).
+/// Tokens `from .. from + out.len()` of the run, 64 at a time ([`scalar_sums`]).
 fn scalar_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) {
     let mut sums = [0u32; 64];
     for (c, chunk) in out.chunks_mut(64).enumerate() {
-        let at = from + c * 64;
         let sums = &mut sums[..chunk.len()];
-        sums.fill(0);
-        for (table, sub) in lut.bytes.chunks_exact(PQ_TABLE).zip(codes.chunks_exact(r.max(1))) {
-            for (s, &code) in sums.iter_mut().zip(&sub[at..at + chunk.len()]) {
-                *s += table[code as usize] as u32;
-            }
-        }
+        scalar_sums(lut, codes, r, from + c * 64, sums);
         for (o, &s) in chunk.iter_mut().zip(sums.iter()) {
             *o = lut.score(s);
         }
     }
 }
 
+/// [`pq_reaching`]'s tokens `tokens` of the run, 64 at a time ([`scalar_sums`]).
+fn scalar_reaching(lut: &PqLut, run: CodeRun<'_>, tokens: Range<usize>, cut: SumCut, out: &mut Reached) {
+    let mut sums = [0u32; 64];
+    for at in tokens.clone().step_by(64) {
+        let sums = &mut sums[..(tokens.end - at).min(64)];
+        scalar_sums(lut, run.codes, run.tokens, at, sums);
+        for (t, &s) in (at..).zip(sums.iter()) {
+            if s >= cut.least {
+                out.add(run.first + t as u32, lut.score(s), cut.cap);
+            }
+        }
+    }
+}
+
+/// The byte sums of tokens `at .. at + sums.len()` of the run, side by side (independent
+/// loads, not one long chain of adds per token).
+fn scalar_sums(lut: &PqLut, codes: &[u8], r: usize, at: usize, sums: &mut [u32]) {
+    sums.fill(0);
+    let end = at + sums.len();
+    for (table, sub) in lut.bytes.chunks_exact(PQ_TABLE).zip(codes.chunks_exact(r.max(1))) {
+        for (s, &code) in sums.iter_mut().zip(&sub[at..end]) {
+            *s += table[code as usize] as u32;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512vbmi {
-    use super::{PqLut, PQ_TABLE};
+    use super::{CodeRun, PqLut, Reached, SumCut, PQ_TABLE};
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     /// Chunks of 64 tokens summed side by side, so that a subspace's table is loaded once
     /// for all of them.
@@ -215,8 +356,9 @@ mod avx512vbmi {
 
     /// Tokens `from .. from + out.len()`, 64 at a time (the last chunk's bytes and scores
     /// masked); returns how many tokens it scored. Runs of [`CHUNKS`] chunks while they
-    /// fill, then one chunk at a time: a short run (a block's 127 tokens at `m` = 32) does
-    /// not look up chunks that are wholly masked.
+    /// fill, then the 1 to 4 chunks left side by side: a short run (a block's 126 tokens at
+    /// `m` = 32) loads each subspace's table once for its two chunks, and does not look up
+    /// chunks that are wholly masked.
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`, `from + out.len() ≤ r`
@@ -228,24 +370,70 @@ mod avx512vbmi {
             // SAFETY: as this function's; tokens `at .. at + 256 ≤ out.len()`.
             unsafe { chunks::<CHUNKS>(lut, codes, r, from, at, out) };
         }
-        for at in (whole..out.len()).step_by(64) {
-            // SAFETY: as this function's; `at < out.len()`.
-            unsafe { chunks::<1>(lut, codes, r, from, at, out) };
+        // SAFETY: as this function's; `whole < out.len()` when a chunk is left.
+        unsafe {
+            match (out.len() - whole).div_ceil(64) {
+                0 => {}
+                1 => chunks::<1>(lut, codes, r, from, whole, out),
+                2 => chunks::<2>(lut, codes, r, from, whole, out),
+                3 => chunks::<3>(lut, codes, r, from, whole, out),
+                _ => chunks::<CHUNKS>(lut, codes, r, from, whole, out),
+            }
         }
         out.len()
     }
 
-    /// `N` chunks of 64 tokens from `at` (of `out`; beyond its end, masked), summed side by
-    /// side. A chunk's looked-up bytes are summed as 16-bit words without widening: the even
-    /// bytes masked, the odd ones shifted down, and the two sums interleaved back into token
-    /// order once per chunk.
+    /// [`super::pq_reaching`] of the run's tokens `tokens`, chunked as [`pq_scores`] chunks
+    /// them; returns how many tokens it scanned (all of them).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VBMI; `run.codes.len() == m · run.tokens`,
+    /// `tokens.end ≤ run.tokens` and `m ≤ MAX_U16_SUBSPACES`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn pq_reaching(
+        lut: &PqLut,
+        run: CodeRun<'_>,
+        tokens: Range<usize>,
+        cut: SumCut,
+        out: &mut Reached,
+    ) -> usize {
+        let len = tokens.len();
+        let whole = len / (64 * CHUNKS) * (64 * CHUNKS);
+        for at in (0..whole).step_by(64 * CHUNKS) {
+            // SAFETY: as this function's; tokens `at .. at + 256 ≤ len`.
+            unsafe { reaching::<CHUNKS>(lut, run, tokens.start, at, len, cut, out) };
+        }
+        let from = tokens.start;
+        // SAFETY: as this function's; `whole < len` when a chunk is left.
+        unsafe {
+            match (len - whole).div_ceil(64) {
+                0 => {}
+                1 => reaching::<1>(lut, run, from, whole, len, cut, out),
+                2 => reaching::<2>(lut, run, from, whole, len, cut, out),
+                3 => reaching::<3>(lut, run, from, whole, len, cut, out),
+                _ => reaching::<CHUNKS>(lut, run, from, whole, len, cut, out),
+            }
+        }
+        len
+    }
+
+    /// The masks of `N` chunks of 64 tokens from `at` of `len`: bit `t` of chunk `c` is
+    /// token `at + 64c + t`, set below `len`.
+    fn chunk_masks<const N: usize>(at: usize, len: usize) -> [__mmask64; N] {
+        std::array::from_fn(|c| match (len - at).saturating_sub(64 * c) {
+            w if w >= 64 => !0,
+            w => (1u64 << w) - 1,
+        })
+    }
+
+    /// `N` chunks of 64 tokens from `at` (of `out`; beyond its end, masked), scored. The
+    /// sums ([`sums`]) are interleaved back into token order once per chunk.
     ///
     /// # Safety
     /// As [`pq_scores`]', and `at < out.len()`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     unsafe fn chunks<const N: usize>(lut: &PqLut, codes: &[u8], r: usize, from: usize, at: usize, out: &mut [f32]) {
         let (bias, step) = (_mm512_set1_ps(lut.bias), _mm512_set1_ps(lut.step));
-        let low_bytes = _mm512_set1_epi16(0x00FF);
         // Word `i` of the even sums is token 2i, of the odd sums token 2i + 1 (index 32 + i
         // of the pair): tokens 0..32, then 32..64.
         let order = |from: i16| {
@@ -254,36 +442,10 @@ mod avx512vbmi {
             unsafe { _mm512_loadu_si512(words.as_ptr().cast()) }
         };
         let (first_half, second_half) = (order(0), order(16));
-        let masks: [__mmask64; N] = std::array::from_fn(|c| match (out.len() - at).saturating_sub(64 * c) {
-            w if w >= 64 => !0,
-            w => (1u64 << w) - 1,
-        });
-        let mut even = [_mm512_setzero_si512(); N];
-        let mut odd = [_mm512_setzero_si512(); N];
-        for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
-            let t = table.as_ptr();
-            // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
-            let (t0, t1, t2, t3) = unsafe {
-                (
-                    _mm512_loadu_si512(t.cast()),
-                    _mm512_loadu_si512(t.add(64).cast()),
-                    _mm512_loadu_si512(t.add(128).cast()),
-                    _mm512_loadu_si512(t.add(192).cast()),
-                )
-            };
-            for c in 0..N {
-                // SAFETY: the mask reads bytes `j·r + from + at + 64c ..` below
-                // `j·r + from + out.len() ≤ m·r` of `codes` (an empty mask reads none).
-                let idx =
-                    unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + from + at + 64 * c).cast()) };
-                // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
-                let low = _mm512_permutex2var_epi8(t0, idx, t1);
-                let high = _mm512_permutex2var_epi8(t2, idx, t3);
-                let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
-                even[c] = _mm512_add_epi16(even[c], _mm512_and_si512(v, low_bytes));
-                odd[c] = _mm512_add_epi16(odd[c], _mm512_srli_epi16::<8>(v));
-            }
-        }
+        let masks = chunk_masks::<N>(at, out.len());
+        // SAFETY: as this function's: the masks cover tokens `from + at ..` below
+        // `from + out.len() ≤ r`.
+        let (even, odd) = unsafe { sums::<N>(lut, codes, r, from + at, &masks) };
         for c in 0..N {
             let tokens = [
                 _mm512_permutex2var_epi16(even[c], first_half, odd[c]),
@@ -303,6 +465,104 @@ mod avx512vbmi {
                 }
             }
         }
+    }
+
+    /// `N` chunks of 64 tokens from `at` of the `len` tokens from `from` of the run, and of
+    /// those the tokens whose sum reaches the cut. A chunk none of whose tokens reaches it
+    /// (nearly all, for a query's best) costs one compare per half.
+    ///
+    /// # Safety
+    /// As [`pq_reaching`]', with `from + len ≤ run.tokens` and `at < len`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn reaching<const N: usize>(
+        lut: &PqLut,
+        run: CodeRun<'_>,
+        from: usize,
+        at: usize,
+        len: usize,
+        cut: SumCut,
+        out: &mut Reached,
+    ) {
+        // Sums are at most 255 · m ≤ u16::MAX: a cut above every u16 is reached by none.
+        let Ok(least) = u16::try_from(cut.least) else { return };
+        let least = _mm512_set1_epi16(least as i16);
+        let masks = chunk_masks::<N>(at, len);
+        // SAFETY: as this function's: the masks cover tokens `from + at ..` below
+        // `from + len ≤ run.tokens`.
+        let (even, odd) = unsafe { sums::<N>(lut, run.codes, run.tokens, from + at, &masks) };
+        for c in 0..N {
+            // Word `i` of the even sums is token 2i of the chunk, of the odd ones 2i + 1; a
+            // masked token's sum is that of code 0 and must not count.
+            let valid = (len - at).saturating_sub(64 * c).min(64);
+            let below = |n: usize| if n >= 32 { !0u32 } else { (1u32 << n) - 1 };
+            let even_hits = _mm512_cmpge_epu16_mask(even[c], least) & below(valid.div_ceil(2));
+            let odd_hits = _mm512_cmpge_epu16_mask(odd[c], least) & below(valid / 2);
+            if even_hits | odd_hits == 0 {
+                continue;
+            }
+            let (mut e, mut o) = ([0u16; 32], [0u16; 32]);
+            // SAFETY: 32 u16 are 64 writable bytes.
+            unsafe {
+                _mm512_storeu_si512(e.as_mut_ptr().cast(), even[c]);
+                _mm512_storeu_si512(o.as_mut_ptr().cast(), odd[c]);
+            }
+            let first = run.first + (from + at + 64 * c) as u32;
+            for (hits, sums, parity) in [(even_hits, &e, 0), (odd_hits, &o, 1)] {
+                let mut hits = hits;
+                while hits != 0 {
+                    let i = hits.trailing_zeros();
+                    hits &= hits - 1;
+                    let sum = u32::from(sums[i as usize]);
+                    out.add(first + 2 * i + parity, lut.score(sum), cut.cap);
+                }
+            }
+        }
+    }
+
+    /// The byte sums of `N` chunks of 64 tokens from token `at` of a run of `r`, the bytes of
+    /// tokens outside `masks` read as code 0: per chunk, the even tokens' sums and the odd
+    /// tokens' as 16-bit words, without widening (the looked-up bytes' even bytes masked, the
+    /// odd ones shifted down).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`; chunk `c`'s mask covers
+    /// only tokens below `r` from `at + 64c`; `m ≤ MAX_U16_SUBSPACES`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    #[inline]
+    unsafe fn sums<const N: usize>(
+        lut: &PqLut,
+        codes: &[u8],
+        r: usize,
+        at: usize,
+        masks: &[__mmask64; N],
+    ) -> ([__m512i; N], [__m512i; N]) {
+        let low_bytes = _mm512_set1_epi16(0x00FF);
+        let mut even = [_mm512_setzero_si512(); N];
+        let mut odd = [_mm512_setzero_si512(); N];
+        for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
+            let t = table.as_ptr();
+            // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
+            let (t0, t1, t2, t3) = unsafe {
+                (
+                    _mm512_loadu_si512(t.cast()),
+                    _mm512_loadu_si512(t.add(64).cast()),
+                    _mm512_loadu_si512(t.add(128).cast()),
+                    _mm512_loadu_si512(t.add(192).cast()),
+                )
+            };
+            for c in 0..N {
+                // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
+                // `(j + 1)·r ≤ m·r` of `codes` (an empty mask reads none).
+                let idx = unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast()) };
+                // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
+                let low = _mm512_permutex2var_epi8(t0, idx, t1);
+                let high = _mm512_permutex2var_epi8(t2, idx, t3);
+                let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
+                even[c] = _mm512_add_epi16(even[c], _mm512_and_si512(v, low_bytes));
+                odd[c] = _mm512_add_epi16(odd[c], _mm512_srli_epi16::<8>(v));
+            }
+        }
+        (even, odd)
     }
 }
 
@@ -343,6 +603,71 @@ mod tests {
                 assert_eq!(out, reference[from..from + out.len()], "{isa:?} m {m} k {k} r {r} from {from}");
             }
         }
+    }
+
+    #[test]
+    fn tokens_reaching_a_cut_are_those_whose_scores_reach_it() {
+        let mut seed = 11;
+        for (m, k, r) in [(32, 256, 300), (16, 64, 64), (3, 7, 131), (1, 256, 1), (257, 256, 200), (300, 256, 70)] {
+            let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
+            let codes: Vec<u8> = (0..m * r).map(|_| (lcg(&mut seed) % k as u64) as u8).collect();
+            let lut = PqLut::quantise(&tables, k);
+            let mut scores = vec![0.0; r];
+            pq_scores_on(Isa::Scalar, &lut, &codes, r, 0, &mut scores);
+            for (from, stride) in [(0, 1), (0, 96), (5 % r, 7), (r - 1, 3)] {
+                let mut strided = vec![0.0; (r - from).div_ceil(stride)];
+                pq_strided_scores(&lut, &codes, r, from, stride, &mut strided);
+                let want: Vec<u32> = scores[from..].iter().step_by(stride).map(|s| s.to_bits()).collect();
+                assert_eq!(strided.iter().map(|s| s.to_bits()).collect::<Vec<_>>(), want, "m {m} from {from}");
+            }
+            let mut sorted = scores.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            // Cuts at a token's score (ties reach it), between scores, above and below all.
+            let cuts = [sorted[r / 7], sorted[r / 2], sorted[0], sorted[r - 1], sorted[0] + 1.0, f32::NEG_INFINITY];
+            let run = CodeRun { codes: &codes, tokens: r, first: 1_000 };
+            for cut in cuts {
+                let least = lut.least_sum_reaching(cut);
+                let want: Vec<(u32, f32)> = (r / 5..r)
+                    .filter(|&t| scores[t].total_cmp(&cut).is_ge())
+                    .map(|t| (run.first + t as u32, scores[t]))
+                    .collect();
+                let Some(least) = least else {
+                    assert!(want.is_empty(), "m {m}: no sum reaches {cut}, yet {} scores do", want.len());
+                    continue;
+                };
+                for isa in crate::available() {
+                    for cap in [usize::MAX, want.len() / 2] {
+                        let mut out = Reached::default();
+                        pq_reaching_on(isa, &lut, run, r / 5..r, SumCut { least, cap }, &mut out);
+                        assert_eq!(out.count, want.len(), "{isa:?} m {m} k {k} r {r} cut {cut}");
+                        let mut got = out.tokens.clone();
+                        got.sort_by_key(|p| p.0);
+                        let bits = |v: &[(u32, f32)]| v.iter().map(|&(t, s)| (t, s.to_bits())).collect::<Vec<_>>();
+                        if cap >= want.len() {
+                            assert_eq!(bits(&got), bits(&want), "{isa:?} m {m} k {k} r {r} cut {cut}");
+                        } else {
+                            assert_eq!(got.len(), cap, "{isa:?} m {m}: kept {} of {}", got.len(), want.len());
+                            assert!(got.iter().all(|p| want.contains(p)), "{isa:?} m {m}: kept a token not reaching");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_least_sum_reaching_a_cut_is_exact() {
+        let lut = PqLut::quantise(&[0.0, 0.3, 1.7, -2.0, 0.9, 4.0], 3);
+        for cut in [-2.0f32, -1.99, 0.0, 0.5, 3.0, 5.7, 5.71, f32::NEG_INFINITY] {
+            match lut.least_sum_reaching(cut) {
+                Some(least) => {
+                    assert!(lut.score(least) >= cut, "cut {cut}: sum {least}");
+                    assert!(least == 0 || lut.score(least - 1) < cut, "cut {cut}: sum {least} is not the least");
+                }
+                None => assert!(lut.score(510) < cut, "cut {cut}: the greatest sum reaches it"),
+            }
+        }
+        assert_eq!(lut.least_sum_reaching(f32::INFINITY), None);
     }
 
     #[test]

@@ -9,6 +9,19 @@ pub fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// The median of `runs` timed calls of `f`, in seconds (what `f` returns is dropped inside
+/// the timing).
+pub fn timed_median<T>(runs: usize, f: &dyn Fn() -> anyhow::Result<T>) -> anyhow::Result<f64> {
+    let times = (0..runs)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            drop(f()?);
+            Ok(t.elapsed().as_secs_f64())
+        })
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    Ok(median(times))
+}
+
 pub fn ratio(ours: f64, baseline: f64) -> f64 {
     if baseline > 0.0 {
         ours / baseline

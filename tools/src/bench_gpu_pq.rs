@@ -12,9 +12,11 @@
 //! Then the same with only each query's best [`BEST`] taken, as a compact step's `pq` plan
 //! takes them: on the GPU, the scan, a sample of every 96th score, and the tokens reaching the
 //! sample's cut read back (`PagedPq::token_best_many_by`); on the core, the scan and the
-//! selection from every score (`take_tokens`). The chosen tokens are compared.
+//! selection from every score (`take_tokens`), and (`cpu_kept_seconds`) the core's own scan
+//! keeping only the tokens reaching a cut from the sample codes (`Pq::token_best_many`, as
+//! `ctxfs bench codes` times it). The chosen tokens are compared.
 
-use crate::bench::median;
+use crate::bench::timed_median;
 use anyhow::{anyhow, ensure, Result};
 use ctxfs_attention::KeptOnDevice;
 use ctxfs_index::coarse::pq::{Pq, PqParams};
@@ -74,7 +76,7 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
             })
             .sum::<usize>();
         drop((gpu_scan, cpu_scan));
-        let (gpu_seconds, cpu_seconds) = (timed(&on_gpu)?, timed(&on_cpu)?);
+        let (gpu_seconds, cpu_seconds) = (timed_median(TIMED, &on_gpu)?, timed_median(TIMED, &on_cpu)?);
 
         let k = BEST.min(lim);
         let best_on_gpu = || -> Result<Option<Vec<Vec<u32>>>> {
@@ -89,12 +91,19 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
             let scan = on_cpu()?;
             Ok(Some((0..GROUP).map(|i| take_tokens(scan.query(i), k)).collect()))
         };
-        let (gpu_best, cpu_best) = (best_on_gpu()?, best_on_cpu()?);
-        let best_identical = match (&gpu_best, &cpu_best) {
-            (Some(g), Some(c)) => g.iter().zip(c).filter(|(g, c)| g == c).count(),
+        let kept_on_cpu = || -> Result<Option<Vec<Vec<u32>>>> {
+            let kept = pq.token_best_many(&queries, prefix, k, SEED_STRIDE).map_err(|e| anyhow!("{e}"))?;
+            Ok(kept.map(|kept| kept.queries.into_iter().map(|q| q.best.into_iter().map(|b| b.0).collect()).collect()))
+        };
+        let (gpu_best, cpu_best, cpu_kept) = (best_on_gpu()?, best_on_cpu()?, kept_on_cpu()?);
+        let same = |a: &Option<Vec<Vec<u32>>>| match (a, &cpu_best) {
+            (Some(a), Some(c)) => a.iter().zip(c).filter(|(a, c)| a == c).count(),
             _ => 0,
         };
-        let (best_gpu_seconds, best_cpu_seconds) = (timed(&best_on_gpu)?, timed(&best_on_cpu)?);
+        let (best_identical, kept_identical) = (same(&gpu_best), same(&cpu_kept));
+        let (best_gpu_seconds, best_cpu_seconds) =
+            (timed_median(TIMED, &best_on_gpu)?, timed_median(TIMED, &best_on_cpu)?);
+        let kept_cpu_seconds = timed_median(TIMED, &kept_on_cpu)?;
         scans.push(json!({
             "tokens": lim,
             "gpu_seconds": gpu_seconds,
@@ -109,6 +118,8 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
                 "gpu_vs_cpu_speedup": best_cpu_seconds / best_gpu_seconds,
                 "sampled_cut_held": gpu_best.is_some(),
                 "queries_identical": best_identical,
+                "cpu_kept_seconds": kept_cpu_seconds,
+                "cpu_kept_queries_identical": kept_identical,
             },
         }));
     }
@@ -123,16 +134,4 @@ pub fn run(gpu: &Gpu, tokens: usize, dim: usize) -> Result<Value> {
         "upload_seconds": upload_seconds,
         "scans": scans,
     }))
-}
-
-/// The median of [`TIMED`] runs of `f`, in seconds.
-fn timed<T>(f: &dyn Fn() -> Result<T>) -> Result<f64> {
-    let runs = (0..TIMED)
-        .map(|_| {
-            let t = Instant::now();
-            drop(f()?);
-            Ok(t.elapsed().as_secs_f64())
-        })
-        .collect::<Result<Vec<f64>>>()?;
-    Ok(median(runs))
 }

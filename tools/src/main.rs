@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_buffer;
+mod bench_codes;
 mod bench_decode;
 mod bench_gpu;
 mod bench_gpu_knn;
@@ -78,6 +79,9 @@ enum BenchCommand {
     Buffer(bench_buffer::Args),
     /// Every search method side by side on generated attention at equal windows.
     Search(bench_search::Args),
+    /// A GQA group's best tokens from a compact context's PQ codes on one core: from every
+    /// score against only the tokens reaching a cut from the run's sample codes.
+    Codes(bench_codes::Args),
     /// Decode steps of a Llama-3-8B-shaped 128K-token context on disk, against exact
     /// attention over the same store and against loading the full KV, then attending.
     Decode(bench_decode::Args),
@@ -101,6 +105,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Io(args) } => bench_io::run(args, device),
         Command::Bench { which: BenchCommand::Buffer(args) } => bench_buffer::run(args, device),
         Command::Bench { which: BenchCommand::Search(args) } => bench_search::run(args),
+        Command::Bench { which: BenchCommand::Codes(args) } => bench_codes::run(args, device),
         Command::Bench { which: BenchCommand::Decode(args) } => bench_decode::run(args, device),
         Command::Bench { which: BenchCommand::Gpu(args) } => bench_gpu::run(args),
         Command::Demo(args) => demo::run(args, device),

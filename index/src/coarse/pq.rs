@@ -24,7 +24,7 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..4 | magic `CXPQ` |
-//! | 4..8 | version ([`PQ_VERSION`], 2; 1: token-major code blocks) |
+//! | 4..8 | version ([`PQ_VERSION`], 3; 2: no sample blocks; 1: also token-major code blocks) |
 //! | 8..12 | tokens |
 //! | 12..16 | dim (d) |
 //! | 16..20 | m (subspaces; d is a multiple of m) |
@@ -34,6 +34,7 @@
 //! | 32..36 | seed, high 32 bits |
 //! | 36..40 | centroids_per_block (C) |
 //! | 40..44 | codes_per_block (T, tokens) |
+//! | 44..48 | sample_stride (s: [`SAMPLE_STRIDE`]; version 3 only) |
 //!
 //! Then ⌈m · 2^b / C⌉ centroid blocks: centroid `c` of subspace `j` is row `j · 2^b + c`,
 //! record `row % C` of centroid block `row / C`, d/m f16 (2·d/m bytes). Then
@@ -42,6 +43,11 @@
 //! `i·T + u`'s code in subspace `j` is byte `j·r + u`. A scan looks a subspace's codes up 64
 //! at a time ([`ctxfs_kernels::pq_scores`]). Version 1 blocks hold the same bytes token-major
 //! (token `i·T + u`'s m codes at byte `m·u`); they are read, transposed as they are scanned.
+//! Version 3 follows the code blocks with ⌈⌈tokens / s⌉ / T⌉ **sample blocks**: the codes of
+//! tokens `0, s, 2s, …`, packed as the code blocks are (sample `i` where token `i` would be).
+//! A scan keeping only each query's best ([`PagedPq::token_best_many`]) scores them for its
+//! cut; reading every `s`-th token's codes out of the code blocks would touch most of their
+//! cache lines.
 //!
 //! **Scores** come from the query's tables quantised to a byte per entry
 //! ([`ctxfs_kernels::PqLut`]): within half a table step per subspace of the reconstructed
@@ -56,14 +62,18 @@ use crate::source::Keys;
 use crate::stats::SearchStats;
 use crate::synth::Rng;
 use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
-use ctxfs_kernels::gpu::Reached;
-use ctxfs_kernels::PqLut;
+use ctxfs_kernels::{PqLut, Reached, SumCut};
 use half::f16;
 
 pub(super) const MAGIC: &[u8; 4] = b"CXPQ";
 
-/// The layout version PQ runs are written with: code blocks subspace-major.
-pub const PQ_VERSION: u32 = 2;
+/// The layout version PQ runs are written with: code blocks subspace-major, then the sample
+/// blocks.
+pub const PQ_VERSION: u32 = 3;
+
+/// Every how many tokens a run's sample codes are taken: the seed table's stride, so that a
+/// sample's scores are the codes' scores of the seeds, which the codes' error margin needs.
+pub const SAMPLE_STRIDE: u32 = crate::search::SEED_STRIDE;
 
 /// How a run of tokens' codes is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,13 +128,16 @@ impl Default for PqParams {
 /// The meta block of a stored PQ index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PqMeta {
-    /// The run's layout version (1 or [`PQ_VERSION`]).
+    /// The run's layout version (1 to [`PQ_VERSION`]).
     pub version: u32,
     pub tokens: u32,
     pub dim: u32,
     pub params: PqParams,
     pub centroids_per_block: u32,
     pub codes_per_block: u32,
+    /// Version 3: the sample blocks hold the codes of every `sample_stride`-th token (0:
+    /// none). Versions 1 and 2 have none.
+    pub sample_stride: u32,
 }
 
 impl PqMeta {
@@ -143,13 +156,23 @@ impl PqMeta {
                 (p.seed >> 32) as u32,
                 self.centroids_per_block,
                 self.codes_per_block,
-            ],
+                self.sample_stride,
+            ][..if self.version >= 3 { 10 } else { 9 }],
         )
     }
     pub fn decode(b: &[u8]) -> Result<PqMeta, String> {
-        let (version, f) = decode_meta(b, MAGIC, "pq", PQ_VERSION, 9)?;
+        let (version, _) = decode_meta(b, MAGIC, "pq", PQ_VERSION, 9)?;
+        let (_, f) = decode_meta(b, MAGIC, "pq", PQ_VERSION, if version >= 3 { 10 } else { 9 })?;
         let params = PqParams { m: f[2], bits: f[3], iters: f[4], seed: f[5] as u64 | (f[6] as u64) << 32 };
-        let m = PqMeta { version, tokens: f[0], dim: f[1], params, centroids_per_block: f[7], codes_per_block: f[8] };
+        let m = PqMeta {
+            version,
+            tokens: f[0],
+            dim: f[1],
+            params,
+            centroids_per_block: f[7],
+            codes_per_block: f[8],
+            sample_stride: f.get(9).copied().unwrap_or(0),
+        };
         if check_params(m.dim as usize, &params).is_err() || m.centroids_per_block == 0 || m.codes_per_block == 0 {
             return Err(format!("pq meta block: inconsistent fields {m:?}"));
         }
@@ -159,12 +182,15 @@ impl PqMeta {
     pub fn run_blocks(&self) -> usize {
         run_blocks(&self.sections())
     }
-    /// The centroid rows, then the codes.
-    fn sections(&self) -> [Section; 2] {
+    /// The centroid rows, the codes, then the sample codes (packed as the codes are; none
+    /// before version 3).
+    fn sections(&self) -> [Section; 3] {
         let s = self.shape();
+        let codes = |records| Section { records, size: s.m, per_block: self.codes_per_block as usize };
         [
             Section { records: s.m * s.k, size: 2 * s.sub(), per_block: self.centroids_per_block as usize },
-            Section { records: self.tokens as usize, size: s.m, per_block: self.codes_per_block as usize },
+            codes(self.tokens as usize),
+            codes(s.samples()),
         ]
     }
     fn shape(&self) -> Shape {
@@ -177,6 +203,7 @@ impl PqMeta {
             k: 1 << self.params.bits,
             layout,
             per_block,
+            sample_stride: self.sample_stride as usize,
         }
     }
 }
@@ -199,6 +226,8 @@ struct Shape {
     layout: CodeLayout,
     /// Tokens per code block (subspace-major codes are scanned a whole block at a time).
     per_block: usize,
+    /// The sample codes' stride (0: none).
+    sample_stride: usize,
 }
 
 impl Shape {
@@ -209,8 +238,22 @@ impl Shape {
     fn centroid_bytes(&self) -> usize {
         self.m * self.k * self.sub() * 2
     }
+    /// The codes' and centroids' bytes per token (the sample codes, a `sample_stride`-th
+    /// of the codes, are left out).
     fn per_token(&self) -> f64 {
         self.m as f64 + self.centroid_bytes() as f64 / self.tokens.max(1) as f64
+    }
+    /// Sample codes: one per `sample_stride` tokens.
+    fn samples(&self) -> usize {
+        match self.sample_stride {
+            0 => 0,
+            stride => (self.tokens as usize).div_ceil(stride),
+        }
+    }
+    /// Of `records` packed as code blocks are, the whole blocks holding the first `wanted`:
+    /// subspace-major blocks are read whole.
+    fn whole_blocks(&self, wanted: usize, records: usize) -> usize {
+        (wanted.div_ceil(self.per_block) * self.per_block).min(records)
     }
 }
 
@@ -233,6 +276,8 @@ pub struct Pq {
     /// Subspace-major over all tokens: subspace `j`'s code of token `t` is byte `j · n + t`,
     /// so that a scan looks codes up without transposing them.
     codes: Vec<u8>,
+    /// The codes of every [`SAMPLE_STRIDE`]-th token, subspace-major as `codes` are.
+    samples: Vec<u8>,
 }
 
 impl Pq {
@@ -264,8 +309,10 @@ impl Pq {
         });
         parts.sort_by_key(|part| part.index);
         let centroids = parts.iter().flat_map(|part| part.centroids.iter().copied()).collect();
-        let codes = parts.into_iter().flat_map(|part| part.codes).collect();
-        Ok(Pq { tokens: n as u32, dim: d, params: *p, centroids, codes })
+        let codes: Vec<u8> = parts.into_iter().flat_map(|part| part.codes).collect();
+        let samples =
+            codes.chunks(n.max(1)).flat_map(|sub| sub.iter().step_by(SAMPLE_STRIDE as usize)).copied().collect();
+        Ok(Pq { tokens: n as u32, dim: d, params: *p, centroids, codes, samples })
     }
 
     pub fn params(&self) -> &PqParams {
@@ -312,6 +359,19 @@ impl Pq {
         kept_by(&self.mem().0, self.shape(), queries, prefix, (k, stride), keep)
     }
 
+    /// [`PagedPq::token_best_many`] of the codes in memory.
+    pub fn token_best_many(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        k: usize,
+        stride: u32,
+    ) -> Result<Option<KeptGroup>, BufferError> {
+        let (c, codes) = self.mem();
+        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        kept_here(&c, &codes, Some(&samples), self.shape(), queries, prefix, (k, stride))
+    }
+
     /// The codes as one block of every token, subspace-major.
     pub fn code_bytes(&self) -> &[u8] {
         &self.codes
@@ -323,7 +383,9 @@ impl Pq {
         let s = self.shape();
         let (cper, cblocks) = pack(bytemuck::cast_slice(&self.centroids), 2 * s.sub(), payload, "pq centroid")?;
         let tper = records_per_block(s.m, payload, "pq code")?;
-        let tblocks = self.code_blocks(tper as usize);
+        // Sample blocks only where the sample fills one: below that, a mostly empty block
+        // would weigh a fifth of a 4,096-token run's codes, whose every score is soon scanned.
+        let sample_stride = if s.samples() >= tper as usize { SAMPLE_STRIDE } else { 0 };
         let meta = PqMeta {
             version: PQ_VERSION,
             tokens: self.tokens,
@@ -331,21 +393,11 @@ impl Pq {
             params: self.params,
             centroids_per_block: cper,
             codes_per_block: tper,
+            sample_stride,
         };
-        Ok(std::iter::once(meta.encode()).chain(cblocks).chain(tblocks).collect())
-    }
-
-    /// Code blocks of `per` tokens each, subspace-major within a block (PQ layout version
-    /// 2), cut from the codes held subspace-major over all tokens.
-    fn code_blocks(&self, per: usize) -> Vec<Vec<u8>> {
-        let n = self.tokens as usize;
-        (0..n)
-            .step_by(per)
-            .map(|first| {
-                let last = (first + per).min(n);
-                self.codes.chunks_exact(n).flat_map(|sub| &sub[first..last]).copied().collect()
-            })
-            .collect()
+        let codes = code_blocks(&self.codes, s.m, tper);
+        let samples = if sample_stride > 0 { code_blocks(&self.samples, s.m, tper) } else { Vec::new() };
+        Ok(std::iter::once(meta.encode()).chain(cblocks).chain(codes).chain(samples).collect())
     }
 
     fn shape(&self) -> Shape {
@@ -357,6 +409,7 @@ impl Pq {
             layout: CodeLayout::SubspaceMajor,
             // One block of every token (at least one, so that no context divides by zero).
             per_block: (self.tokens as usize).max(1),
+            sample_stride: SAMPLE_STRIDE as usize,
         }
     }
     fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>) {
@@ -386,19 +439,24 @@ pub struct PagedPq<'p> {
     meta: PqMeta,
     centroids: PagedRecords<'p>,
     codes: PagedRecords<'p>,
+    /// The sample codes (version 3 on).
+    samples: Option<PagedRecords<'p>>,
 }
 
 impl<'p> PagedPq<'p> {
     /// Opens a PQ index from the block requests of its run (meta block first).
     pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedPq<'p>, String> {
         let meta = PqMeta::decode(&read_meta(pool, blocks, "pq index")?)?;
-        let [c, t] = meta.sections();
-        check_run(pool, blocks.len(), &[c, t], "pq index")?;
-        let split = 1 + c.records.div_ceil(c.per_block);
+        let sections = meta.sections();
+        check_run(pool, blocks.len(), &sections, "pq index")?;
+        let [c, t, samples] = sections;
+        let (split, samples_at) = (1 + c.records.div_ceil(c.per_block), blocks.len() - samples.blocks());
+        let records = |blocks, s: Section| PagedRecords { pool, blocks, size: s.size, per_block: s.per_block };
         Ok(PagedPq {
             meta,
-            centroids: PagedRecords { pool, blocks: &blocks[1..split], size: c.size, per_block: c.per_block },
-            codes: PagedRecords { pool, blocks: &blocks[split..], size: t.size, per_block: t.per_block },
+            centroids: records(&blocks[1..split], c),
+            codes: records(&blocks[split..samples_at], t),
+            samples: (samples.records > 0).then(|| records(&blocks[samples_at..], samples)),
         })
     }
 
@@ -436,6 +494,23 @@ impl<'p> PagedPq<'p> {
         keep: &mut impl KeepCodes<E>,
     ) -> KeptBy<E> {
         kept_by(&self.centroids, self.meta.shape(), queries, prefix, (k, stride), keep)
+    }
+
+    /// Each query's `k` best tokens and every `stride`-th score ([`KeptScores`]), as
+    /// [`PagedPq::token_best_many_by`] gives them, scanned on this core: the cut comes from
+    /// the run's sample codes, and the scores of the tokens reaching it are made, not every
+    /// token's. `None` where the run has no sample codes of `stride` (versions 1 and 2, short
+    /// runs) or a sample cannot bound the best: the caller then takes
+    /// [`PagedPq::token_scores_many`].
+    pub fn token_best_many(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        k: usize,
+        stride: u32,
+    ) -> Result<Option<KeptGroup>, BufferError> {
+        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
+        kept_here(&self.centroids, &self.codes, samples, self.meta.shape(), queries, prefix, (k, stride))
     }
 
     /// Every code block's bytes in order, checked, for a copy the scan can read elsewhere
@@ -484,7 +559,7 @@ fn token_scores(
         CodeLayout::SubspaceMajor => (lim.div_ceil(s.per_block) * s.per_block).min(s.tokens as usize),
         CodeLayout::TokenMajor => lim,
     };
-    let slice = (SCAN_SLICE_BYTES / s.m.max(1)).max(256) / 256 * 256;
+    let slice = scan_slice(s);
     codes.visit(0..end, &mut stats, &mut |first, bytes| {
         let tokens = bytes.len() / s.m;
         check_codes(bytes, s, first, tokens)?;
@@ -619,9 +694,7 @@ fn kept_by<E>(
     else {
         return Ok(Ok(None));
     };
-    // The cut's rank + 1 samples reach it, so about that many times `stride` tokens do; twice
-    // that is over 5 standard deviations of the sample's error at a rank of 30.
-    let room = 2 * (cut_rank(stride, k) + 1) * stride;
+    let room = kept_room(stride, k);
     let reached = match keep.reaching(&cuts, room) {
         Ok(reached) => reached,
         Err(e) => return Ok(Err(e)),
@@ -634,6 +707,102 @@ fn kept_by<E>(
         kept.push(KeptScores { samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
     }
     Ok(Ok((kept.len() == tables.len()).then_some(KeptGroup { queries: kept, stats })))
+}
+
+/// Each query's `k` best and its samples, scanned on this core: the sample is the scores of
+/// the sample codes (every [`SAMPLE_STRIDE`]-th token's codes, stored apart), each query's
+/// cut is taken from it as [`take_tokens`] cuts, and the scan of the codes makes the scores
+/// only of the tokens reaching the cut ([`ctxfs_kernels::pq_reaching`]), not every token's
+/// for passes over them. `None` where there are no sample codes of `stride` (token-major
+/// codes, runs of version 2, short runs), or a sample cannot bound the best: the caller
+/// then scans every score.
+fn kept_here(
+    centroids: &dyn Records,
+    codes: &dyn Records,
+    samples: Option<&dyn Records>,
+    s: Shape,
+    queries: &[f32],
+    prefix: Option<u32>,
+    (k, stride): (usize, u32),
+) -> Result<Option<KeptGroup>, BufferError> {
+    let sampled = stride as usize == s.sample_stride && s.layout == CodeLayout::SubspaceMajor;
+    let Some(sample_codes) = samples.filter(|_| sampled) else {
+        return Ok(None);
+    };
+    check_queries(queries, s.dim)?;
+    let mut stats = SearchStats::default();
+    let luts = tables(centroids, s, queries, &mut stats)?;
+    let (lim, stride) = (limit(s.tokens, prefix) as usize, stride as usize);
+    let per = lim.div_ceil(stride);
+    // Subspace-major blocks are visited whole; their records past `per` are not scored.
+    let mut samples = vec![0.0; luts.len() * per];
+    sample_codes.visit(0..s.whole_blocks(per, s.samples()), &mut stats, &mut |first, bytes| {
+        let r = bytes.len() / s.m;
+        check_codes(bytes, s, first, r)?;
+        let wanted = per.saturating_sub(first).min(r);
+        for (q, lut) in luts.iter().enumerate() {
+            ctxfs_kernels::pq_scores(lut, bytes, r, 0, &mut samples[q * per + first..q * per + first + wanted]);
+        }
+        Ok(())
+    })?;
+    if per == 0 {
+        return Ok(None);
+    }
+    let Some(cuts) =
+        samples.chunks_exact(per).map(|q| cut_of_sample(q.to_vec(), stride, k)).collect::<Option<Vec<f32>>>()
+    else {
+        return Ok(None);
+    };
+    let room = kept_room(stride, k);
+    let least: Vec<Option<u32>> = luts.iter().zip(&cuts).map(|(lut, &cut)| lut.least_sum_reaching(cut)).collect();
+    let mut reached = vec![Reached::default(); luts.len()];
+    let slice = scan_slice(s);
+    codes.visit(0..s.whole_blocks(lim, s.tokens as usize), &mut stats, &mut |first, bytes| {
+        let tokens = bytes.len() / s.m;
+        check_codes(bytes, s, first, tokens)?;
+        let run = ctxfs_kernels::CodeRun { codes: bytes, tokens, first: first as u32 };
+        let wanted = lim.saturating_sub(first).min(tokens);
+        // A slice of the run's tokens at a time for every query, as `token_scores` scans.
+        for from in (0..wanted).step_by(slice) {
+            let part = from..(from + slice).min(wanted);
+            for ((lut, least), out) in luts.iter().zip(&least).zip(&mut reached) {
+                if let Some(least) = *least {
+                    ctxfs_kernels::pq_reaching(lut, run, part.clone(), SumCut { least, cap: room }, out);
+                }
+            }
+        }
+        Ok(())
+    })?;
+    stats.keys_scored = lim as u64;
+    let mut kept = Vec::with_capacity(luts.len());
+    for (reached, samples) in reached.into_iter().zip(samples.chunks_exact(per)) {
+        if reached.count < k || reached.count > room {
+            return Ok(None);
+        }
+        kept.push(KeptScores { samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
+    }
+    Ok(Some(KeptGroup { queries: kept, stats }))
+}
+
+/// The most tokens a scan keeping each query's best keeps for it, cutting at the sample's
+/// cut for `k`: that cut's rank + 1 samples reach it, so about that many times `stride`
+/// tokens do; twice that is over 5 standard deviations of the sample's error at a rank of
+/// 30. More reaching it gives up the kept scan for every score.
+fn kept_room(stride: usize, k: usize) -> usize {
+    2 * (cut_rank(stride, k) + 1) * stride
+}
+
+/// Code blocks of `per` records each, subspace-major within a block (PQ layout version 2
+/// on), cut from `codes`: `m` bytes per record, held subspace-major over all of them.
+fn code_blocks(codes: &[u8], m: usize, per: u32) -> Vec<Vec<u8>> {
+    let n = codes.len() / m.max(1);
+    (0..n)
+        .step_by(per as usize)
+        .map(|first| {
+            let last = (first + per as usize).min(n);
+            codes.chunks_exact(n).flat_map(|sub| &sub[first..last]).copied().collect()
+        })
+        .collect()
 }
 
 /// Every code block's bytes in order, checked; `None` for token-major codes.
@@ -686,6 +855,12 @@ const TRANSPOSED_RUN: usize = 256;
 /// Bytes of codes a group's scan takes for all its queries at a time (a multiple of 256
 /// tokens, the kernel's unit): within a core's L1 data cache.
 const SCAN_SLICE_BYTES: usize = 32 << 10;
+
+/// Tokens of a run a scan takes at a time for every query: [`SCAN_SLICE_BYTES`] of codes,
+/// in whole chunks of 256.
+fn scan_slice(s: Shape) -> usize {
+    (SCAN_SLICE_BYTES / s.m.max(1)).max(256) / 256 * 256
+}
 
 /// A run of tokens' codes (`m` per token, token-major) subspace-major.
 fn subspace_major(codes: &[u8], m: usize) -> Vec<u8> {

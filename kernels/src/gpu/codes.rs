@@ -7,7 +7,7 @@
 //! CPU rounds it (`pq_scan` in `kernels.cu`). A caller may switch between the two freely.
 
 use super::{Gpu, GpuError, MAX_GRID_Y};
-use crate::{PqLut, PQ_TABLE};
+use crate::{PqLut, Reached, PQ_TABLE};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits};
 use std::sync::Arc;
 
@@ -97,16 +97,6 @@ pub struct PqScanner {
     reached_scores: Option<CudaSlice<f32>>,
     /// The queries and tokens of the scores the last scan left on the device.
     last: Option<(usize, usize)>,
-}
-
-/// One query's tokens whose score reaches its cut ([`PqScanner::reaching`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Reached {
-    /// How many reach it.
-    pub count: usize,
-    /// Of those, the first `cap` found (all of them when `count ≤ cap`), as (token, score), in
-    /// no order.
-    pub tokens: Vec<(u32, f32)>,
 }
 
 impl PqScanner {

@@ -31,7 +31,7 @@ mod knn;
 mod load;
 mod window;
 
-pub use codes::{GpuCodes, PqScanner, Reached, MAX_GPU_SUBSPACES};
+pub use codes::{GpuCodes, PqScanner, MAX_GPU_SUBSPACES};
 pub use window::{GpuPartials, GpuQueries, GpuWindow};
 
 use cudarc::driver::sys::{
