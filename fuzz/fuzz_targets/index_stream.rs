@@ -190,7 +190,11 @@ fuzz_target!(|data: &[u8]| {
                 c.select(q, budget, prefix)
             }),
             CoarseKind::Infllm => PagedInfllm::open(&pool, run).map(|c| c.select(q, budget, prefix)),
-            CoarseKind::Pq => PagedPq::open(&pool, run).map(|c| c.select(q, budget, prefix)),
+            CoarseKind::Pq => PagedPq::open(&pool, run).map(|c| {
+                // The kept scan reads the sample blocks a damaged meta block may claim.
+                let _ = c.token_best_many(&p.queries[..2 * D], prefix, budget, 96);
+                c.select(q, budget, prefix)
+            }),
         };
         if let Ok(Ok(sel)) = selected {
             let mut scores = vec![0.0; sel.ids.len()];
