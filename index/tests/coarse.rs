@@ -816,6 +816,8 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     }
     let e = PagedPq::open(&pool, &reqs[3]).unwrap().token_best_many(group, None, 64, 96).unwrap_err();
     assert_eq!(e.block(), Some(reqs[3].last().unwrap().block), "{e}");
+    // The last of the 209 samples: token 208 · 96.
+    assert!(e.to_string().contains("of token 19968 "), "{e}");
     // A run whose 43 samples would not fill a block has none: scanned from every score.
     let small = PagedPq::open(&pool, &reqs[4]).unwrap();
     assert_eq!((small.meta().version, small.meta().sample_stride), (3, 0));

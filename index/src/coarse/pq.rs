@@ -738,7 +738,7 @@ fn kept_here(
     let mut samples = vec![0.0; luts.len() * per];
     sample_codes.visit(0..s.whole_blocks(per, s.samples()), &mut stats, &mut |first, bytes| {
         let r = bytes.len() / s.m;
-        check_codes(bytes, s, first, r)?;
+        check_samples(bytes, s, first, r)?;
         let wanted = per.saturating_sub(first).min(r);
         for (q, lut) in luts.iter().enumerate() {
             ctxfs_kernels::pq_scores(lut, bytes, r, 0, &mut samples[q * per + first..q * per + first + wanted]);
@@ -874,19 +874,32 @@ fn subspace_major(codes: &[u8], m: usize) -> Vec<u8> {
     out
 }
 
-/// A code beyond the centroids is a malformed block (with 2^8 centroids every byte is one).
+/// A code beyond the centroids is a malformed block (with 2^8 centroids every byte is one),
+/// named by the token it is of.
 fn check_codes(bytes: &[u8], s: Shape, first: usize, tokens: usize) -> Result<(), String> {
+    check_records(bytes, s, first, tokens, 1)
+}
+
+/// [`check_codes`] of sample codes: record `i` is token `i · stride`'s.
+fn check_samples(bytes: &[u8], s: Shape, first: usize, records: usize) -> Result<(), String> {
+    check_records(bytes, s, first, records, s.sample_stride)
+}
+
+/// Checks that every code of a block of `records` records (the first is record `first`)
+/// names one of the centroids; record `i` holds token `i · stride`'s codes.
+fn check_records(bytes: &[u8], s: Shape, first: usize, records: usize, stride: usize) -> Result<(), String> {
     if s.k > u8::MAX as usize {
         return Ok(());
     }
     match bytes.iter().position(|&c| c as usize >= s.k) {
         None => Ok(()),
         Some(at) => {
-            let token = first
+            let record = first
                 + match s.layout {
-                    CodeLayout::SubspaceMajor => at % tokens.max(1),
+                    CodeLayout::SubspaceMajor => at % records.max(1),
                     CodeLayout::TokenMajor => at / s.m,
                 };
+            let token = record * stride;
             Err(format!("pq code {} of token {token} exceeds the {} centroids", bytes[at], s.k))
         }
     }
