@@ -36,8 +36,8 @@ pub use argmax::{argmax_weighted_sum, argmax_weighted_sum_on};
 pub use element::{Element, ElementKind};
 pub use partial::Partial;
 pub use pq::{
-    pq_reaching, pq_reaching_on, pq_scores, pq_scores_on, pq_strided_scores, pq_table, pq_table_on, CodeRun, PqLut,
-    Reached, SumCut, PQ_TABLE,
+    pq_reaching, pq_reaching_on, pq_scores, pq_scores_on, pq_table, pq_table_on, CodeRun, PqLut, Reached, SumCut,
+    PQ_TABLE,
 };
 
 use std::sync::OnceLock;

@@ -235,34 +235,6 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
     scalar_scores(lut, codes, r, from + done, &mut out[done..]);
 }
 
-/// The scores of every `stride`-th token of a run of `r` tokens' codes (subspace-major) from
-/// token `from`, `out.len()` of them, as [`pq_scores`] gives them (the same byte sums and the
-/// same expression): a sample, read a subspace at a time so that its loads walk each
-/// subspace's row in order.
-pub fn pq_strided_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, stride: usize, out: &mut [f32]) {
-    let m = lut.subspaces();
-    assert!(
-        codes.len() == m * r && stride > 0 && (out.is_empty() || from + (out.len() - 1) * stride < r),
-        "{} code bytes for {m} subspaces of {r} tokens, {} tokens from {from} every {stride} scored",
-        codes.len(),
-        out.len()
-    );
-    let mut sums = [0u32; 64];
-    for (c, chunk) in out.chunks_mut(64).enumerate() {
-        let sums = &mut sums[..chunk.len()];
-        sums.fill(0);
-        let at = from + c * 64 * stride;
-        for (table, sub) in lut.bytes.chunks_exact(PQ_TABLE).zip(codes.chunks_exact(r)) {
-            for (s, &code) in sums.iter_mut().zip(sub[at..].iter().step_by(stride)) {
-                *s += table[code as usize] as u32;
-            }
-        }
-        for (o, &s) in chunk.iter_mut().zip(sums.iter()) {
-            *o = lut.score(s);
-        }
-    }
-}
-
 /// Of the run's tokens `tokens` (positions within it), those whose byte sum reaches
 /// `cut.least`, added to `out` as (context token, score) while it keeps fewer than
 /// `cut.cap`; `out.count` counts every one. The scores are [`pq_scores`]' bit for bit, and
@@ -614,12 +586,6 @@ mod tests {
             let lut = PqLut::quantise(&tables, k);
             let mut scores = vec![0.0; r];
             pq_scores_on(Isa::Scalar, &lut, &codes, r, 0, &mut scores);
-            for (from, stride) in [(0, 1), (0, 96), (5 % r, 7), (r - 1, 3)] {
-                let mut strided = vec![0.0; (r - from).div_ceil(stride)];
-                pq_strided_scores(&lut, &codes, r, from, stride, &mut strided);
-                let want: Vec<u32> = scores[from..].iter().step_by(stride).map(|s| s.to_bits()).collect();
-                assert_eq!(strided.iter().map(|s| s.to_bits()).collect::<Vec<_>>(), want, "m {m} from {from}");
-            }
             let mut sorted = scores.clone();
             sorted.sort_by(|a, b| b.total_cmp(a));
             // Cuts at a token's score (ties reach it), between scores, above and below all.
