@@ -14,8 +14,7 @@ use ctxfs_buffer::{BlockRequest, BufferError};
 use ctxfs_index::coarse::pq::{KeepCodes, KeptGroup, PagedPq};
 use ctxfs_index::flat::GroupScan;
 use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, MAX_GPU_SUBSPACES};
-use ctxfs_kernels::PqLut;
-use ctxfs_kernels::Reached;
+use ctxfs_kernels::{PqLut, Reached};
 use ctxfs_vfs::format::Owner;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,7 +70,8 @@ impl KeepCodes<GpuError> for KeptOnDevice<'_> {
         self.scanner.scan_sampled(self.codes, luts, lim, stride)
     }
 
-    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, GpuError> {
+    fn reaching(&mut self, _: &[PqLut], _: usize, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, GpuError> {
+        // The scan left the scores on the device, by the same tables and tokens.
         self.scanner.reaching(cuts, cap)
     }
 }

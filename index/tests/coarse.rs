@@ -719,7 +719,7 @@ impl KeepCodes<()> for KeptOnCpu<'_> {
         Ok(self.scores.iter().flat_map(|s| s.iter().step_by(stride).copied()).collect())
     }
 
-    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, ()> {
+    fn reaching(&mut self, _: &[ctxfs_kernels::PqLut], _: usize, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, ()> {
         Ok(self
             .scores
             .iter()

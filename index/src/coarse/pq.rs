@@ -632,15 +632,17 @@ fn scores_by<E>(
     Ok(Ok(GroupScan::with_run_best(out, run_best, lim, stats)))
 }
 
-/// A scan done elsewhere that reads back only each query's best
-/// ([`PagedPq::token_best_many_by`]).
+/// A scan that makes only each query's best ([`PagedPq::token_best_many_by`]): a device's,
+/// which keeps every score and reads back only these, or this core's
+/// ([`PagedPq::token_best_many`]), which makes no other.
 pub trait KeepCodes<E> {
-    /// Scans tokens `0..lim` with each query's tables `luts`, keeping the scores, and returns
-    /// every `stride`-th score of each query (⌈lim / stride⌉ per query, query after query).
+    /// Every `stride`-th score of tokens `0..lim` by each query's tables `luts` (⌈lim / stride⌉
+    /// per query, query after query). A device scans every token here and keeps the scores.
     fn scan_sampled(&mut self, luts: &[PqLut], lim: usize, stride: usize) -> Result<Vec<f32>, E>;
-    /// Of the scores the scan kept, each query's tokens whose score reaches `cuts[q]` (in
-    /// [`f32::total_cmp`]'s order): how many, and the first `cap` found.
-    fn reaching(&mut self, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, E>;
+    /// Each query's tokens below `lim` whose score by `luts[q]` reaches `cuts[q]` (in
+    /// [`f32::total_cmp`]'s order): how many, and the first `cap` found. A device takes them
+    /// from the scores it kept.
+    fn reaching(&mut self, luts: &[PqLut], lim: usize, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, E>;
 }
 
 /// One query's codes' scores where the scan kept only its best: every `stride`-th token's
@@ -664,10 +666,10 @@ pub struct KeptGroup {
 /// centroids), the inner one the scan's; `None` where a sample cannot bound the best.
 pub type KeptBy<E> = Result<Result<Option<KeptGroup>, E>, BufferError>;
 
-/// [`PagedPq::token_best_many_by`]: the tables, the scan with its sample, each query's cut
-/// from its sample (as [`take_tokens`] cuts), then the tokens reaching it, of which the `k`
-/// best. A query whose cut leaves fewer than `k`, or more than there is room for, gives
-/// `None` for the group.
+/// [`PagedPq::token_best_many_by`] and, by [`KeptHere`], [`PagedPq::token_best_many`]: the
+/// tables, the scan with its sample, each query's cut from its sample (as [`take_tokens`]
+/// cuts), then the tokens reaching it, of which the `k` best. A query whose cut leaves
+/// fewer than `k`, or more than there is room for, gives `None` for the group.
 fn kept_by<E>(
     centroids: &dyn Records,
     s: Shape,
@@ -695,7 +697,7 @@ fn kept_by<E>(
         return Ok(Ok(None));
     };
     let room = kept_room(stride, k);
-    let reached = match keep.reaching(&cuts, room) {
+    let reached = match keep.reaching(&tables, lim, &cuts, room) {
         Ok(reached) => reached,
         Err(e) => return Ok(Err(e)),
     };
@@ -709,13 +711,62 @@ fn kept_by<E>(
     Ok(Ok((kept.len() == tables.len()).then_some(KeptGroup { queries: kept, stats })))
 }
 
-/// Each query's `k` best and its samples, scanned on this core: the sample is the scores of
-/// the sample codes (every [`SAMPLE_STRIDE`]-th token's codes, stored apart), each query's
-/// cut is taken from it as [`take_tokens`] cuts, and the scan of the codes makes the scores
-/// only of the tokens reaching the cut ([`ctxfs_kernels::pq_reaching`]), not every token's
-/// for passes over them. `None` where there are no sample codes of `stride` (token-major
-/// codes, runs of version 2, short runs), or a sample cannot bound the best: the caller
-/// then scans every score.
+/// [`KeepCodes`] on this core: the sample is the scores of the sample codes (every
+/// [`SAMPLE_STRIDE`]-th token's codes, stored apart), and the scan of the code blocks makes
+/// the scores only of the tokens reaching each query's cut ([`ctxfs_kernels::pq_reaching`]),
+/// not every token's for passes over them.
+struct KeptHere<'a> {
+    codes: &'a dyn Records,
+    samples: &'a dyn Records,
+    s: Shape,
+    /// The blocks both visits touch.
+    stats: SearchStats,
+}
+
+impl KeepCodes<BufferError> for KeptHere<'_> {
+    fn scan_sampled(&mut self, luts: &[PqLut], lim: usize, stride: usize) -> Result<Vec<f32>, BufferError> {
+        let (s, per) = (self.s, lim.div_ceil(stride));
+        // Subspace-major blocks are visited whole; their records past `per` are not scored.
+        let mut samples = vec![0.0; luts.len() * per];
+        self.samples.visit(0..s.whole_blocks(per, s.samples()), &mut self.stats, &mut |first, bytes| {
+            let r = bytes.len() / s.m;
+            check_samples(bytes, s, first, r)?;
+            let wanted = per.saturating_sub(first).min(r);
+            for (q, lut) in luts.iter().enumerate() {
+                ctxfs_kernels::pq_scores(lut, bytes, r, 0, &mut samples[q * per + first..q * per + first + wanted]);
+            }
+            Ok(())
+        })?;
+        Ok(samples)
+    }
+
+    fn reaching(&mut self, luts: &[PqLut], lim: usize, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, BufferError> {
+        let (s, slice) = (self.s, scan_slice(self.s));
+        let least: Vec<Option<u32>> = luts.iter().zip(cuts).map(|(lut, &cut)| lut.least_sum_reaching(cut)).collect();
+        let mut reached = vec![Reached::default(); luts.len()];
+        self.codes.visit(0..s.whole_blocks(lim, s.tokens as usize), &mut self.stats, &mut |first, bytes| {
+            let tokens = bytes.len() / s.m;
+            check_codes(bytes, s, first, tokens)?;
+            let run = ctxfs_kernels::CodeRun { codes: bytes, tokens, first: first as u32 };
+            let wanted = lim.saturating_sub(first).min(tokens);
+            // A slice of the run's tokens at a time for every query, as `token_scores` scans.
+            for from in (0..wanted).step_by(slice) {
+                let part = from..(from + slice).min(wanted);
+                for ((lut, least), out) in luts.iter().zip(&least).zip(&mut reached) {
+                    if let Some(least) = *least {
+                        ctxfs_kernels::pq_reaching(lut, run, part.clone(), SumCut { least, cap }, out);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        Ok(reached)
+    }
+}
+
+/// [`kept_by`] on this core ([`KeptHere`]); `None` also where there are no sample codes of
+/// `stride` (token-major codes, runs of version 2, short runs): the caller then scans every
+/// score.
 fn kept_here(
     centroids: &dyn Records,
     codes: &dyn Records,
@@ -726,62 +777,15 @@ fn kept_here(
     (k, stride): (usize, u32),
 ) -> Result<Option<KeptGroup>, BufferError> {
     let sampled = stride as usize == s.sample_stride && s.layout == CodeLayout::SubspaceMajor;
-    let Some(sample_codes) = samples.filter(|_| sampled) else {
+    let Some(samples) = samples.filter(|_| sampled) else {
         return Ok(None);
     };
-    check_queries(queries, s.dim)?;
-    let mut stats = SearchStats::default();
-    let luts = tables(centroids, s, queries, &mut stats)?;
-    let (lim, stride) = (limit(s.tokens, prefix) as usize, stride as usize);
-    let per = lim.div_ceil(stride);
-    // Subspace-major blocks are visited whole; their records past `per` are not scored.
-    let mut samples = vec![0.0; luts.len() * per];
-    sample_codes.visit(0..s.whole_blocks(per, s.samples()), &mut stats, &mut |first, bytes| {
-        let r = bytes.len() / s.m;
-        check_samples(bytes, s, first, r)?;
-        let wanted = per.saturating_sub(first).min(r);
-        for (q, lut) in luts.iter().enumerate() {
-            ctxfs_kernels::pq_scores(lut, bytes, r, 0, &mut samples[q * per + first..q * per + first + wanted]);
-        }
-        Ok(())
-    })?;
-    if per == 0 {
-        return Ok(None);
-    }
-    let Some(cuts) =
-        samples.chunks_exact(per).map(|q| cut_of_sample(q.to_vec(), stride, k)).collect::<Option<Vec<f32>>>()
-    else {
-        return Ok(None);
-    };
-    let room = kept_room(stride, k);
-    let least: Vec<Option<u32>> = luts.iter().zip(&cuts).map(|(lut, &cut)| lut.least_sum_reaching(cut)).collect();
-    let mut reached = vec![Reached::default(); luts.len()];
-    let slice = scan_slice(s);
-    codes.visit(0..s.whole_blocks(lim, s.tokens as usize), &mut stats, &mut |first, bytes| {
-        let tokens = bytes.len() / s.m;
-        check_codes(bytes, s, first, tokens)?;
-        let run = ctxfs_kernels::CodeRun { codes: bytes, tokens, first: first as u32 };
-        let wanted = lim.saturating_sub(first).min(tokens);
-        // A slice of the run's tokens at a time for every query, as `token_scores` scans.
-        for from in (0..wanted).step_by(slice) {
-            let part = from..(from + slice).min(wanted);
-            for ((lut, least), out) in luts.iter().zip(&least).zip(&mut reached) {
-                if let Some(least) = *least {
-                    ctxfs_kernels::pq_reaching(lut, run, part.clone(), SumCut { least, cap: room }, out);
-                }
-            }
-        }
-        Ok(())
-    })?;
-    stats.keys_scored = lim as u64;
-    let mut kept = Vec::with_capacity(luts.len());
-    for (reached, samples) in reached.into_iter().zip(samples.chunks_exact(per)) {
-        if reached.count < k || reached.count > room {
-            return Ok(None);
-        }
-        kept.push(KeptScores { samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
-    }
-    Ok(Some(KeptGroup { queries: kept, stats }))
+    let mut keep = KeptHere { codes, samples, s, stats: SearchStats::default() };
+    let kept = kept_by(centroids, s, queries, prefix, (k, stride), &mut keep)??;
+    Ok(kept.map(|mut group| {
+        group.stats += keep.stats;
+        group
+    }))
 }
 
 /// The most tokens a scan keeping each query's best keeps for it, cutting at the sample's
