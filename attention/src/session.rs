@@ -18,9 +18,9 @@ use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
-use ctxfs_index::approx;
+use ctxfs_index::approx::{self, RangeScan};
 use ctxfs_index::coarse::infllm::PagedInfllm;
-use ctxfs_index::coarse::pq::{KeptGroup, KeptScores, PagedPq};
+use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ScoresAbove};
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
@@ -694,6 +694,19 @@ impl Session {
             .zip(&files)
             .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
             .collect::<Result<Vec<_>>>()?;
+        // Each q head's scores of the window and of the session's own tokens, before the scans:
+        // their best bounds a range's.
+        let fresh = &self.fresh[layer];
+        let own_z: Vec<(Vec<f32>, Vec<f32>)> = qs
+            .chunks_exact(d)
+            .map(|q| {
+                let mut win_z = vec![0.0; self.window_ids.len()];
+                ctxfs_kernels::scores_on(isa, &window.keys, q, 1.0, &mut win_z);
+                let mut fresh_z = vec![0.0; fresh.rows];
+                ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
+                (win_z, fresh_z)
+            })
+            .collect();
         // A flat plan scores every key for each q head of the group, and Quest every page's
         // bound: one pass over each segment's keys or pages for all of them (its time is shared
         // out as their search time).
@@ -707,29 +720,32 @@ impl Session {
                 .iter()
                 .map(|r| Ok(GroupCodes::Scores(self.open_quest(r)?.page_scores_many(qs, r.seg.filter())?)))
                 .collect::<Result<Vec<_>>>()?,
-            // The codes' approximate scores, which the candidates of an error target, or of the
-            // optimizer's budget, come from. Choosing the best within a budget, only the best
-            // are needed.
+            // The codes' approximate scores, which the candidates of an error target, of the
+            // optimizer's budget or of a range come from. Choosing the best within a budget,
+            // only the best are needed; finding a range, only those above its floor.
             Plan::Pq | Plan::Diprs if codes_choose(choice) => {
                 let budget = self.retrieval_budget(choice, opts, false);
+                let own_max: Vec<f32> = own_z.iter().map(|(w, f)| OwnScores { win_z: w, fresh_z: f }.max()).collect();
                 readers
                     .iter()
                     .map(|r| {
-                        self.codes_scan(r, qs, opts, codes_best(choice).then(|| self.selection_size(budget, &r.seg)))
+                        let want = if codes_best(choice) {
+                            CodesWant::Best(self.selection_size(budget, &r.seg))
+                        } else if codes_range(choice) {
+                            CodesWant::Above { beta: opts.beta, own_max: &own_max }
+                        } else {
+                            CodesWant::Every
+                        };
+                        self.codes_scan(r, qs, opts, want)
                     })
                     .collect::<Result<Vec<_>>>()?
             }
             _ => Vec::new(),
         };
         let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
-        let fresh = &self.fresh[layer];
         let mut heads = Vec::with_capacity(qs.len() / d);
-        for (i, q) in qs.chunks_exact(d).enumerate() {
+        for ((i, q), (win_z, fresh_z)) in qs.chunks_exact(d).enumerate().zip(own_z) {
             let mut stats = if i == 0 { window_io } else { SearchStats::default() };
-            let mut win_z = vec![0.0; self.window_ids.len()];
-            ctxfs_kernels::scores_on(isa, &window.keys, q, 1.0, &mut win_z);
-            let mut fresh_z = vec![0.0; fresh.rows];
-            ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
             let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
             let scanned: Vec<Scanned<'_>> = scans.iter().map(|s| s.query(i)).collect();
@@ -1070,22 +1086,23 @@ impl Session {
 
     /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
     /// session attends there and the device holds (or takes) the codes, else on this core.
-    /// Both give the same scores; a GPU failure moves the session to the CPU. `best_of`: the
-    /// caller takes only each query's best that many, so only those (and the seeds' scores)
-    /// are made, or read back from the device, where a sample bounds them.
+    /// Both give the same scores; a GPU failure moves the session to the CPU. `want`: every
+    /// score; each query's best so many (only those and the seeds' scores are made, or read
+    /// back from the device, where a sample bounds them); or, on this core, those above each
+    /// query's range floor. Every score where a kept scan cannot serve.
     fn codes_scan(
         &self,
         r: &SegmentReader<'_>,
         qs: &[f32],
         opts: &AttentionOptions,
-        best_of: Option<usize>,
+        want: CodesWant<'_>,
     ) -> Result<GroupCodes> {
         let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
         let pq = self.pq_of(r, run)?;
         if let Some(device) = self.db.inner.device_codes.as_ref().filter(|_| self.gpu_usable(opts)) {
-            let kept = match best_of {
-                Some(k) => device.scan_kept(&pq, run, qs, r.seg.filter(), (k, SEED_STRIDE))?,
-                None => DeviceScan::Done(None),
+            let kept = match want {
+                CodesWant::Best(k) => device.scan_kept(&pq, run, qs, r.seg.filter(), (k, SEED_STRIDE))?,
+                CodesWant::Every | CodesWant::Above { .. } => DeviceScan::Done(None),
             };
             match kept {
                 DeviceScan::Done(Some(kept)) => return Ok(GroupCodes::Kept(kept)),
@@ -1098,10 +1115,31 @@ impl Session {
                 DeviceScan::Failed(e) => self.gpu_failed(&e),
             }
         }
-        if let Some(k) = best_of {
-            if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, SEED_STRIDE)? {
-                return Ok(GroupCodes::Kept(kept));
+        match want {
+            CodesWant::Best(k) => {
+                if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, SEED_STRIDE)? {
+                    return Ok(GroupCodes::Kept(kept));
+                }
             }
+            CodesWant::Above { beta, own_max } => {
+                // The seeds' exact scores bound each query's best before the scan: its floor
+                // lies that far below them ([`approx::range_floor`]).
+                let d = self.shape.head_dim as usize;
+                let mut seeds = Vec::with_capacity(own_max.len());
+                for q in qs.chunks_exact(d) {
+                    let (mut scores, mut stats) = (Vec::new(), SearchStats::default());
+                    r.index.score_strided(SEED_STRIDE, r.seg.usable, q, &mut scores, &mut stats)?;
+                    seeds.push(SeedsScored { scores, stats });
+                }
+                let floor = |i: usize, sample: &[f32]| {
+                    let known = approx::known_max(&seeds[i].scores, own_max[i]);
+                    Some(approx::range_floor(known, beta, approx::margin(&seeds[i].scores, sample)))
+                };
+                if let Some(group) = pq.token_above_many(qs, r.seg.filter(), SEED_STRIDE, &floor)? {
+                    return Ok(GroupCodes::Above { group, seeds });
+                }
+            }
+            CodesWant::Every => {}
         }
         Ok(GroupCodes::Scores(pq.token_scores_many(qs, r.seg.filter())?))
     }
@@ -1160,26 +1198,48 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
-        let mut seeds = Vec::new();
-        index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
-        let margin = match scan.kept {
-            // `codes_scan` kept the scores of the seeds' tokens (every `SEED_STRIDE`-th).
+        let seeds = match scan.seeds {
+            Some(scored) => {
+                *stats += scored.stats;
+                scored.scores.clone()
+            }
+            None => {
+                let mut seeds = Vec::new();
+                index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
+                seeds
+            }
+        };
+        // A target's and a budget's margin (a range measures its own): a kept scan kept the
+        // scores of the seeds' tokens (every `SEED_STRIDE`-th).
+        let margin = || match scan.kept {
             Some(kept) => approx::margin(&seeds, &kept.samples),
             None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
         };
+        let mut rescanned = SearchStats::default();
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
             let mut scores = vec![0.0; ids.len()];
             index.score(ids, q, &mut scores, stats)?;
             Ok(scores)
         };
-        // Only the best within a budget are ever scanned keeping the best alone (`codes_best`):
-        // a target or a range has every score.
+        // Only the best within a budget are ever scanned keeping the best alone (`codes_best`),
+        // and only a range keeping those above its floor: a target has every score.
         debug_assert!(matches!(codes, CodesChoice::Best { .. }) || scan.kept.is_none());
+        debug_assert!(matches!(codes, CodesChoice::Range { .. }) || scan.above.is_none());
         let pairs = match codes {
-            CodesChoice::Target(t) => approx::attended(approx, best, t, margin, &mut score)?,
+            CodesChoice::Target(t) => approx::attended(approx, best, t, margin(), &mut score)?,
             CodesChoice::Range { beta } => {
-                let known = seeds.iter().copied().fold(best, f32::max);
-                approx::in_range(scored, known, beta, margin, &mut score)?
+                let given = match scan.seeds {
+                    // Scanned for those above each query's floor (then its seeds were scored).
+                    Some(_) => RangeScan::Above(scan.above),
+                    None => RangeScan::Every(scored),
+                };
+                let every = || -> Result<GroupScan> {
+                    let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
+                    let every = self.pq_of(r, run)?.token_scores_many(q, seg.filter())?;
+                    rescanned = every.stats;
+                    Ok(every)
+                };
+                approx::range_on_codes(given, &seeds, best, beta, &mut score, every)?
             }
             CodesChoice::Best { want, negligible } => {
                 // (token, approximate score), ascending by token.
@@ -1188,7 +1248,7 @@ impl Session {
                     None => take_tokens(scored, want).into_iter().map(|t| (t, approx[t as usize])).collect(),
                 };
                 let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
-                let cut = approx::cut_among(&among, best, &negligible, margin);
+                let cut = approx::cut_among(&among, best, &negligible, margin());
                 // The window's tokens are attended from the session: their keys are not read
                 // (`want` leaves room for them, and the caller drops them from what is found).
                 let (prefix, window) = (self.prefix_tokens(), self.window);
@@ -1204,6 +1264,7 @@ impl Session {
         // The codes' approximate scores are not inner products with keys: keys scored counts
         // the exact ones (the seeds' and the candidates').
         let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..scan.stats });
+        found.stats += SearchStats { keys_scored: 0, ..rescanned };
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)
     }
@@ -1406,31 +1467,62 @@ fn own_attention(
     ])
 }
 
-/// A segment's scan for a GQA group: every score, or only each query's best
-/// within a budget ([`Session::codes_scan`]).
+/// What a segment's scan of the codes makes for a GQA group ([`Session::codes_scan`]).
+#[derive(Clone, Copy)]
+enum CodesWant<'a> {
+    Every,
+    /// Each query's best so many.
+    Best(usize),
+    /// Each query's scores above its floor for a range `beta` below the best, the best known
+    /// beside the seeds being `own_max` (per query: the window's and the session's own).
+    Above {
+        beta: f32,
+        own_max: &'a [f32],
+    },
+}
+
+/// A query's seeds' exact scores, scored before the scan, and the work.
+struct SeedsScored {
+    scores: Vec<f32>,
+    stats: SearchStats,
+}
+
+/// A segment's scan for a GQA group: every score, only each query's best within a budget,
+/// or only its scores above a range's floor and its seeds' ([`Session::codes_scan`]).
 enum GroupCodes {
     Scores(GroupScan),
     Kept(KeptGroup),
+    Above { group: AboveGroup, seeds: Vec<SeedsScored> },
 }
 
 impl GroupCodes {
     /// The group's `i`-th query's part.
     fn query(&self, i: usize) -> Scanned<'_> {
+        let none = Scanned {
+            scores: QueryScores::plain(&[]),
+            kept: None,
+            above: None,
+            seeds: None,
+            stats: SearchStats::default(),
+        };
         match self {
-            GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), kept: None, stats: scan.stats },
-            GroupCodes::Kept(kept) => {
-                Scanned { scores: QueryScores::plain(&[]), kept: Some(&kept.queries[i]), stats: kept.stats }
+            GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), stats: scan.stats, ..none },
+            GroupCodes::Kept(kept) => Scanned { kept: Some(&kept.queries[i]), stats: kept.stats, ..none },
+            GroupCodes::Above { group, seeds } => {
+                Scanned { above: group.queries[i].as_ref(), seeds: Some(&seeds[i]), stats: group.stats, ..none }
             }
         }
     }
 }
 
-/// One query's part of a segment's scan: its scores (none when only the best were kept), or
-/// its kept best, and the scan's work.
+/// One query's part of a segment's scan: its scores (none when only some were kept), or its
+/// kept best, or its scores above a floor with its seeds' exact scores, and the scan's work.
 #[derive(Clone, Copy)]
 struct Scanned<'a> {
     scores: QueryScores<'a>,
     kept: Option<&'a KeptScores>,
+    above: Option<&'a ScoresAbove>,
+    seeds: Option<&'a SeedsScored>,
     stats: SearchStats,
 }
 
@@ -1550,6 +1642,12 @@ fn codes_choose(choice: Choice) -> bool {
         Plan::Diprs => true,
         _ => false,
     }
+}
+
+/// Whether the codes find a DIPR range (DIPRS without an error target): only the scores
+/// near the best are needed.
+fn codes_range(choice: Choice) -> bool {
+    choice.plan == Plan::Diprs && choice.error_target.is_none()
 }
 
 /// Whether the codes choose the best within a budget (the optimizer's `pq` plan without an

@@ -191,8 +191,10 @@ fuzz_target!(|data: &[u8]| {
             }),
             CoarseKind::Infllm => PagedInfllm::open(&pool, run).map(|c| c.select(q, budget, prefix)),
             CoarseKind::Pq => PagedPq::open(&pool, run).map(|c| {
-                // The kept scan reads the sample blocks a damaged meta block may claim.
+                // The kept scans read the sample blocks a damaged meta block may claim.
                 let _ = c.token_best_many(&p.queries[..2 * D], prefix, budget, 96);
+                let median = |_: usize, sample: &[f32]| sample.get(sample.len() / 2).copied();
+                let _ = c.token_above_many(&p.queries[..2 * D], prefix, 96, &median);
                 c.select(q, budget, prefix)
             }),
         };

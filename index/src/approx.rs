@@ -15,8 +15,9 @@
 //! ([`crate::target::estimate`]); when the estimate misses, a refined target
 //! ([`MassTarget::refined`]) widens the candidates.
 
+use crate::coarse::pq::ScoresAbove;
 use crate::coarse::reaching;
-use crate::flat::QueryScores;
+use crate::flat::{GroupScan, QueryScores};
 use crate::target::MassTarget;
 
 /// How many root-mean-square errors of the approximation below the approximate cut the
@@ -113,12 +114,59 @@ pub const RANGE_MARGIN_SIGMAS: f32 = 1.5;
 /// errors of the keys found in the range.
 pub const RANGE_ROUNDS: usize = 3;
 
+/// A query's approximate scores as [`in_range`] reads them: every key's, or those a scan kept
+/// above a floor.
+pub trait Approx {
+    /// The best approximate score, or one at most the floor where a scan kept none above it.
+    fn best(&self) -> f32;
+    /// The keys whose approximate score reaches `cut`, as (id, score), ascending by id;
+    /// `None` where `cut` is below what was kept.
+    fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>>;
+}
+
+impl Approx for QueryScores<'_> {
+    fn best(&self) -> f32 {
+        QueryScores::best(self)
+    }
+
+    fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>> {
+        Some(QueryScores::reaching(self, cut).into_iter().map(|t| (t, self.scores[t as usize])).collect())
+    }
+}
+
+impl Approx for ScoresAbove {
+    fn best(&self) -> f32 {
+        self.tokens.iter().map(|p| p.1).fold(self.floor, f32::max)
+    }
+
+    fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>> {
+        (cut >= self.floor).then(|| self.tokens.iter().copied().filter(|p| p.1 >= cut).collect())
+    }
+}
+
+/// How many of the caller's margins below a DIPR range's least first cut a scan keeps for
+/// [`in_range`] ([`range_floor`]): room for [`RANGE_MARGIN_SIGMAS`] times an error of the
+/// range's keys up to twice the seeds'. A range that needs more is found again from every
+/// score. On the generator at 128K tokens (`ctxfs bench search`, `diprs`, β = 5·√d), 1.5
+/// and 2 left 6–9 of 64 queries to be found again and 3 none; on a generated 128K store's
+/// decode queries (`ctxfs query --mode diprs --beta 56.6`), 2 left 148 of 512, 3 left 93 and
+/// 4 left 114 (a lower floor is reached by more than the scan keeps).
+pub const FLOOR_MARGINS: f32 = 3.0;
+
+/// The score down to which a scan keeps a query's approximate scores for [`in_range`], before
+/// it knows the best of them: [`FLOOR_MARGINS`] margins below the least first cut, that of the
+/// best score known exactly (`known_max`).
+pub fn range_floor(known_max: f32, beta: f32, margin: f32) -> f32 {
+    known_max - beta - FLOOR_MARGINS * margin.max(0.0)
+}
+
 /// A DIPR range from the codes: every key within `beta` of the best score, found by scoring
-/// exactly only the keys whose approximate score (`scored`: the scan's, with its runs' best
-/// where it recorded them) reaches `best − beta − margin`, as (id, exact score), ascending.
+/// exactly only the keys whose approximate score (`scored`: every key's, or those a scan kept
+/// above [`range_floor`]) reaches `best − beta − margin`, as (id, exact score), ascending.
 /// `best` is the best score known exactly (`known_max`: the caller's window and seeds; then
 /// the candidates'), or the best approximate one lowered by the margin where that is higher.
-/// `score` gives the exact scores of the ids it is given, in their order.
+/// `score` gives the exact scores of the ids it is given, in their order. `None` where a
+/// round's cut falls below what `scored` kept: the caller then finds it from every score.
 ///
 /// The caller's margin comes from keys sampled evenly (the seeds), but the keys of a range
 /// are the few that score highest, and the codes may render them worse than the bulk they
@@ -127,16 +175,16 @@ pub const RANGE_ROUNDS: usize = 3;
 /// that is wider, and the keys the wider margin adds are scored too, for [`RANGE_ROUNDS`]
 /// rounds at most.
 pub fn in_range<E>(
-    scored: QueryScores<'_>,
+    scored: &impl Approx,
     known_max: f32,
     beta: f32,
     margin: f32,
     mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
-) -> Result<Vec<(u32, f32)>, E> {
-    let approx = scored.scores;
+) -> Result<Option<Vec<(u32, f32)>>, E> {
     let mut margin = margin.max(0.0);
     let best_approx = scored.best();
-    let mut pairs: Vec<(u32, f32)> = Vec::new();
+    // (id, exact score, approximate score)
+    let mut found: Vec<(u32, f32, f32)> = Vec::new();
     let mut best = known_max;
     // Keys at or above it are scored already.
     let mut scored_down_to = f32::INFINITY;
@@ -145,23 +193,70 @@ pub fn in_range<E>(
         if cut >= scored_down_to {
             break;
         }
-        let mut ids = scored.reaching(cut);
-        ids.retain(|&t| approx[t as usize] < scored_down_to);
+        let Some(mut candidates) = scored.reaching(cut) else {
+            return Ok(None);
+        };
+        candidates.retain(|&(_, a)| a < scored_down_to);
         scored_down_to = cut;
+        let ids: Vec<u32> = candidates.iter().map(|c| c.0).collect();
         let scores = score(&ids)?;
         best = scores.iter().copied().fold(best, f32::max);
-        pairs.extend(ids.into_iter().zip(scores));
+        found.extend(candidates.into_iter().zip(scores).map(|((t, a), s)| (t, s, a)));
         let (exact, approximate): (Vec<f32>, Vec<f32>) =
-            pairs.iter().filter(|p| p.1 >= best - beta).map(|&(t, s)| (s, approx[t as usize])).unzip();
+            found.iter().filter(|f| f.1 >= best - beta).map(|f| (f.1, f.2)).unzip();
         let wanted = RANGE_MARGIN_SIGMAS * rms_error(&exact, &approximate);
         if wanted <= margin {
             break;
         }
         margin = wanted;
     }
-    pairs.retain(|p| p.1 >= best - beta);
+    let mut pairs: Vec<(u32, f32)> = found.into_iter().filter(|f| f.1 >= best - beta).map(|f| (f.0, f.1)).collect();
     pairs.sort_unstable_by_key(|p| p.0);
-    Ok(pairs)
+    Ok(Some(pairs))
+}
+
+/// What a scan of the codes gave one query for a range ([`range_on_codes`]): every score, or
+/// those a scan kept above the query's [`range_floor`] (`None` where it kept none for it).
+#[derive(Clone, Copy)]
+pub enum RangeScan<'a> {
+    Every(QueryScores<'a>),
+    Above(Option<&'a ScoresAbove>),
+}
+
+/// The best score known exactly before a range is searched: the seeds' (`seeds`) and the
+/// caller's window's (`window_max`).
+pub fn known_max(seeds: &[f32], window_max: f32) -> f32 {
+    seeds.iter().copied().fold(window_max, f32::max)
+}
+
+/// A query's DIPR range on the codes, as (id, exact score), ascending: [`in_range`] from what
+/// the scan gave (`scan`), its margin measured on the seeds' exact scores (`seeds`, every
+/// [`crate::search::SEED_STRIDE`]-th key's), the best known beside them `window_max`. Where the
+/// scan kept too little for the range, `every` scans this query's every score (a group of one
+/// query) and the range is found from those; it is the range every score gives.
+pub fn range_on_codes<E>(
+    scan: RangeScan<'_>,
+    seeds: &[f32],
+    window_max: f32,
+    beta: f32,
+    mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
+    every: impl FnOnce() -> Result<GroupScan, E>,
+) -> Result<Vec<(u32, f32)>, E> {
+    let known = known_max(seeds, window_max);
+    let found = match scan {
+        RangeScan::Every(scores) => {
+            let margin = seed_margin(seeds, scores.scores, crate::search::SEED_STRIDE);
+            in_range(&scores, known, beta, margin, &mut score)?
+        }
+        RangeScan::Above(Some(kept)) => in_range(kept, known, beta, margin(seeds, &kept.samples), &mut score)?,
+        RangeScan::Above(None) => None,
+    };
+    if let Some(pairs) = found {
+        return Ok(pairs);
+    }
+    let scan = every()?;
+    let margin = seed_margin(seeds, scan.scores(0), crate::search::SEED_STRIDE);
+    Ok(in_range(&scan.query(0), known, beta, margin, &mut score)?.expect("every score reaches any cut"))
 }
 
 #[cfg(test)]
@@ -214,11 +309,12 @@ mod tests {
         approx[2] -= 1.0;
         let run = |known: f32, beta: f32, margin: f32| {
             let mut asked = Vec::new();
-            let pairs = in_range(QueryScores::plain(&approx), known, beta, margin, |ids| -> Result<Vec<f32>, ()> {
+            let pairs = in_range(&QueryScores::plain(&approx), known, beta, margin, |ids| -> Result<Vec<f32>, ()> {
                 asked = ids.to_vec();
                 Ok(ids.iter().map(|&t| exact[t as usize]).collect())
             })
-            .unwrap();
+            .unwrap()
+            .expect("every score reaches any cut");
             (asked, pairs)
         };
         // Range 2 below the best (0): keys 0..=2. Without a margin the underrated key 2 is
@@ -232,6 +328,83 @@ mod tests {
         // A known best above every key (a window's): its range holds none of them.
         let (asked, pairs) = run(10.0, 2.0, 1.0);
         assert!(asked.is_empty() && pairs.is_empty());
+    }
+
+    #[test]
+    fn a_range_from_the_scores_kept_above_its_floor_is_the_range_from_every_score() {
+        use crate::synth::Rng;
+        let mut rng = Rng::new(5);
+        let exact: Vec<f32> = (0..4_000).map(|_| rng.normal() * 3.0).collect();
+        let approx: Vec<f32> = exact.iter().map(|&s| s + rng.normal() * 0.5).collect();
+        let lowest_asked = std::cell::Cell::new(f32::INFINITY);
+        let score = |ids: &[u32]| -> Result<Vec<f32>, ()> {
+            let lowest = ids.iter().map(|&t| approx[t as usize]).fold(lowest_asked.get(), f32::min);
+            lowest_asked.set(lowest);
+            Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+        };
+        let (known, beta, margin) = (6.0, 4.0, 0.5);
+        let every = in_range(&QueryScores::plain(&approx), known, beta, margin, score).unwrap().unwrap();
+        let lowest = lowest_asked.get();
+        assert!(every.len() > 10, "{} keys in the range", every.len());
+        let floor = range_floor(known, beta, margin);
+        let kept = |floor: f32| ScoresAbove {
+            samples: Vec::new(),
+            floor,
+            tokens: (0..approx.len() as u32).map(|t| (t, approx[t as usize])).filter(|p| p.1 >= floor).collect(),
+        };
+        assert_eq!(in_range(&kept(floor), known, beta, margin, score).unwrap(), Some(every));
+        // Kept above the least approximate score a round asked for, a round reaches below what
+        // was kept.
+        assert!(floor <= lowest, "{floor} > {lowest}");
+        assert_eq!(in_range(&kept(lowest + 1e-3), known, beta, margin, score).unwrap(), None);
+        // None above the floor (the best known is far above every key): an empty range.
+        let none = ScoresAbove { samples: Vec::new(), floor: 100.0, tokens: Vec::new() };
+        assert_eq!(in_range(&none, 110.0, beta, margin, score).unwrap(), Some(Vec::new()));
+    }
+
+    #[test]
+    fn a_range_on_the_codes_is_every_scores_however_much_the_scan_kept() {
+        use crate::search::SEED_STRIDE;
+        use crate::stats::SearchStats;
+        use std::cell::RefCell;
+        let mut rng = crate::synth::Rng::new(7);
+        let n = 9_600;
+        let exact: Vec<f32> = (0..n).map(|_| rng.normal() * 3.0).collect();
+        let approx: Vec<f32> = exact.iter().map(|&s| s + rng.normal() * 0.5).collect();
+        let seeds: Vec<f32> = exact.iter().step_by(SEED_STRIDE as usize).copied().collect();
+        let samples: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
+        let (window_max, beta) = (6.0, 4.0);
+        // The ids each call scored, and how many times every score was scanned again.
+        let (asked, rescans) = (RefCell::new(Vec::new()), RefCell::new(0));
+        let run = |scan: RangeScan<'_>| {
+            asked.borrow_mut().clear();
+            let score = |ids: &[u32]| -> Result<Vec<f32>, ()> {
+                asked.borrow_mut().push(ids.to_vec());
+                Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+            };
+            let every = || {
+                *rescans.borrow_mut() += 1;
+                Ok(GroupScan::new(approx.clone(), n, SearchStats::default()))
+            };
+            let pairs = range_on_codes(scan, &seeds, window_max, beta, score, every).unwrap();
+            (pairs, asked.borrow().clone())
+        };
+        let (range, scored) = run(RangeScan::Every(QueryScores::plain(&approx)));
+        assert!(range.len() > 10, "{} keys in the range", range.len());
+        let kept = |floor: f32| ScoresAbove {
+            samples: samples.clone(),
+            floor,
+            tokens: (0..n as u32).map(|t| (t, approx[t as usize])).filter(|p| p.1 >= floor).collect(),
+        };
+        let floor = range_floor(known_max(&seeds, window_max), beta, margin(&seeds, &samples));
+        assert_eq!(run(RangeScan::Above(Some(&kept(floor)))), (range.clone(), scored.clone()));
+        assert_eq!(*rescans.borrow(), 0);
+        // None kept for the query, or kept above every key: every score is scanned again, and
+        // the same keys scored from it (with its margin, not a margin of nothing).
+        assert_eq!(run(RangeScan::Above(None)), (range.clone(), scored.clone()));
+        let (high, again) = run(RangeScan::Above(Some(&kept(100.0))));
+        assert_eq!((high, &again[again.len() - scored.len()..]), (range, &scored[..]));
+        assert_eq!(*rescans.borrow(), 2);
     }
 
     #[test]

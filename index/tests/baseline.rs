@@ -68,11 +68,12 @@ fn on_codes(keys: &MemKeys, q: &[f32], scored: QueryScores<'_>, beta: f32) -> Se
     keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, &mut stats).unwrap();
     let margin = approx::seed_margin(&seeds, scored.scores, SEED_STRIDE);
     let known = seeds.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    approx::in_range(scored, known, beta, margin, |ids| {
+    approx::in_range(&scored, known, beta, margin, |ids| {
         let mut scores = vec![0.0; ids.len()];
         keys.score(ids, q, &mut scores, &mut stats).map(|()| scores)
     })
-    .unwrap();
+    .unwrap()
+    .expect("every score reaches any cut");
     stats
 }
 

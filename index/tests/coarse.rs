@@ -4,7 +4,7 @@
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
-use ctxfs_index::coarse::pq::{KeepCodes, KeptGroup, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
+use ctxfs_index::coarse::pq::{AboveGroup, KeepCodes, KeptGroup, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
 use ctxfs_index::coarse::{reaching, run_of, take_tokens, CoarseKind};
 use ctxfs_index::flat::{QueryScores, BEST_RUN};
@@ -822,4 +822,52 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     let small = PagedPq::open(&pool, &reqs[4]).unwrap();
     assert_eq!((small.meta().version, small.meta().sample_stride), (3, 0));
     assert!(small.token_best_many(group, None, 64, 96).unwrap().is_none());
+}
+
+#[test]
+fn the_scores_kept_above_a_cut_are_every_score_reaching_it() {
+    let (keys, _, decode) = synth(20_000, 128);
+    let pq = Pq::build(&keys, &PqParams::scan_codes(128)).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let v3 = pq.payloads(max_payload(4096)).unwrap();
+    let (store, reqs) = store_runs(file_device(&dir), 128, &[v3.clone(), version_2(v3)]);
+    let config = PoolConfig { budget_bytes: 200 * 4096, data_fraction: 0.2, ..Default::default() };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    let paged = PagedPq::open(&pool, &reqs[0]).unwrap();
+    let group = &decode[..4 * 128];
+    // Query 0 cuts at its sample's 5th best, query 1 at its best tenth's least; query 2 has
+    // no cut; all of query 3's tokens reach its cut, more than a quarter of them.
+    let cut = |q: usize, sample: &[f32]| {
+        let mut sorted = sample.to_vec();
+        sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+        match q {
+            0 => Some(sorted[5]),
+            1 => Some(sorted[sorted.len() / 10]),
+            2 => None,
+            _ => Some(f32::MIN),
+        }
+    };
+    for prefix in [None, Some(7_777)] {
+        let full = pq.token_scores_many(group, prefix).unwrap();
+        let here = pq.token_above_many(group, prefix, 96, &cut).unwrap().expect("sample codes");
+        let read = paged.token_above_many(group, prefix, 96, &cut).unwrap().expect("sample codes");
+        assert_eq!(here, AboveGroup { stats: here.stats, ..read.clone() });
+        assert_eq!(read.stats.keys_scored, full.stats.keys_scored);
+        assert!(read.queries[2..].iter().all(Option::is_none), "no cut, or too many reaching it");
+        for (q, kept) in read.queries[..2].iter().enumerate() {
+            let (kept, scores) = (kept.as_ref().expect("a cut"), full.scores(q));
+            let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+            let samples: Vec<f32> = scores.iter().step_by(96).copied().collect();
+            assert_eq!(bits(&kept.samples), bits(&samples));
+            assert_eq!(Some(kept.floor), cut(q, &samples));
+            let reaching: Vec<(u32, u32)> = (0..scores.len() as u32)
+                .filter(|&t| scores[t as usize] >= kept.floor)
+                .map(|t| (t, scores[t as usize].to_bits()))
+                .collect();
+            assert_eq!(kept.tokens.iter().map(|&(t, s)| (t, s.to_bits())).collect::<Vec<_>>(), reaching);
+            assert!(reaching.len() > 96 * 5, "{} reach query {q}'s cut", reaching.len());
+        }
+    }
+    // A run without sample codes (version 2): none kept, the caller scans every score.
+    assert!(PagedPq::open(&pool, &reqs[1]).unwrap().token_above_many(group, None, 96, &cut).unwrap().is_none());
 }

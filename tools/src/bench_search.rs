@@ -34,7 +34,7 @@ use crate::bench::{median, ratio};
 use anyhow::{ensure, Result};
 use ctxfs_attention::WARM_START_TOKENS;
 use ctxfs_attention::{KvSource, SafetensorsKv};
-use ctxfs_index::approx;
+use ctxfs_index::approx::{self, RangeScan};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams};
 use ctxfs_index::coarse::pq::{Pq, PqParams};
 use ctxfs_index::coarse::quest::{Quest, QuestParams};
@@ -616,15 +616,16 @@ fn run_group(
                 out.push(searched(diprs(&idx, q, &params)?, graph));
             }
         }
-        Method::CodesTarget { .. } | Method::CodesRange { .. } => {
+        Method::CodesTarget { target } => {
             let per_token = ix.codes.metadata_bytes_per_token();
             let scan = ix.codes.token_scores_many(qs, None)?;
             for (i, q) in qs.chunks_exact(d).enumerate() {
                 let approx = scan.scores(i);
                 let mut stats = SearchStats::default();
-                let (seeds, margin) = codes_margin(&ix.keys, q, approx, &mut stats)?;
-                let (ids, target) = match method {
-                    Method::CodesTarget { target } => {
+                let seeds = seed_scores(&ix.keys, q, &mut stats)?;
+                let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
+                let (ids, target) = {
+                    {
                         // Exact scores of the candidates so far (NaN: not scored): a widened
                         // target scores only its new candidates.
                         let mut exact = vec![f32::NAN; n];
@@ -651,16 +652,6 @@ fn run_group(
                         let estimate = estimated(&f, &seeds, i);
                         (f.ids, Some(estimate))
                     }
-                    Method::CodesRange { beta } => {
-                        let known = seeds.iter().copied().fold(win_max[i], f32::max);
-                        let pairs = approx::in_range(scan.query(i), known, beta, margin, |ids| -> Result<Vec<f32>> {
-                            let mut scores = vec![0.0f32; ids.len()];
-                            ix.keys.score(ids, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-                            Ok(scores)
-                        })?;
-                        (SearchResult::from_pairs(pairs, SearchStats::default()).ids, None)
-                    }
-                    _ => unreachable!("the arm's methods"),
                 };
                 out.push(Selection {
                     ids,
@@ -668,6 +659,48 @@ fn run_group(
                     meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
                     per_token,
                     target,
+                });
+            }
+        }
+        Method::CodesRange { beta } => {
+            // As a session finds a range on this core: the seeds first, which bound each
+            // query's best, then a scan keeping the scores above each query's floor.
+            let per_token = ix.codes.metadata_bytes_per_token();
+            let mut stats = vec![SearchStats::default(); win_max.len()];
+            let seeds = qs
+                .chunks_exact(d)
+                .zip(&mut stats)
+                .map(|(q, stats)| seed_scores(&ix.keys, q, stats))
+                .collect::<Result<Vec<_>>>()?;
+            let floor = |i: usize, sample: &[f32]| {
+                let known = approx::known_max(&seeds[i], win_max[i]);
+                Some(approx::range_floor(known, beta, approx::margin(&seeds[i], sample)))
+            };
+            let above = ix.codes.token_above_many(qs, None, SEED_STRIDE, &floor)?;
+            let every = match above {
+                Some(_) => None,
+                None => Some(ix.codes.token_scores_many(qs, None)?),
+            };
+            for (i, q) in qs.chunks_exact(d).enumerate() {
+                let stats = &mut stats[i];
+                let score = |ids: &[u32]| -> Result<Vec<f32>> {
+                    let mut scores = vec![0.0f32; ids.len()];
+                    ix.keys.score(ids, q, &mut scores, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
+                    Ok(scores)
+                };
+                let given = match (&above, &every) {
+                    (Some(above), _) => RangeScan::Above(above.queries[i].as_ref()),
+                    (None, Some(every)) => RangeScan::Every(every.query(i)),
+                    (None, None) => unreachable!("every score where nothing was kept"),
+                };
+                let rescan = || Ok(ix.codes.token_scores_many(q, None)?);
+                let pairs = approx::range_on_codes(given, &seeds[i], win_max[i], beta, score, rescan)?;
+                out.push(Selection {
+                    ids: SearchResult::from_pairs(pairs, SearchStats::default()).ids,
+                    keys_scored: stats.keys_scored,
+                    meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
+                    per_token,
+                    target: None,
                 });
             }
         }
@@ -688,15 +721,13 @@ fn run_group(
     Ok(out)
 }
 
-/// The seeds' exact scores of `q` (every [`SEED_STRIDE`]-th key, from the seed table in one
-/// sequential scan, as sessions score them: the resident sample the codes' margin is
-/// measured on) and that margin ([`approx::seed_margin`]) against the codes' approximate
-/// scores `approx`.
-fn codes_margin(keys: &MemKeys, q: &[f32], approx: &[f32], stats: &mut SearchStats) -> Result<(Vec<f32>, f32)> {
+/// The seeds' exact scores of `q`: every [`SEED_STRIDE`]-th key, from the seed table in one
+/// sequential scan, as sessions score them (the resident sample the codes' margin is
+/// measured on).
+fn seed_scores(keys: &MemKeys, q: &[f32], stats: &mut SearchStats) -> Result<Vec<f32>> {
     let mut seeds = Vec::new();
     keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
-    Ok((seeds, margin))
+    Ok(seeds)
 }
 
 /// The baseline: the session's flat plan for a GQA group's queries `qs` (one pass over the

@@ -369,7 +369,20 @@ impl Pq {
     ) -> Result<Option<KeptGroup>, BufferError> {
         let (c, codes) = self.mem();
         let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
-        kept_here(&c, &codes, Some(&samples), self.shape(), queries, prefix, (k, stride))
+        kept_here(&c, (&codes, Some(&samples)), self.shape(), queries, prefix, (k, stride))
+    }
+
+    /// [`PagedPq::token_above_many`] of the codes in memory.
+    pub fn token_above_many(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        stride: u32,
+        cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
+    ) -> Result<Option<AboveGroup>, BufferError> {
+        let (c, codes) = self.mem();
+        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        above_here(&c, (&codes, Some(&samples)), self.shape(), queries, prefix, stride, cut)
     }
 
     /// The codes as one block of every token, subspace-major.
@@ -510,7 +523,24 @@ impl<'p> PagedPq<'p> {
         stride: u32,
     ) -> Result<Option<KeptGroup>, BufferError> {
         let samples = self.samples.as_ref().map(|s| s as &dyn Records);
-        kept_here(&self.centroids, &self.codes, samples, self.meta.shape(), queries, prefix, (k, stride))
+        kept_here(&self.centroids, (&self.codes, samples), self.meta.shape(), queries, prefix, (k, stride))
+    }
+
+    /// Each query's tokens whose score reaches a cut, and every `stride`-th score
+    /// ([`ScoresAbove`]), scanned on this core as [`PagedPq::token_best_many`] scans: `cut`
+    /// gives query `i`'s cut from its sample. `None` where the run has no sample codes of
+    /// `stride`: the caller then takes [`PagedPq::token_scores_many`]. A query for which `cut`
+    /// gives none, or whose cut more than a quarter of the tokens reach, has none: the caller
+    /// scans its every score.
+    pub fn token_above_many(
+        &self,
+        queries: &[f32],
+        prefix: Option<u32>,
+        stride: u32,
+        cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
+    ) -> Result<Option<AboveGroup>, BufferError> {
+        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
+        above_here(&self.centroids, (&self.codes, samples), self.meta.shape(), queries, prefix, stride, cut)
     }
 
     /// Every code block's bytes in order, checked, for a copy the scan can read elsewhere
@@ -666,10 +696,10 @@ pub struct KeptGroup {
 /// centroids), the inner one the scan's; `None` where a sample cannot bound the best.
 pub type KeptBy<E> = Result<Result<Option<KeptGroup>, E>, BufferError>;
 
-/// [`PagedPq::token_best_many_by`] and, by [`KeptHere`], [`PagedPq::token_best_many`]: the
-/// tables, the scan with its sample, each query's cut from its sample (as [`take_tokens`]
-/// cuts), then the tokens reaching it, of which the `k` best. A query whose cut leaves
-/// fewer than `k`, or more than there is room for, gives `None` for the group.
+/// [`PagedPq::token_best_many_by`] and, by [`KeptHere`], [`PagedPq::token_best_many`]: each
+/// query's cut from its sample (as [`take_tokens`] cuts), the tokens reaching it
+/// ([`reaching_by`]), of which the `k` best. A query whose cut leaves fewer than `k`, or more
+/// than there is room for, gives `None` for the group.
 fn kept_by<E>(
     centroids: &dyn Records,
     s: Shape,
@@ -678,6 +708,56 @@ fn kept_by<E>(
     (k, stride): (usize, u32),
     keep: &mut impl KeepCodes<E>,
 ) -> KeptBy<E> {
+    let cut = |_: usize, sample: &[f32]| cut_of_sample(sample.to_vec(), stride.max(1) as usize, k);
+    let room = kept_room(stride.max(1) as usize, k);
+    let group = match reaching_by(centroids, s, queries, prefix, stride, &cut, room, keep)? {
+        Ok(Some(group)) => group,
+        other => return Ok(other.map(|_| None)),
+    };
+    let mut kept = Vec::with_capacity(group.queries.len());
+    for q in group.queries {
+        match q {
+            Some(q) if q.tokens.len() >= k => {
+                kept.push(KeptScores { samples: q.samples, best: best_pairs(q.tokens, k) })
+            }
+            _ => return Ok(Ok(None)),
+        }
+    }
+    Ok(Ok(Some(KeptGroup { queries: kept, stats: group.stats })))
+}
+
+/// One query's codes' scores where the scan kept those reaching a cut: every `stride`-th
+/// token's score (the sample, as in [`KeptScores`]), the cut (`floor`) and every token whose
+/// score reaches it, as (token, score), ascending by token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoresAbove {
+    pub samples: Vec<f32>,
+    pub floor: f32,
+    pub tokens: Vec<(u32, f32)>,
+}
+
+/// A GQA group's [`ScoresAbove`], query after query (`None` for a query that had no cut or
+/// whose cut more tokens reached than there was room for), and the work the scan counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AboveGroup {
+    pub queries: Vec<Option<ScoresAbove>>,
+    pub stats: SearchStats,
+}
+
+/// The tables, the scan of `keep` with its sample, each query's cut from its index and its
+/// sample (`cut`), then every token reaching it. `None` for a query without a cut or whose
+/// cut more than `room` tokens reach, and for the group where the sample is not whole.
+#[allow(clippy::too_many_arguments)]
+fn reaching_by<E>(
+    centroids: &dyn Records,
+    s: Shape,
+    queries: &[f32],
+    prefix: Option<u32>,
+    stride: u32,
+    cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
+    room: usize,
+    keep: &mut impl KeepCodes<E>,
+) -> Result<Result<Option<AboveGroup>, E>, BufferError> {
     check_queries(queries, s.dim)?;
     let mut stats = SearchStats::default();
     let tables = tables(centroids, s, queries, &mut stats)?;
@@ -691,24 +771,22 @@ fn kept_by<E>(
     if per == 0 || samples.len() != per * tables.len() {
         return Ok(Ok(None));
     }
-    let Some(cuts) =
-        samples.chunks_exact(per).map(|q| cut_of_sample(q.to_vec(), stride, k)).collect::<Option<Vec<_>>>()
-    else {
-        return Ok(Ok(None));
-    };
-    let room = kept_room(stride, k);
-    let reached = match keep.reaching(&tables, lim, &cuts, room) {
+    let cuts: Vec<Option<f32>> = samples.chunks_exact(per).enumerate().map(|(q, sample)| cut(q, sample)).collect();
+    // No token reaches +∞: a query without a cut costs the scan nothing.
+    let reaching: Vec<f32> = cuts.iter().map(|c| c.unwrap_or(f32::INFINITY)).collect();
+    let reached = match keep.reaching(&tables, lim, &reaching, room) {
         Ok(reached) => reached,
         Err(e) => return Ok(Err(e)),
     };
-    let mut kept = Vec::with_capacity(reached.len());
-    for (reached, samples) in reached.into_iter().zip(samples.chunks_exact(per)) {
-        if reached.count < k || reached.count > room || reached.tokens.len() != reached.count {
-            return Ok(Ok(None));
-        }
-        kept.push(KeptScores { samples: samples.to_vec(), best: best_pairs(reached.tokens, k) });
+    let mut above = Vec::with_capacity(reached.len());
+    for ((mut reached, samples), floor) in reached.into_iter().zip(samples.chunks_exact(per)).zip(cuts) {
+        let whole = reached.count <= room && reached.tokens.len() == reached.count;
+        above.push(floor.filter(|_| whole).map(|floor| {
+            reached.tokens.sort_unstable_by_key(|p| p.0);
+            ScoresAbove { samples: samples.to_vec(), floor, tokens: reached.tokens }
+        }));
     }
-    Ok(Ok((kept.len() == tables.len()).then_some(KeptGroup { queries: kept, stats })))
+    Ok(Ok((above.len() == tables.len()).then_some(AboveGroup { queries: above, stats })))
 }
 
 /// [`KeepCodes`] on this core: the sample is the scores of the sample codes (every
@@ -721,6 +799,15 @@ struct KeptHere<'a> {
     s: Shape,
     /// The blocks both visits touch.
     stats: SearchStats,
+}
+
+impl<'a> KeptHere<'a> {
+    /// The kept scan of a run with sample codes of `stride`; `None` where it has none.
+    fn of(codes: &'a dyn Records, samples: Option<&'a dyn Records>, s: Shape, stride: u32) -> Option<KeptHere<'a>> {
+        let sampled = stride as usize == s.sample_stride && s.layout == CodeLayout::SubspaceMajor;
+        let samples = samples.filter(|_| sampled)?;
+        Some(KeptHere { codes, samples, s, stats: SearchStats::default() })
+    }
 }
 
 impl KeepCodes<BufferError> for KeptHere<'_> {
@@ -769,23 +856,48 @@ impl KeepCodes<BufferError> for KeptHere<'_> {
 /// score.
 fn kept_here(
     centroids: &dyn Records,
-    codes: &dyn Records,
-    samples: Option<&dyn Records>,
+    (codes, samples): (&dyn Records, Option<&dyn Records>),
     s: Shape,
     queries: &[f32],
     prefix: Option<u32>,
     (k, stride): (usize, u32),
 ) -> Result<Option<KeptGroup>, BufferError> {
-    let sampled = stride as usize == s.sample_stride && s.layout == CodeLayout::SubspaceMajor;
-    let Some(samples) = samples.filter(|_| sampled) else {
+    let Some(mut keep) = KeptHere::of(codes, samples, s, stride) else {
         return Ok(None);
     };
-    let mut keep = KeptHere { codes, samples, s, stats: SearchStats::default() };
     let kept = kept_by(centroids, s, queries, prefix, (k, stride), &mut keep)??;
     Ok(kept.map(|mut group| {
         group.stats += keep.stats;
         group
     }))
+}
+
+/// [`reaching_by`] on this core ([`KeptHere`]), with room for [`above_room`] tokens per
+/// query; `None` also where there are no sample codes of `stride`, as for [`kept_here`].
+fn above_here(
+    centroids: &dyn Records,
+    (codes, samples): (&dyn Records, Option<&dyn Records>),
+    s: Shape,
+    queries: &[f32],
+    prefix: Option<u32>,
+    stride: u32,
+    cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
+) -> Result<Option<AboveGroup>, BufferError> {
+    let Some(mut keep) = KeptHere::of(codes, samples, s, stride) else {
+        return Ok(None);
+    };
+    let room = above_room(limit(s.tokens, prefix) as usize);
+    let above = reaching_by(centroids, s, queries, prefix, stride, cut, room, &mut keep)??;
+    Ok(above.map(|mut group| {
+        group.stats += keep.stats;
+        group
+    }))
+}
+
+/// The most tokens of `lim` a scan keeping those above a cut keeps for a query: a quarter.
+/// Kept as (token, score) they take half the bytes of every score.
+fn above_room(lim: usize) -> usize {
+    lim.div_ceil(4)
 }
 
 /// The most tokens a scan keeping each query's best keeps for it, cutting at the sample's
