@@ -800,6 +800,10 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
             let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&kept.samples), bits(&samples));
         }
+        // A coarse selection of one query keeps its best the same way.
+        let q = &group[..128];
+        assert_eq!(paged.select(q, k, prefix).unwrap().ids, take_tokens(full.query(0), k));
+        assert_eq!(pq.select(q, k, prefix).unwrap().ids, take_tokens(full.query(0), k));
     }
     // A sample too short to cut at, a stride other than the samples', and runs without
     // sample codes (versions 2 and 1, read as ever): none kept, the caller scans every score.

@@ -443,7 +443,8 @@ impl Coarse for Pq {
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
         let (c, k) = self.mem();
-        select(&c, &k, self.shape(), q, budget_tokens, prefix)
+        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        select(&c, (&k, Some(&samples)), self.shape(), q, budget_tokens, prefix)
     }
 }
 
@@ -559,7 +560,8 @@ impl Coarse for PagedPq<'_> {
         self.meta.shape().per_token()
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
-        select(&self.centroids, &self.codes, self.meta.shape(), q, budget_tokens, prefix)
+        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
+        select(&self.centroids, (&self.codes, samples), self.meta.shape(), q, budget_tokens, prefix)
     }
 }
 
@@ -1035,20 +1037,21 @@ fn one_query(
 
 fn select(
     centroids: &dyn Records,
-    codes: &dyn Records,
+    (codes, samples): (&dyn Records, Option<&dyn Records>),
     s: Shape,
     q: &[f32],
     budget: usize,
     prefix: Option<u32>,
 ) -> Result<CoarseResult, BufferError> {
     check_query(q, s.dim)?;
+    let metadata_bytes = (s.centroid_bytes() + limit(s.tokens, prefix) as usize * s.m) as u64;
+    // The best alone where the sample codes bound them: the tokens `take_tokens` takes.
+    if let Some(mut kept) = kept_here(centroids, (codes, samples), s, q, prefix, (budget, SAMPLE_STRIDE))? {
+        let best = kept.queries.pop().map(|q| q.best).unwrap_or_default();
+        return Ok(CoarseResult { ids: best.into_iter().map(|p| p.0).collect(), metadata_bytes, stats: kept.stats });
+    }
     let scan = token_scores(centroids, codes, s, q, prefix)?;
-    let scores = scan.scores(0);
-    Ok(CoarseResult {
-        ids: take_tokens(scan.query(0), budget),
-        metadata_bytes: (s.centroid_bytes() + scores.len() * s.m) as u64,
-        stats: scan.stats,
-    })
+    Ok(CoarseResult { ids: take_tokens(scan.query(0), budget), metadata_bytes, stats: scan.stats })
 }
 
 /// Nearest-centroid search for many points. The centroids are kept transposed (channel
