@@ -741,3 +741,41 @@ fn layer0_answers(session: &Session, src: &SafetensorsKv, opts: &AttentionOption
 fn to_halves(x: &[f32]) -> Vec<f16> {
     x.iter().map(|&v| f16::from_f32(v)).collect()
 }
+
+/// A context long enough for sample codes (24,576 tokens at d = 64): DIPRS scans only the
+/// scores near each query's range, and a forced `pq` plan keeps only each query's best, and
+/// both answer as the range and the budget ask.
+#[test]
+fn a_long_context_finds_its_range_and_its_best_from_the_scores_it_kept() {
+    const LONG: usize = 24_576;
+    let dir = tempfile::tempdir().unwrap();
+    let b = book(dir.path(), LONG, 1, 4, 1, 13);
+    let store = mkfs(dir.path(), 256);
+    let db = open(&store);
+    let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
+    db.import("long", &src, |_| {}).unwrap();
+    let session = db.open_session("long", None).unwrap();
+    let d = b.shape.head_dim as usize;
+    let beta = 5.0 * (d as f32).sqrt();
+    let keys = widen(&b.head(0, 0).keys);
+    let (mut recall, mut answers) = (0.0, 0);
+    for step in 0..4 {
+        let q = b.decode_step(0, step);
+        let ranged = session.attention_with(0, &q, &opts(Plan::Diprs, beta)).unwrap();
+        let best = session.attention_with(0, &q, &AttentionOptions { budget: Some(512), ..opts(Plan::Pq, 0.0) });
+        let best = best.unwrap();
+        for (qh, (r, p)) in ranged.heads.iter().zip(&best.heads).enumerate() {
+            let qv = &q[qh * d..(qh + 1) * d];
+            let s: Vec<f32> = keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a * b).sum()).collect();
+            let top = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let range: Vec<u32> = (0..LONG as u32).filter(|&t| s[t as usize] >= top - beta).collect();
+            recall += range.iter().filter(|t| r.selected.binary_search(t).is_ok()).count() as f64 / range.len() as f64;
+            answers += 1;
+            assert!(r.stats.keys_scored < LONG as u64 / 4, "{} keys scored", r.stats.keys_scored);
+            assert!(p.retrieved <= 512 && p.retrieved > 0, "{} retrieved", p.retrieved);
+        }
+    }
+    let recall = recall / answers as f64;
+    println!("DIPRS on a {LONG}-token context: DIPR recall {recall:.3}");
+    assert!(recall >= 0.95, "DIPR recall {recall}");
+}
