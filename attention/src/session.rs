@@ -1198,7 +1198,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
-        let seeds = match scan.seeds {
+        let seeds = match scan.above.map(|a| a.seeds) {
             Some(scored) => {
                 *stats += scored.stats;
                 scored.scores.clone()
@@ -1228,9 +1228,8 @@ impl Session {
         let pairs = match codes {
             CodesChoice::Target(t) => approx::attended(approx, best, t, margin(), &mut score)?,
             CodesChoice::Range { beta } => {
-                let given = match scan.seeds {
-                    // Scanned for those above each query's floor (then its seeds were scored).
-                    Some(_) => RangeScan::Above(scan.above),
+                let given = match scan.above {
+                    Some(above) => RangeScan::Above(above.kept),
                     None => RangeScan::Every(scored),
                 };
                 let every = || -> Result<GroupScan> {
@@ -1498,18 +1497,13 @@ enum GroupCodes {
 impl GroupCodes {
     /// The group's `i`-th query's part.
     fn query(&self, i: usize) -> Scanned<'_> {
-        let none = Scanned {
-            scores: QueryScores::plain(&[]),
-            kept: None,
-            above: None,
-            seeds: None,
-            stats: SearchStats::default(),
-        };
+        let none = Scanned { scores: QueryScores::plain(&[]), kept: None, above: None, stats: SearchStats::default() };
         match self {
             GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), stats: scan.stats, ..none },
             GroupCodes::Kept(kept) => Scanned { kept: Some(&kept.queries[i]), stats: kept.stats, ..none },
             GroupCodes::Above { group, seeds } => {
-                Scanned { above: group.queries[i].as_ref(), seeds: Some(&seeds[i]), stats: group.stats, ..none }
+                let above = AboveFloor { kept: group.queries[i].as_ref(), seeds: &seeds[i] };
+                Scanned { above: Some(above), stats: group.stats, ..none }
             }
         }
     }
@@ -1521,9 +1515,16 @@ impl GroupCodes {
 struct Scanned<'a> {
     scores: QueryScores<'a>,
     kept: Option<&'a KeptScores>,
-    above: Option<&'a ScoresAbove>,
-    seeds: Option<&'a SeedsScored>,
+    above: Option<AboveFloor<'a>>,
     stats: SearchStats,
+}
+
+/// One query's part of a scan for those above its range's floor: what was kept (none where
+/// more reached the floor than there was room for), and its seeds, scored before the scan.
+#[derive(Clone, Copy)]
+struct AboveFloor<'a> {
+    kept: Option<&'a ScoresAbove>,
+    seeds: &'a SeedsScored,
 }
 
 impl<'a> Scanned<'a> {

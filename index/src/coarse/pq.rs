@@ -331,14 +331,14 @@ impl Pq {
 
     /// Every approximate score below the prefix (what [`Coarse::select`] ranks).
     pub fn token_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
-        let (c, k) = self.mem();
+        let (c, k, _) = self.mem();
         one_query(&c, &k, self.shape(), q, prefix)
     }
 
     /// [`Pq::token_scores`] of each query of `queries` (rows of the index's dimension), in
     /// one pass over the codes.
     pub fn token_scores_many(&self, queries: &[f32], prefix: Option<u32>) -> Result<GroupScan, BufferError> {
-        let (c, k) = self.mem();
+        let (c, k, _) = self.mem();
         token_scores(&c, &k, self.shape(), queries, prefix)
     }
 
@@ -367,8 +367,7 @@ impl Pq {
         k: usize,
         stride: u32,
     ) -> Result<Option<KeptGroup>, BufferError> {
-        let (c, codes) = self.mem();
-        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        let (c, codes, samples) = self.mem();
         kept_here(&c, (&codes, Some(&samples)), self.shape(), queries, prefix, (k, stride))
     }
 
@@ -380,8 +379,7 @@ impl Pq {
         stride: u32,
         cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
     ) -> Result<Option<AboveGroup>, BufferError> {
-        let (c, codes) = self.mem();
-        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        let (c, codes, samples) = self.mem();
         above_here(&c, (&codes, Some(&samples)), self.shape(), queries, prefix, stride, cut)
     }
 
@@ -425,11 +423,13 @@ impl Pq {
             sample_stride: SAMPLE_STRIDE as usize,
         }
     }
-    fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>) {
+    /// The centroids, the codes and the sample codes as records.
+    fn mem(&self) -> (MemRecords<'_>, MemRecords<'_>, MemRecords<'_>) {
         let s = self.shape();
         (
             MemRecords { bytes: bytemuck::cast_slice(&self.centroids), size: 2 * s.sub() },
             MemRecords { bytes: &self.codes, size: s.m },
+            MemRecords { bytes: &self.samples, size: s.m },
         )
     }
 }
@@ -442,8 +442,7 @@ impl Coarse for Pq {
         self.shape().per_token()
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
-        let (c, k) = self.mem();
-        let samples = MemRecords { bytes: &self.samples, size: self.shape().m };
+        let (c, k, samples) = self.mem();
         select(&c, (&k, Some(&samples)), self.shape(), q, budget_tokens, prefix)
     }
 }
@@ -472,6 +471,11 @@ impl<'p> PagedPq<'p> {
             codes: records(&blocks[split..samples_at], t),
             samples: (samples.records > 0).then(|| records(&blocks[samples_at..], samples)),
         })
+    }
+
+    /// The codes and, from version 3 on, the sample codes.
+    fn code_records(&self) -> (&dyn Records, Option<&dyn Records>) {
+        (&self.codes, self.samples.as_ref().map(|s| s as &dyn Records))
     }
 
     pub fn meta(&self) -> &PqMeta {
@@ -523,8 +527,7 @@ impl<'p> PagedPq<'p> {
         k: usize,
         stride: u32,
     ) -> Result<Option<KeptGroup>, BufferError> {
-        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
-        kept_here(&self.centroids, (&self.codes, samples), self.meta.shape(), queries, prefix, (k, stride))
+        kept_here(&self.centroids, self.code_records(), self.meta.shape(), queries, prefix, (k, stride))
     }
 
     /// Each query's tokens whose score reaches a cut, and every `stride`-th score
@@ -540,8 +543,7 @@ impl<'p> PagedPq<'p> {
         stride: u32,
         cut: &dyn Fn(usize, &[f32]) -> Option<f32>,
     ) -> Result<Option<AboveGroup>, BufferError> {
-        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
-        above_here(&self.centroids, (&self.codes, samples), self.meta.shape(), queries, prefix, stride, cut)
+        above_here(&self.centroids, self.code_records(), self.meta.shape(), queries, prefix, stride, cut)
     }
 
     /// Every code block's bytes in order, checked, for a copy the scan can read elsewhere
@@ -560,8 +562,7 @@ impl Coarse for PagedPq<'_> {
         self.meta.shape().per_token()
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
-        let samples = self.samples.as_ref().map(|s| s as &dyn Records);
-        select(&self.centroids, (&self.codes, samples), self.meta.shape(), q, budget_tokens, prefix)
+        select(&self.centroids, self.code_records(), self.meta.shape(), q, budget_tokens, prefix)
     }
 }
 
