@@ -24,7 +24,7 @@ use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, Scores
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
-use ctxfs_index::paged::{for_rows, gather_rows, Layout, PagedIndex};
+use ctxfs_index::paged::{for_row_runs, gather_rows, Layout, PagedIndex};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
 use ctxfs_index::target::{estimate, REFINEMENTS};
@@ -774,8 +774,15 @@ impl Session {
                 // The answer's estimate from the values it sums; a wider search while it
                 // misses the target. The last sum is the answer's retrieved part.
                 let mut rounds = 0;
+                // The tokens the last sum was over: a wider range sums only those it adds.
+                let mut summed: Vec<(usize, u32, f32)> = Vec::new();
                 while let Some(tl) = &tail {
-                    let part = self.retrieved_part(&readers, &found, scale, &mut stats)?;
+                    let part = match (retrieved.take(), added(&summed, &found)) {
+                        (Some(last), Some(more)) => {
+                            Partial::merge(&[last, self.retrieved_part(&readers, &more, scale, &mut stats)?])
+                        }
+                        _ => self.retrieved_part(&readers, &found, scale, &mut stats)?,
+                    };
                     let est = estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part);
                     retrieved = Some(part);
                     estimated_error = Some(est.error as f32);
@@ -788,7 +795,8 @@ impl Session {
                         // Nothing more within the plan's budget: the estimate stands.
                         break;
                     }
-                    (found, seeds) = (wider_found, wider_seeds);
+                    summed = std::mem::replace(&mut found, wider_found);
+                    seeds = wider_seeds;
                     tail = self.tail(&readers, &seeds, &found, scale, &mut stats)?;
                     rounds += 1;
                 }
@@ -947,8 +955,8 @@ impl Session {
                         to += 1;
                     }
                     let batch = &w[from..to];
-                    let io = for_rows(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, row| {
-                        row.accumulate(o, batch[i])
+                    let io = for_row_runs(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, rows| {
+                        rows.accumulate_rows(o, &batch[i..i + rows.len() / layout.dim as usize])
                     })?;
                     io.add_to(stats);
                     from = to;
@@ -1608,6 +1616,23 @@ fn drop_negligible(found: &mut Vec<(usize, u32, f32)>, scale: f32, rest_lse: f32
     });
 }
 
+/// The tokens of `wider` (segment, token, score; by token, then segment) that `narrower`
+/// lacks, when `wider` holds every token of `narrower`; `None` otherwise.
+fn added(narrower: &[(usize, u32, f32)], wider: &[(usize, u32, f32)]) -> Option<Vec<(usize, u32, f32)>> {
+    let mut more = Vec::with_capacity(wider.len().saturating_sub(narrower.len()));
+    let mut old = narrower.iter().peekable();
+    for &f in wider {
+        match old.peek() {
+            Some(o) if (o.1, o.0) == (f.1, f.0) => {
+                old.next();
+            }
+            Some(o) if (o.1, o.0) < (f.1, f.0) => return None,
+            _ => more.push(f),
+        }
+    }
+    old.peek().is_none().then_some(more)
+}
+
 /// log(exp a + exp b).
 fn log_add(a: f32, b: f32) -> f32 {
     let m = a.max(b);
@@ -1715,6 +1740,18 @@ mod tests {
         let mut none = vec![(0, 0, f32::NAN)];
         drop_negligible(&mut none, 1.0, f32::NEG_INFINITY);
         assert_eq!(none.len(), 1);
+    }
+
+    #[test]
+    fn a_wider_range_adds_only_the_tokens_the_narrower_lacks() {
+        let narrower = [(0, 3, 1.0), (1, 3, 2.0), (0, 9, 0.5)];
+        let wider = [(0, 1, 0.1), (0, 3, 1.0), (1, 3, 2.0), (0, 4, 0.2), (0, 9, 0.5), (1, 12, 0.3)];
+        assert_eq!(added(&narrower, &wider), Some(vec![(0, 1, 0.1), (0, 4, 0.2), (1, 12, 0.3)]));
+        assert_eq!(added(&[], &wider), Some(wider.to_vec()));
+        assert_eq!(added(&narrower, &narrower), Some(Vec::new()));
+        // A token the wider range lost (a budget's cut, or another segment's) makes it no wider.
+        assert_eq!(added(&narrower, &wider[..4]), None);
+        assert_eq!(added(&narrower, &[(0, 3, 1.0), (0, 9, 0.5)]), None);
     }
 
     #[test]

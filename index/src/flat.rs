@@ -151,8 +151,17 @@ pub fn dipr<K: Keys>(
 /// The exact DIPR set given every key's score (from [`scan`] or [`scan_many`], whose work
 /// `stats` reports).
 pub fn dipr_of(scores: &[f32], beta: f32, window_max: f32, stats: SearchStats) -> SearchResult {
-    let best = scores.iter().copied().fold(window_max, f32::max);
-    let pairs = scores.iter().enumerate().filter(|(_, &s)| s >= best - beta).map(|(i, &s)| (i as u32, s)).collect();
+    range_of(scores, best_of(scores, window_max) - beta, stats)
+}
+
+/// The best of `scores` and `window_max` (a vector pass).
+fn best_of(scores: &[f32], window_max: f32) -> f32 {
+    ctxfs_kernels::max(scores).max(window_max)
+}
+
+/// The keys scoring at least `cut`.
+fn range_of(scores: &[f32], cut: f32, stats: SearchStats) -> SearchResult {
+    let pairs = scores.iter().enumerate().filter(|(_, &s)| s >= cut).map(|(i, &s)| (i as u32, s)).collect();
     SearchResult::from_pairs(pairs, stats)
 }
 
@@ -169,13 +178,11 @@ pub fn dipr_or_target(
     let Some(t) = target else {
         return dipr_of(scores, beta, window_max, stats);
     };
-    let best = scores.iter().copied().fold(window_max, f32::max);
-    let beta = t.exact_beta(scores, best);
-    let mut r = dipr_of(scores, beta, window_max, stats);
-    let left_out: Vec<f32> = scores.iter().copied().filter(|&s| s < best - beta).collect();
-    let kept: f64 = r.scores.iter().map(|&s| t.weight(s, best)).sum();
-    r.missing_share = Some(t.missing_share(kept, &left_out, 1, best) as f32);
-    r.chosen_beta = Some(beta);
+    let best = best_of(scores, window_max);
+    let cut = t.exact_cut(scores, best);
+    let mut r = range_of(scores, best - cut.beta, stats);
+    r.missing_share = Some(cut.missing as f32);
+    r.chosen_beta = Some(cut.beta);
     r
 }
 

@@ -208,10 +208,6 @@ impl Rows<'_> {
             Rows::Bf16(r) => ctxfs_kernels::prefetch(r),
         }
     }
-    /// `acc += weight · row`, through the SIMD kernels.
-    pub fn accumulate(&self, acc: &mut [f32], weight: f32) {
-        self.accumulate_rows(acc, &[weight]);
-    }
     /// `acc += Σ weights[i] · row i`, one kernel call for the rows.
     pub fn accumulate_rows(&self, acc: &mut [f32], weights: &[f32]) {
         match self {
@@ -728,13 +724,15 @@ impl BatchIo {
 
 /// Pins, in one batch, the blocks of packed rows (`layout.rows_per_block` rows of
 /// `layout.dim` elements of `layout.dtype`, row `t` in block `t / rows_per_block` of
-/// `blocks`) that hold `ids`, and calls `f` with each id's position and row.
-pub fn for_rows(
+/// `blocks`) that hold `ids`, and calls `f` once per run of ids that are consecutive rows
+/// of one block: with the run's first position in `ids` and its rows. A
+/// kernel then sums a run's rows in one call rather than one call per row.
+pub fn for_row_runs(
     pool: &BufferPool,
     blocks: &[BlockRequest],
     layout: &Layout,
     ids: &[u32],
-    f: impl FnMut(usize, Rows<'_>),
+    mut f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
     let rows_per_block = layout.rows_per_block;
     let wanted = blocks_holding(layout, ids, 0);
@@ -744,16 +742,27 @@ pub fn for_rows(
     }
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
-    visit_rows(
-        layout,
-        ids,
-        |t| guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")].payload(),
-        f,
-    )
-    .map_err(|(t, why)| {
-        let b = t / rows_per_block;
-        malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}"))
-    })?;
+    let payload = |b: u32| guards[wanted.binary_search(&b).expect("fetched above")].payload();
+    let mut from = 0;
+    while from < ids.len() {
+        let (t, b) = (ids[from], ids[from] / rows_per_block);
+        let mut to = from + 1;
+        while to < ids.len() && ids[to] == ids[to - 1] + 1 && ids[to] / rows_per_block == b {
+            to += 1;
+        }
+        if let Some(&ahead) = ids.get(to + PREFETCH_AHEAD) {
+            let slot = (ahead % rows_per_block) as usize;
+            if let Ok(r) = Rows::of(layout.dtype, payload(ahead / rows_per_block), slot, slot + 1, layout.dim as usize)
+            {
+                r.prefetch();
+            }
+        }
+        let slot = (t % rows_per_block) as usize;
+        let run = Rows::of(layout.dtype, payload(b), slot, slot + (to - from), layout.dim as usize)
+            .map_err(|why| malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}")))?;
+        f(from, run);
+        from = to;
+    }
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
@@ -804,6 +813,6 @@ pub fn gather_rows(
     ids: &[u32],
 ) -> Result<(Vec<f32>, BatchIo), BufferError> {
     let mut out = Vec::with_capacity(ids.len() * layout.dim as usize);
-    let io = for_rows(pool, blocks, layout, ids, |_, row| row.extend_f32(&mut out))?;
+    let io = for_row_runs(pool, blocks, layout, ids, |_, rows| rows.extend_f32(&mut out))?;
     Ok((out, io))
 }

@@ -50,23 +50,28 @@ impl MassTarget {
     /// The smallest β whose range (keys within β of `best`) leaves out at most the share,
     /// given every key's score (`best` also takes the window's best).
     pub fn exact_beta(&self, scores: &[f32], best: f32) -> f32 {
-        let weights: Vec<f64> = scores.iter().map(|&s| self.weight(s, best)).collect();
-        let total = self.window_mass(best) + weights.iter().sum::<f64>();
+        self.exact_cut(scores, best).beta
+    }
+
+    /// [`MassTarget::exact_beta`] and the share of the mass its range leaves out. The
+    /// weights are made in one vector pass, and the cut is found among the keys of the one
+    /// bin of weights it falls in ([`first_kept`]), not by sorting every key: a decode step
+    /// cuts each q head's scores this way up to [`REFINEMENTS`] + 1 times.
+    pub fn exact_cut(&self, scores: &[f32], best: f32) -> ExactCut {
+        let top = self.scale * best;
+        let mut weights: Vec<f32> = scores.iter().map(|&s| self.scale * s).collect();
+        let keys_mass = ctxfs_kernels::exp_sub(&mut weights, top);
+        let total = self.window_mass(best) + f64::from(keys_mass);
         let allowed = f64::from(self.share.max(0.0)) * total;
-        // Keys lighter than allowed / n are left out whatever else is: all of them together
-        // weigh at most the allowance, and they come first in ascending order. Only the
-        // others are sorted (on real attention, a small part of a long context).
-        let light = allowed / scores.len().max(1) as f64;
-        let (mut heavy, mut left_out) = (Vec::new(), 0.0);
-        for (&s, &w) in scores.iter().zip(&weights) {
-            if w < light {
-                left_out += w;
-            } else {
-                heavy.push(s);
-            }
-        }
-        heavy.sort_unstable_by(f32::total_cmp);
-        self.cut_from(&heavy, 1.0, left_out, allowed, best)
+        // Keys lighter than allowed / n are left out whatever else is (together they weigh
+        // at most the allowance, and they come first): they share the lowest bin.
+        let lightest = (allowed / scores.len().max(1) as f64).ln().max(f64::from(EXP_FLOOR)) as f32;
+        let bins = WeightBins::new(lightest);
+        let bin: Vec<u16> = scores.iter().map(|&s| bins.of(self.scale * s - top)).collect();
+        let beta = first_kept(scores, &weights, &bin, allowed).map_or(0.0, |s| reaching(best, s));
+        let cut = best - beta;
+        let left_out = f64::from(weight_where(scores, &weights, |s| s < cut));
+        ExactCut { beta, missing: if total > 0.0 { left_out / total } else { 0.0 } }
     }
 
     /// The smallest β (at least the range's edge `below` is sorted under) whose range leaves
@@ -110,11 +115,7 @@ impl MassTarget {
     /// within the share of `total`; β reaches the first that cannot be left out (0 when all
     /// can).
     fn cut(&self, ascending: &[f32], each: f64, total: f64, best: f32) -> f32 {
-        self.cut_from(ascending, each, 0.0, f64::from(self.share.max(0.0)) * total, best)
-    }
-
-    /// [`MassTarget::cut`] with `left_out` already left out, against the `allowed` mass.
-    fn cut_from(&self, ascending: &[f32], each: f64, mut left_out: f64, allowed: f64, best: f32) -> f32 {
+        let (allowed, mut left_out) = (f64::from(self.share.max(0.0)) * total, 0.0);
         for &s in ascending {
             left_out += each * self.weight(s, best);
             if left_out > allowed {
@@ -123,6 +124,93 @@ impl MassTarget {
         }
         0.0
     }
+}
+
+/// What [`MassTarget::exact_cut`] found: β, and the share of the mass (the window's
+/// included) that the keys below `best − β` hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExactCut {
+    pub beta: f32,
+    pub missing: f64,
+}
+
+/// Bins of log-weight that [`first_kept`] sums the weights in.
+const CUT_BINS: usize = 4096;
+
+/// Sums the lightest bin's weights take turns among ([`first_kept`]).
+const LIGHT_SINKS: usize = 8;
+
+/// The log-weight below which every weight is 0 in f32.
+const EXP_FLOOR: f32 = -88.0;
+
+/// Log-weights `x ≤ 0` (`scale · (s − best)`) in [`CUT_BINS`] equal bins from `lightest` to 0;
+/// lower ones in the first bin. The bin grows with `x`, so a bin's keys all score below the
+/// next bin's.
+struct WeightBins {
+    lightest: f32,
+    per_bin: f32,
+}
+
+impl WeightBins {
+    fn new(lightest: f32) -> WeightBins {
+        let per_bin = if lightest < 0.0 { CUT_BINS as f32 / -lightest } else { 0.0 };
+        WeightBins { lightest, per_bin }
+    }
+
+    fn of(&self, x: f32) -> u16 {
+        // Clamped first (a NaN to 0), so that the cast needs no saturation and vectorises.
+        ((x - self.lightest) * self.per_bin).max(0.0).min((CUT_BINS - 1) as f32) as u16
+    }
+}
+
+/// Taking the keys in ascending order of score (`scores`, each weighing `weights`, in bin
+/// `bin` of [`WeightBins`]), the score of the first whose weight, added to those before it,
+/// exceeds `allowed`; `None` when all of them together do not. The weights are summed per
+/// bin, and only the keys of the bin where the sum first exceeds `allowed` are sorted.
+fn first_kept(scores: &[f32], weights: &[f32], bin: &[u16], allowed: f64) -> Option<f32> {
+    // Many keys are in the first bin, the lightest: added to one sum one after another, each
+    // would wait on the store before it. They take turns among `LIGHT_SINKS` sums instead,
+    // without a branch (which keys are light follows no pattern).
+    let mut mass = vec![0.0f32; CUT_BINS + LIGHT_SINKS];
+    for (i, (&b, &w)) in bin.iter().zip(weights).enumerate() {
+        let at = if b == 0 { CUT_BINS + i % LIGHT_SINKS } else { usize::from(b) };
+        mass[at] += w;
+    }
+    mass[0] = mass[CUT_BINS..].iter().sum();
+    mass.truncate(CUT_BINS);
+    let mut left_out = 0.0f64;
+    for (b, &m) in mass.iter().enumerate() {
+        if left_out + f64::from(m) <= allowed {
+            left_out += f64::from(m);
+            continue;
+        }
+        let mut keys: Vec<(f32, f32)> =
+            (0..scores.len()).filter(|&i| usize::from(bin[i]) == b).map(|i| (scores[i], weights[i])).collect();
+        keys.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        for (s, w) in keys {
+            left_out += f64::from(w);
+            if left_out > allowed {
+                return Some(s);
+            }
+        }
+        // Summed key by key, the bin stayed within (rounding): the next bins decide.
+    }
+    None
+}
+
+/// The weight of the keys whose `key` (their score, or their bin) passes `keep`, summed in
+/// 16 lanes (a vector pass).
+fn weight_where<K: Copy>(keys: &[K], weights: &[f32], keep: impl Fn(K) -> bool) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    let (k16, w16) = (keys.chunks_exact(16), weights.chunks_exact(16));
+    let (k_rest, w_rest) = (k16.remainder(), w16.remainder());
+    for (k, w) in k16.zip(w16) {
+        for l in 0..16 {
+            lanes[l] += if keep(k[l]) { w[l] } else { 0.0 };
+        }
+    }
+    let rest: f32 = k_rest.iter().zip(w_rest).filter(|(&k, _)| keep(k)).map(|(_, &w)| w).sum();
+    lanes.iter().sum::<f32>() + rest
 }
 
 /// The smallest β with `best − β ≤ s`: ranges are cut at `best − β` in f32, where
@@ -183,6 +271,53 @@ mod tests {
         // A window holding most of the mass lets the range shrink to the best key.
         let heavy = MassTarget { window_lse: 5.0, ..t };
         assert_eq!(heavy.exact_beta(&scores, 0.0), 0.0);
+    }
+
+    /// What the cut is by definition: the keys in ascending order of score, each left out
+    /// while the mass left out stays within the share, each weight as `exact_cut` makes it.
+    fn sorted_cut(t: &MassTarget, scores: &[f32], best: f32) -> f32 {
+        let mut weights: Vec<f32> = scores.iter().map(|&s| t.scale * s).collect();
+        let sum = ctxfs_kernels::exp_sub(&mut weights, t.scale * best);
+        let total = t.window_mass(best) + f64::from(sum);
+        let allowed = f64::from(t.share) * total;
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
+        let mut left_out = 0.0;
+        for i in order {
+            left_out += f64::from(weights[i]);
+            if left_out > allowed {
+                return reaching(best, scores[i]);
+            }
+        }
+        0.0
+    }
+
+    #[test]
+    fn the_cut_found_by_bins_is_the_cut_of_every_key_sorted() {
+        let mut seed = 7u64;
+        let mut uniform = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for (n, spread) in [(5usize, 1.0f32), (1000, 4.0), (20_000, 8.0), (20_000, 30.0)] {
+            // Skewed scores (a few far above the rest, as real attention's), some tied, some
+            // masked.
+            let mut scores: Vec<f32> = (0..n).map(|_| spread * (uniform() * uniform() * 6.0 - 1.0)).collect();
+            scores[n / 2] = scores[0];
+            scores[n - 1] = f32::NEG_INFINITY;
+            let best = ctxfs_kernels::max(&scores);
+            for share in [0.0, 1e-4, 0.01, 0.2, 0.9] {
+                for window_lse in [f32::NEG_INFINITY, 0.5 * best, 2.0 * best + 5.0] {
+                    let t = MassTarget { share, scale: 0.125, window_lse };
+                    let cut = t.exact_cut(&scores, best);
+                    assert_eq!(cut.beta, sorted_cut(&t, &scores, best), "n {n} spread {spread} share {share}");
+                    let all: f64 = scores.iter().map(|&s| t.weight(s, best)).sum::<f64>() + t.window_mass(best);
+                    let out: f64 = scores.iter().filter(|&&s| s < best - cut.beta).map(|&s| t.weight(s, best)).sum();
+                    assert!((cut.missing - out / all).abs() < 1e-5, "missing {} against {}", cut.missing, out / all);
+                    assert!(cut.missing <= f64::from(share) + 1e-6);
+                }
+            }
+        }
     }
 
     #[test]

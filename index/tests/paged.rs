@@ -2,7 +2,7 @@
 //! the answers of the same index in memory; storage errors come back as errors.
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, FrameHint, PoolConfig};
-use ctxfs_index::paged::{index_payloads, PagedIndex};
+use ctxfs_index::paged::{for_row_runs, gather_rows, index_payloads, row_payloads, PagedIndex, Rows};
 use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::Pair;
@@ -236,4 +236,36 @@ fn an_unreadable_index_block_is_an_error_not_a_panic() {
     let q = &queries[..64];
     let err = flat::dipr(&paged, q, 40.0, f32::NEG_INFINITY, None).unwrap_err();
     assert_eq!(err.block(), Some(bad), "{err}");
+}
+
+#[test]
+fn rows_read_in_runs_are_the_rows_asked_for_in_order() {
+    let (keys, graph, _, values) = data();
+    let (layout, _) = index_payloads(&keys, &values, &graph, max_payload(4096));
+    let (_dir, store, reqs) = uring_index(64, &row_payloads(Rows::F16(&values), 64, max_payload(4096)));
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let r = layout.rows_per_block;
+    // Runs inside a block, one across a block boundary, gaps, a step back, the last token.
+    let ids = [0, 1, 2, r - 2, r - 1, r, r + 1, 2 * r + 5, 7, 8, 2999];
+    let row = |t: u32| values[t as usize * 64..(t as usize + 1) * 64].iter().map(|x| x.to_f32());
+    let (rows, io) = gather_rows(&pool, &reqs, &layout, &ids).unwrap();
+    assert_eq!(rows, ids.iter().flat_map(|&t| row(t)).collect::<Vec<_>>());
+    assert_eq!(io.pinned, 4);
+    // Summed a run at a time, as a session sums retrieved values.
+    let weights: Vec<f32> = (0..ids.len()).map(|i| 1.0 / (i + 1) as f32).collect();
+    let (mut sum, mut runs) = (vec![0.0f32; 64], Vec::new());
+    for_row_runs(&pool, &reqs, &layout, &ids, |i, rows| {
+        let n = rows.len() / 64;
+        runs.push((i, n));
+        rows.accumulate_rows(&mut sum, &weights[i..i + n]);
+    })
+    .unwrap();
+    assert_eq!(runs, [(0, 3), (3, 2), (5, 2), (7, 1), (8, 2), (10, 1)]);
+    let mut want = vec![0.0f32; 64];
+    for (&t, &w) in ids.iter().zip(&weights) {
+        want.iter_mut().zip(row(t)).for_each(|(a, x)| *a += w * x);
+    }
+    for (a, b) in sum.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} against {b}");
+    }
 }
