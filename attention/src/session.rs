@@ -20,7 +20,7 @@ use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
 use ctxfs_index::approx::{self, RangeScan};
 use ctxfs_index::coarse::infllm::PagedInfllm;
-use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ScoresAbove};
+use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq};
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
@@ -1143,9 +1143,13 @@ impl Session {
                     let known = approx::known_max(&seeds[i].scores, own_max[i]);
                     Some(approx::range_floor(known, beta, approx::margin(&seeds[i].scores, sample)))
                 };
-                if let Some(group) = pq.token_above_many(qs, r.seg.filter(), SEED_STRIDE, &floor)? {
-                    return Ok(GroupCodes::Above { group, seeds });
-                }
+                // Where the run cannot keep them (no sample codes), every score; the seeds
+                // scored stand either way.
+                let scan = match pq.token_above_many(qs, r.seg.filter(), SEED_STRIDE, &floor)? {
+                    Some(group) => RangeGroup::Above(group),
+                    None => RangeGroup::Every(pq.token_scores_many(qs, r.seg.filter())?),
+                };
+                return Ok(GroupCodes::Range { scan, seeds });
             }
             CodesWant::Every => {}
         }
@@ -1206,7 +1210,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
-        let seeds = match scan.above.map(|a| a.seeds) {
+        let seeds = match scan.range.map(|a| a.seeds) {
             Some(scored) => {
                 *stats += scored.stats;
                 scored.scores.clone()
@@ -1232,12 +1236,12 @@ impl Session {
         // Only the best within a budget are ever scanned keeping the best alone (`codes_best`),
         // and only a range keeping those above its floor: a target has every score.
         debug_assert!(matches!(codes, CodesChoice::Best { .. }) || scan.kept.is_none());
-        debug_assert!(matches!(codes, CodesChoice::Range { .. }) || scan.above.is_none());
+        debug_assert!(matches!(codes, CodesChoice::Range { .. }) || scan.range.is_none());
         let pairs = match codes {
             CodesChoice::Target(t) => approx::attended(approx, best, t, margin(), &mut score)?,
             CodesChoice::Range { beta } => {
-                let given = match scan.above {
-                    Some(above) => RangeScan::Above(above.kept),
+                let given = match scan.range {
+                    Some(range) => range.scan,
                     None => RangeScan::Every(scored),
                 };
                 let every = || -> Result<GroupScan> {
@@ -1499,39 +1503,49 @@ struct SeedsScored {
 enum GroupCodes {
     Scores(GroupScan),
     Kept(KeptGroup),
-    Above { group: AboveGroup, seeds: Vec<SeedsScored> },
+    Range { scan: RangeGroup, seeds: Vec<SeedsScored> },
+}
+
+/// A range's scan of a segment for a GQA group: each query's scores above its floor, or
+/// every score where the run cannot keep only those.
+enum RangeGroup {
+    Above(AboveGroup),
+    Every(GroupScan),
 }
 
 impl GroupCodes {
     /// The group's `i`-th query's part.
     fn query(&self, i: usize) -> Scanned<'_> {
-        let none = Scanned { scores: QueryScores::plain(&[]), kept: None, above: None, stats: SearchStats::default() };
+        let none = Scanned { scores: QueryScores::plain(&[]), kept: None, range: None, stats: SearchStats::default() };
         match self {
             GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), stats: scan.stats, ..none },
             GroupCodes::Kept(kept) => Scanned { kept: Some(&kept.queries[i]), stats: kept.stats, ..none },
-            GroupCodes::Above { group, seeds } => {
-                let above = AboveFloor { kept: group.queries[i].as_ref(), seeds: &seeds[i] };
-                Scanned { above: Some(above), stats: group.stats, ..none }
+            GroupCodes::Range { scan, seeds } => {
+                let (scan, stats) = match scan {
+                    RangeGroup::Above(group) => (RangeScan::Above(group.queries[i].as_ref()), group.stats),
+                    RangeGroup::Every(every) => (RangeScan::Every(every.query(i)), every.stats),
+                };
+                Scanned { range: Some(RangeScanned { scan, seeds: &seeds[i] }), stats, ..none }
             }
         }
     }
 }
 
 /// One query's part of a segment's scan: its scores (none when only some were kept), or its
-/// kept best, or its scores above a floor with its seeds' exact scores, and the scan's work.
+/// kept best, or a range's scan with its seeds' exact scores, and the scan's work.
 #[derive(Clone, Copy)]
 struct Scanned<'a> {
     scores: QueryScores<'a>,
     kept: Option<&'a KeptScores>,
-    above: Option<AboveFloor<'a>>,
+    range: Option<RangeScanned<'a>>,
     stats: SearchStats,
 }
 
-/// One query's part of a scan for those above its range's floor: what was kept (none where
-/// more reached the floor than there was room for), and its seeds, scored before the scan.
+/// One query's part of a range's scan: the scores above its floor (none where more reached
+/// it than there was room for) or every score, and its seeds, scored before the scan.
 #[derive(Clone, Copy)]
-struct AboveFloor<'a> {
-    kept: Option<&'a ScoresAbove>,
+struct RangeScanned<'a> {
+    scan: RangeScan<'a>,
     seeds: &'a SeedsScored,
 }
 
