@@ -1,6 +1,9 @@
 //! import → reopen → session → attention, against exact attention computed independently.
 
-use ctxfs_attention::{AttentionOptions, Db, DbConfig, KvSource, Plan, Request, Rules, SafetensorsKv, Session};
+use ctxfs_attention::{
+    AttentionOptions, Db, DbConfig, KvSource, Plan, PqCodes, Request, Rules, SafetensorsKv, Session,
+};
+use ctxfs_index::coarse::pq::PqParams;
 use ctxfs_integration::{book, exact, mkfs, rel_err, widen, Book};
 use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
 use half::f16;
@@ -778,4 +781,54 @@ fn a_long_context_finds_its_range_and_its_best_from_the_scores_it_kept() {
     let recall = recall / answers as f64;
     println!("DIPRS on a {LONG}-token context: DIPR recall {recall:.3}");
     assert!(recall >= 0.95, "DIPR recall {recall}");
+}
+
+/// Served compact beyond the scan's reach (the codes' best 1,024 beyond the window), a
+/// context imported with residual codes (an import makes them from 32,768 tokens) reads the
+/// keys of fewer candidates than one imported without, for answers as close to exact
+/// attention, and holds their bytes within the budget.
+#[test]
+fn residual_codes_read_fewer_keys_for_answers_as_close() {
+    const LONG: usize = 32_768;
+    let dir = tempfile::tempdir().unwrap();
+    let b = book(dir.path(), LONG, 1, 4, 1, 17);
+    let store = mkfs(dir.path(), 512);
+    let d = b.shape.head_dim as usize;
+    let bare = PqParams { residual: 0, ..PqParams::scan_codes(d) };
+    for (name, pq) in [("with", PqCodes::Scan), ("without", PqCodes::Params(bare))] {
+        let db = Db::open(&store, DeviceChoice::Auto, DbConfig { pq, ..Default::default() }).unwrap();
+        db.import(name, &SafetensorsKv::open(&b.path, DType::F16).unwrap(), |_| {}).unwrap();
+    }
+    let rules = Rules { short_context: 0, scan_context: 0, ..Default::default() };
+    let budget = DbConfig { resident_budget: Some(0.125), rules, ..Default::default() };
+    let db = Db::open_read_only(&store, DeviceChoice::Auto, budget).unwrap();
+    let (with, without) = (db.footprint("with").unwrap(), db.footprint("without").unwrap());
+    // 8 residual code bytes per token and kv head, and their centroids (32 KiB).
+    let added = (with.compact_bytes() - without.compact_bytes()) as f64 / LONG as f64;
+    assert!((8.0..=10.0).contains(&added) && with.compact_ratio() <= 0.125, "{with:?} {without:?}");
+    let (keys, values) = (widen(&b.head(0, 0).keys), widen(&b.head(0, 0).values));
+    let all: Vec<u32> = (0..LONG as u32).collect();
+    // Per context: keys scored, and the sum of output errors against exact attention.
+    let mut measured = [(0u64, 0.0f64); 2];
+    for (m, name) in measured.iter_mut().zip(["with", "without"]) {
+        assert!(db.warm(name).unwrap().compact);
+        let session = db.open_session(name, None).unwrap();
+        for step in 0..4 {
+            let q = b.decode_step(0, step);
+            let a = session.attention(0, &q).unwrap();
+            assert_eq!(a.plan(), "pq");
+            for (qh, h) in a.heads.iter().enumerate() {
+                let qv = &q[qh * d..(qh + 1) * d];
+                let want = exact(&keys, &values, d, &all, qv, 1.0 / (d as f32).sqrt()).0;
+                m.0 += h.stats.keys_scored;
+                m.1 += rel_err(&a.output[qh * d..(qh + 1) * d], &want);
+            }
+        }
+    }
+    let [(with_keys, with_err), (without_keys, without_err)] = measured;
+    println!(
+        "residual codes: {with_keys} keys scored, error sum {with_err:.4}; without: {without_keys}, {without_err:.4}"
+    );
+    assert!((with_keys as f64) < 0.9 * without_keys as f64, "{with_keys} against {without_keys} keys");
+    assert!(with_err <= 1.2 * without_err, "error {with_err} against {without_err}");
 }

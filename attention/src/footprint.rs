@@ -7,9 +7,10 @@
 //! in the context's element type.
 //!
 //! A context whose whole index exceeds the budget is served **compact**: only each vector
-//! file's meta block, seed table (keys and values) and PQ codes are held, and the pq plan
-//! with an output error target answers from the codes, scoring its candidates' keys from
-//! blocks read on demand (`ctxfs_index::approx`).
+//! file's meta block, seed table (keys and values) and PQ codes (with the residual codes
+//! that rank their candidates) are held, and the pq plan with an output error target
+//! answers from the codes, scoring its candidates' keys from blocks read on demand
+//! (`ctxfs_index::approx`).
 
 use crate::error::{Error, Result};
 use crate::layout::{files_of, FileBlocks};
@@ -41,7 +42,7 @@ pub struct Footprint {
     pub quest: u64,
     /// InfLLM's block representatives.
     pub infllm: u64,
-    /// The PQ codes and centroids.
+    /// The PQ codes and centroids, the residual codes' included.
     pub pq: u64,
 }
 

@@ -20,7 +20,7 @@ use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
 use ctxfs_index::approx::{self, RangeScan};
 use ctxfs_index::coarse::infllm::PagedInfllm;
-use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq};
+use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ResidualTable};
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
@@ -1227,7 +1227,8 @@ impl Session {
             Some(kept) => approx::margin(&seeds, &kept.samples),
             None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
         };
-        let mut rescanned = SearchStats::default();
+        // The codes read beyond the scan: every score again (a range), or the residual codes.
+        let mut codes_work = SearchStats::default();
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
             let mut scores = vec![0.0; ids.len()];
             index.score(ids, q, &mut scores, stats)?;
@@ -1238,7 +1239,12 @@ impl Session {
         debug_assert!(matches!(codes, CodesChoice::Best { .. }) || scan.kept.is_none());
         debug_assert!(matches!(codes, CodesChoice::Range { .. }) || scan.range.is_none());
         let pairs = match codes {
-            CodesChoice::Target(t) => approx::attended(approx, best, t, margin(), &mut score)?,
+            CodesChoice::Target(t) => {
+                let samples: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
+                let refiner = self.refiner(r, q, (&seeds, &samples), &mut codes_work)?;
+                let refine = |ids: &[u32], scores: &mut [f32]| Refiner::apply(&refiner, ids, scores, &mut codes_work);
+                approx::attended(approx, best, t, margin(), refine, &mut score)?
+            }
             CodesChoice::Range { beta } => {
                 let given = match scan.range {
                     Some(range) => range.scan,
@@ -1247,27 +1253,43 @@ impl Session {
                 let every = || -> Result<GroupScan> {
                     let run = self.coarse_run(r, CoarseKind::Pq, Plan::Pq)?;
                     let every = self.pq_of(r, run)?.token_scores_many(q, seg.filter())?;
-                    rescanned = every.stats;
+                    codes_work = every.stats;
                     Ok(every)
                 };
                 approx::range_on_codes(given, &seeds, best, beta, &mut score, every)?
             }
-            CodesChoice::Best { want, negligible } => {
+            CodesChoice::Best { want, budget, negligible } => {
                 // (token, approximate score), ascending by token.
                 let chosen: Cow<'_, [(u32, f32)]> = match scan.kept {
                     Some(kept) => Cow::Borrowed(&kept.best),
                     None => take_tokens(scored, want).into_iter().map(|t| (t, approx[t as usize])).collect(),
                 };
-                let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
-                let cut = approx::cut_among(&among, best, &negligible, margin());
                 // The window's tokens are attended from the session: their keys are not read
                 // (`want` leaves room for them, and the caller drops them from what is found).
                 let (prefix, window) = (self.prefix_tokens(), self.window);
-                let ids: Vec<u32> = chosen
-                    .iter()
-                    .filter(|&&(t, a)| a >= cut && !window.contains(prefix, seg.base + t))
-                    .map(|c| c.0)
-                    .collect();
+                let outside = |&(t, _): &(u32, f32)| !window.contains(prefix, seg.base + t);
+                let samples: Cow<'_, [f32]> = match scan.kept {
+                    Some(kept) => Cow::Borrowed(&kept.samples),
+                    None => approx.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                };
+                let candidates: Vec<(u32, f32)> = chosen.iter().copied().filter(outside).collect();
+                let ids: Vec<u32> = candidates.iter().map(|c| c.0).collect();
+                let mut refined: Vec<f32> = candidates.iter().map(|c| c.1).collect();
+                let refiner = self.refiner(r, q, (&seeds, &samples), &mut codes_work)?;
+                let ids: Vec<u32> = match Refiner::apply(&refiner, &ids, &mut refined, &mut codes_work)? {
+                    Some(margin) => {
+                        // Ranked by the residual codes: those that reach the budget's least,
+                        // lowered by their error, and the negligible share's cut.
+                        let cut = approx::cut_among(&refined, best, &negligible, margin);
+                        let floor = cut.max(nth_best(&refined, budget) - margin);
+                        candidates.iter().zip(&refined).filter(|p| *p.1 >= floor).map(|p| p.0 .0).collect()
+                    }
+                    None => {
+                        let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
+                        let cut = approx::cut_among(&among, best, &negligible, margin());
+                        candidates.iter().filter(|c| c.1 >= cut).map(|c| c.0).collect()
+                    }
+                };
                 let scores = score(&ids)?;
                 ids.into_iter().zip(scores).collect()
             }
@@ -1275,9 +1297,26 @@ impl Session {
         // The codes' approximate scores are not inner products with keys: keys scored counts
         // the exact ones (the seeds' and the candidates').
         let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..scan.stats });
-        found.stats += SearchStats { keys_scored: 0, ..rescanned };
+        found.stats += SearchStats { keys_scored: 0, ..codes_work };
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)
+    }
+
+    /// The residual codes' refinement of `q`'s approximate scores on a segment: its tables,
+    /// and the margin of the refined scores' error, measured on the seeds (their exact scores
+    /// `seeds`, the codes' `samples`) as the codes' own is. `None` where the segment's codes
+    /// have no residual codes.
+    fn refiner<'a, 'r: 'a>(
+        &'a self,
+        r: &SegmentReader<'r>,
+        q: &[f32],
+        (seeds, samples): (&[f32], &[f32]),
+        stats: &mut SearchStats,
+    ) -> Result<Option<Refiner<'a>>> {
+        let pq = self.open_pq(r)?;
+        let Some(table) = pq.residual_table(q, stats)? else { return Ok(None) };
+        let margin = approx::refined_margin(seeds, samples, |ids, s| pq.refine(&table, ids, s, stats))?;
+        Ok(Some(Refiner { pq, table, margin }))
     }
 
     /// The softmax scale of a call: the caller's, else 1/√d.
@@ -1354,6 +1393,7 @@ impl Session {
                         None if plan == Plan::Diprs => CodesChoice::Range { beta: opts.beta },
                         None => CodesChoice::Best {
                             want: self.selection_size(budget, seg),
+                            budget: budget.unwrap_or(COARSE_BUDGET),
                             negligible: MassTarget {
                                 share: NEGLIGIBLE_SHARE,
                                 scale: self.scale(opts),
@@ -1560,10 +1600,32 @@ impl<'a> Scanned<'a> {
 enum CodesChoice<'t> {
     /// The candidates of a mass target.
     Target(&'t MassTarget),
-    /// The best `want`, less those the `negligible` target leaves out.
-    Best { want: usize, negligible: MassTarget },
+    /// The best `want` (`budget` beyond the window, and room for the window's tokens), less
+    /// those the `negligible` target leaves out; with residual codes, those of them that may
+    /// be among the best `budget` beyond the window.
+    Best { want: usize, budget: usize, negligible: MassTarget },
     /// Every key within `beta` of the best score.
     Range { beta: f32 },
+}
+
+/// One query's refinement of the codes' scores on a segment by its residual codes
+/// ([`Session::refiner`]).
+struct Refiner<'a> {
+    pq: PagedPq<'a>,
+    table: ResidualTable,
+    /// The margin of the refined scores' error.
+    margin: f32,
+}
+
+impl Refiner<'_> {
+    /// Adds to `scores` (approximate, of the ascending `ids`) their refinement and gives the
+    /// margin of the refined scores' error ([`approx::Refine`]); `None`, the scores as they
+    /// were, without a refiner.
+    fn apply(refiner: &Option<Self>, ids: &[u32], scores: &mut [f32], stats: &mut SearchStats) -> Result<Option<f32>> {
+        let Some(r) = refiner else { return Ok(None) };
+        r.pq.refine(&r.table, ids, scores, stats)?;
+        Ok(Some(r.margin))
+    }
 }
 
 /// A q head's exact scores (q·k) of the window and of the session's own tokens.
@@ -1593,6 +1655,18 @@ fn lse_of(z: &[f32], scale: f32) -> f32 {
         return m;
     }
     m + ctxfs_kernels::exp_sub(&mut scaled, m).ln()
+}
+
+/// The `n`-th best of `scores` (1-based): +∞ for none, −∞ where there are fewer.
+fn nth_best(scores: &[f32], n: usize) -> f32 {
+    if n == 0 {
+        return f32::INFINITY;
+    }
+    if n > scores.len() {
+        return f32::NEG_INFINITY;
+    }
+    let mut order = scores.to_vec();
+    *order.select_nth_unstable_by(n - 1, |a, b| b.total_cmp(a)).1
 }
 
 /// The share of a q head's attention that the codes' best within a budget may leave out.

@@ -55,7 +55,7 @@ impl MassTarget {
 
     /// [`MassTarget::exact_beta`] and the share of the mass its range leaves out. The
     /// weights are made in one vector pass, and the cut is found among the keys of the one
-    /// bin of weights it falls in ([`first_kept`]), not by sorting every key: a decode step
+    /// bin of weights it falls in (`first_kept`), not by sorting every key: a decode step
     /// cuts each q head's scores this way up to [`REFINEMENTS`] + 1 times.
     pub fn exact_cut(&self, scores: &[f32], best: f32) -> ExactCut {
         let top = self.scale * best;

@@ -116,7 +116,7 @@ fn quest_selects_the_best_pages_whole_within_the_budget() {
 fn pq_scores_are_inner_products_with_the_reconstructed_keys() {
     let mut rng = Rng::new(3);
     let keys = random_keys(3000, 32, &mut rng);
-    for params in [PqParams::M2B6, PqParams::M4B8, PqParams { m: 8, bits: 3, iters: 5, seed: 7 }] {
+    for params in [PqParams::M2B6, PqParams::M4B8, PqParams { m: 8, bits: 3, iters: 5, seed: 7, residual: 0 }] {
         let pq = Pq::build(&keys, &params).unwrap();
         for q in random_queries(5, 32, &mut rng).chunks(32) {
             let scores = pq.token_scores(q, None).unwrap();
@@ -216,14 +216,15 @@ fn pq_kmeans_is_deterministic_for_a_seed_and_more_centroids_reconstruct_better()
             .sum::<f64>()
             / keys.len() as f64
     };
-    let errors: Vec<f64> =
-        (1..=8).map(|bits| error(&Pq::build(&keys, &PqParams { m: 4, bits, iters: 25, seed: 0 }).unwrap())).collect();
+    let errors: Vec<f64> = (1..=8)
+        .map(|bits| error(&Pq::build(&keys, &PqParams { m: 4, bits, iters: 25, seed: 0, residual: 0 }).unwrap()))
+        .collect();
     for w in errors.windows(2) {
         assert!(w[1] < w[0], "reconstruction error by bits 1..=8: {errors:?}");
     }
     // More subspaces at the same bits reconstruct better too.
-    let m2 = error(&Pq::build(&keys, &PqParams { m: 2, bits: 6, iters: 25, seed: 0 }).unwrap());
-    let m8 = error(&Pq::build(&keys, &PqParams { m: 8, bits: 6, iters: 25, seed: 0 }).unwrap());
+    let m2 = error(&Pq::build(&keys, &PqParams { m: 2, bits: 6, iters: 25, seed: 0, residual: 0 }).unwrap());
+    let m8 = error(&Pq::build(&keys, &PqParams { m: 8, bits: 6, iters: 25, seed: 0, residual: 0 }).unwrap());
     assert!(m8 < m2, "m=8 {m8} vs m=2 {m2}");
 }
 
@@ -366,9 +367,24 @@ fn prefix_filter_never_returns_a_token_at_or_beyond_the_prefix() {
     }
 }
 
+/// A PQ run as layout version 3 wrote it: the same meta fields up to the sample stride, its
+/// centroid, code and sample blocks, and no residual codes.
+fn version_3(mut run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+    let (tokens, k, residual) = (field(0), 1 << field(3), field(10));
+    if residual > 0 {
+        let blocks = (residual * k).div_ceil(field(11)) + tokens.div_ceil(field(12));
+        run.truncate(run.len() - blocks);
+    }
+    run[0][4..8].copy_from_slice(&3u32.to_le_bytes());
+    run[0].truncate(8 + 4 * 10);
+    run
+}
+
 /// A PQ run as layout version 2 wrote it: the same meta fields, centroid and code blocks,
 /// and no sample blocks.
-fn version_2(mut run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+fn version_2(run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut run = version_3(run);
     let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
     let (tokens, per_block, stride) = (field(0), field(8), field(9));
     let samples = if stride == 0 { 0 } else { tokens.div_ceil(stride).div_ceil(per_block) };
@@ -605,9 +621,9 @@ fn damaged_meta_blocks_are_errors_never_panics() {
         for other in (0..3).filter(|&o| o != i) {
             assert!(!decode(other, meta), "method {other} decoded method {i}'s meta");
         }
-        // A version this build does not read (Quest and InfLLM read 1, PQ 1 to 3).
+        // A version this build does not read (Quest and InfLLM read 1, PQ 1 to 4).
         let mut bad = meta.clone();
-        bad[4] = if i == 2 { 4 } else { 2 };
+        bad[4] = if i == 2 { 5 } else { 2 };
         assert!(!decode(i, &bad));
         // Every single-byte corruption decodes or fails, and never panics.
         for at in 0..meta.len() {
@@ -770,13 +786,13 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     let pq = Pq::build(&keys, &PqParams::scan_codes(128)).unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let payload = max_payload(4096);
-    let v3 = pq.payloads(payload).unwrap();
+    let v4 = pq.payloads(payload).unwrap();
     // 64 centroids a subspace: a code of 64 in a sample block is beyond them.
     let pq6 = Pq::build(&keys, &PqParams { bits: 6, ..PqParams::scan_codes(128) }).unwrap();
-    let mut bad_sample = pq6.payloads(payload).unwrap();
+    let mut bad_sample = version_3(pq6.payloads(payload).unwrap());
     *bad_sample.last_mut().unwrap().last_mut().unwrap() = 64;
     let small = Pq::build(&synth(4_096, 128).0, &PqParams::scan_codes(128)).unwrap();
-    let runs = vec![v3.clone(), version_2(v3.clone()), token_major(v3), bad_sample, small.payloads(payload).unwrap()];
+    let runs = vec![v4.clone(), version_2(v4.clone()), token_major(v4), bad_sample, small.payloads(payload).unwrap()];
     let (store, reqs) = store_runs(file_device(&dir), 128, &runs);
     let config = PoolConfig { budget_bytes: 200 * 4096, data_fraction: 0.2, ..Default::default() };
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
@@ -824,7 +840,7 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     assert!(e.to_string().contains("of token 19968 "), "{e}");
     // A run whose 43 samples would not fill a block has none: scanned from every score.
     let small = PagedPq::open(&pool, &reqs[4]).unwrap();
-    assert_eq!((small.meta().version, small.meta().sample_stride), (3, 0));
+    assert_eq!((small.meta().version, small.meta().sample_stride), (PQ_VERSION, 0));
     assert!(small.token_best_many(group, None, 64, 96).unwrap().is_none());
 }
 
@@ -874,4 +890,66 @@ fn the_scores_kept_above_a_cut_are_every_score_reaching_it() {
     }
     // A run without sample codes (version 2): none kept, the caller scans every score.
     assert!(PagedPq::open(&pool, &reqs[1]).unwrap().token_above_many(group, None, 96, &cut).unwrap().is_none());
+}
+
+/// The residual codes (`PqParams::scan_codes`, from 32,768 tokens) take the codes'
+/// approximate scores nearer the exact ones, read the same from memory and through a pool on
+/// a real device, and a run without them (version 3, or fewer tokens) says so; a bad residual
+/// code is an error naming its block.
+#[test]
+fn residual_codes_bring_the_codes_scores_nearer_the_exact_ones() {
+    let (n, d) = (32_768, 128);
+    let (keys, _, decode) = synth(n, d);
+    let pq = Pq::build(&keys, &PqParams::scan_codes(d)).unwrap();
+    assert!(pq.has_residual());
+    let short = MemKeys::new(d, (0..(n - 1) as u32).flat_map(|t| keys.row(t).to_vec()).collect());
+    assert!(!Pq::build(&short, &PqParams::scan_codes(d)).unwrap().has_residual(), "centroids beyond an eighth");
+    let payload = max_payload(4096);
+    let v4 = pq.payloads(payload).unwrap();
+    // The last residual code block: token n − 1's last code is beyond 2^6 centroids.
+    let pq6 = Pq::build(&keys, &PqParams { bits: 6, ..PqParams::scan_codes(d) }).unwrap();
+    let mut bad6 = pq6.payloads(payload).unwrap();
+    *bad6.last_mut().unwrap().last_mut().unwrap() = 64;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let (store, reqs) = store_runs(file_device(&dir), d, &[v4.clone(), version_3(v4), bad6]);
+    let config = PoolConfig { budget_bytes: 600 * 4096, data_fraction: 0.2, ..Default::default() };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    let paged = PagedPq::open(&pool, &reqs[0]).unwrap();
+    let ids: Vec<u32> = (0..n as u32).step_by(7).collect();
+    let (mut approx_err, mut refined_err) = (0.0f64, 0.0f64);
+    for q in decode.chunks_exact(d).take(8) {
+        let approx = pq.token_scores(q, None).unwrap();
+        let table = pq.residual_table(q).unwrap().expect("residual codes");
+        let mut stats = Default::default();
+        assert_eq!(paged.residual_table(q, &mut stats).unwrap().as_ref(), Some(&table));
+        // The table: each residual centroid's inner product with the query's part.
+        let mut refined: Vec<f32> = ids.iter().map(|&t| approx[t as usize]).collect();
+        pq.refine(&table, &ids, &mut refined).unwrap();
+        let mut read: Vec<f32> = ids.iter().map(|&t| approx[t as usize]).collect();
+        paged.refine(&table, &ids, &mut read, &mut stats).unwrap();
+        assert_eq!(read, refined, "the stored residual codes refine as those in memory");
+        assert!(stats.blocks_touched > 0);
+        for (&t, r) in ids.iter().zip(&refined) {
+            let exact = dot64(keys.row(t), q);
+            approx_err += (approx[t as usize] as f64 - exact).powi(2);
+            refined_err += (*r as f64 - exact).powi(2);
+        }
+    }
+    // The residual codes take out over half of the codes' squared error.
+    assert!(refined_err < 0.5 * approx_err, "{refined_err} against {approx_err}");
+    // Ids must ascend and lie within the run; a run without residual codes has no tables.
+    let q = &decode[..d];
+    let table = pq.residual_table(q).unwrap().unwrap();
+    assert!(pq.refine(&table, &[5, 3], &mut [0.0, 0.0]).is_err());
+    assert!(pq.refine(&table, &[n as u32], &mut [0.0]).is_err());
+    let v3 = PagedPq::open(&pool, &reqs[1]).unwrap();
+    assert_eq!(v3.meta().version, 3);
+    assert!(v3.residual_table(q, &mut Default::default()).unwrap().is_none());
+    assert!(v3.refine(&table, &[1, 2], &mut [1.0, 1.0], &mut Default::default()).is_err());
+    assert!(Pq::build(&keys, &PqParams::M4B8).unwrap().residual_table(q).unwrap().is_none());
+    let bad = PagedPq::open(&pool, &reqs[2]).unwrap();
+    let table6 = bad.residual_table(q, &mut Default::default()).unwrap().unwrap();
+    let e = bad.refine(&table6, &[n as u32 - 1], &mut [0.0], &mut Default::default()).unwrap_err();
+    assert_eq!(e.block(), Some(reqs[2].last().unwrap().block), "{e}");
+    assert!(e.to_string().contains(&format!("of token {} ", n - 1)), "{e}");
 }

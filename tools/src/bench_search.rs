@@ -221,8 +221,9 @@ enum Method {
     /// A coarse index (of [`COARSE`]) at a token budget.
     Coarse { index: usize, budget: usize },
     /// The scan's output error target on PQ codes ([`PqParams::scan_codes`]): candidates
-    /// from the approximate scores ([`ctxfs_index::approx`]), scored exactly.
-    CodesTarget { target: f32 },
+    /// from the approximate scores ([`ctxfs_index::approx`]), those the margin adds refined
+    /// by the residual codes where the codes have them and `refine` asks, scored exactly.
+    CodesTarget { target: f32, refine: bool },
     /// The DIPR range at `beta` on PQ codes ([`PqParams::scan_codes`]): candidates from the
     /// approximate scores, down to the codes' margin below the range
     /// ([`ctxfs_index::approx::in_range`]), scored exactly.
@@ -241,7 +242,7 @@ impl Method {
     fn target(self) -> Option<f32> {
         match self {
             Method::Flat { target, .. } | Method::Diprs { target, .. } => target,
-            Method::CodesTarget { target } => Some(target),
+            Method::CodesTarget { target, .. } => Some(target),
             _ => None,
         }
     }
@@ -309,7 +310,8 @@ fn methods(n: usize, sqrt_d: f32, target_error: f32, names: &RowNames) -> Vec<(S
         (names.warm.clone(), Method::Diprs { beta, prefix: None, warm: true, target: None }),
         (FLAT_TARGET_ROW.into(), Method::Flat { beta, prefix: None, target }),
         (GRAPH_TARGET_ROW.into(), Method::Diprs { beta, prefix: None, warm: false, target }),
-        (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error }),
+        (CODES_TARGET_ROW.into(), Method::CodesTarget { target: target_error, refine: true }),
+        (CODES_ALONE_TARGET_ROW.into(), Method::CodesTarget { target: target_error, refine: false }),
         (names.diprs.clone(), Method::CodesRange { beta }),
     ];
     for (share, percent) in PREFIX_SHARES.into_iter().enumerate() {
@@ -372,8 +374,10 @@ fn positive_units(s: &str) -> Result<f32, String> {
 const FLAT_TARGET_ROW: &str = "flat target";
 const GRAPH_TARGET_ROW: &str = "graph diprs target";
 const CODES_TARGET_ROW: &str = "pq target";
+/// The same without the residual codes' refinement.
+const CODES_ALONE_TARGET_ROW: &str = "pq target, codes alone";
 /// The target rows, in the order the target table lists them.
-const TARGET_ROWS: [&str; 3] = [FLAT_TARGET_ROW, GRAPH_TARGET_ROW, CODES_TARGET_ROW];
+const TARGET_ROWS: [&str; 4] = [FLAT_TARGET_ROW, GRAPH_TARGET_ROW, CODES_TARGET_ROW, CODES_ALONE_TARGET_ROW];
 
 fn filtered_row(percent: usize) -> String {
     format!("graph diprs filtered {percent}%")
@@ -616,7 +620,7 @@ fn run_group(
                 out.push(searched(diprs(&idx, q, &params)?, graph));
             }
         }
-        Method::CodesTarget { target } => {
+        Method::CodesTarget { target, refine: refining } => {
             let per_token = ix.codes.metadata_bytes_per_token();
             let scan = ix.codes.token_scores_many(qs, None)?;
             for (i, q) in qs.chunks_exact(d).enumerate() {
@@ -624,22 +628,43 @@ fn run_group(
                 let mut stats = SearchStats::default();
                 let seeds = seed_scores(&ix.keys, q, &mut stats)?;
                 let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
+                let samples: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
+                // The residual codes' refinement of the candidates, as compact sessions make it.
+                let codes = &ix.codes;
+                let table = if refining { codes.residual_table(q).map_err(|e| anyhow::anyhow!("{e}"))? } else { None };
+                let refiner = match table {
+                    Some(table) => {
+                        let refined = |ids: &[u32], s: &mut [f32]| codes.refine(&table, ids, s);
+                        let margin =
+                            approx::refined_margin(&seeds, &samples, refined).map_err(|e| anyhow::anyhow!("{e}"))?;
+                        Some((table, margin))
+                    }
+                    None => None,
+                };
+                let refine = |ids: &[u32], scores: &mut [f32]| -> Result<Option<f32>> {
+                    let Some((table, margin)) = &refiner else { return Ok(None) };
+                    codes.refine(table, ids, scores).map_err(|e| anyhow::anyhow!("{e}"))?;
+                    Ok(Some(*margin))
+                };
                 let (ids, target) = {
                     {
                         // Exact scores of the candidates so far (NaN: not scored): a widened
                         // target scores only its new candidates.
                         let mut exact = vec![f32::NAN; n];
                         let mut select = |t: &MassTarget| -> Result<SearchResult> {
-                            let pairs = approx::attended(approx, win_max[i], t, margin, |ids| -> Result<Vec<f32>> {
-                                let new: Vec<u32> =
-                                    ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
-                                let mut scores = vec![0.0f32; new.len()];
-                                ix.keys.score(&new, q, &mut scores, &mut stats).map_err(|e| anyhow::anyhow!("{e}"))?;
-                                for (&t, &s) in new.iter().zip(&scores) {
-                                    exact[t as usize] = s;
-                                }
-                                Ok(ids.iter().map(|&t| exact[t as usize]).collect())
-                            })?;
+                            let pairs =
+                                approx::attended(approx, win_max[i], t, margin, refine, |ids| -> Result<Vec<f32>> {
+                                    let new: Vec<u32> =
+                                        ids.iter().copied().filter(|&t| exact[t as usize].is_nan()).collect();
+                                    let mut scores = vec![0.0f32; new.len()];
+                                    ix.keys
+                                        .score(&new, q, &mut scores, &mut stats)
+                                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                                    for (&t, &s) in new.iter().zip(&scores) {
+                                        exact[t as usize] = s;
+                                    }
+                                    Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+                                })?;
                             Ok(SearchResult::from_pairs(pairs, SearchStats::default()))
                         };
                         let mut t = mass_target(Some(target), i).expect("a target");
@@ -1347,7 +1372,7 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
     }
     println!();
     println!(
-        "{:<28} {:<19} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "dataset", "row", "target", "met", "÷ oracle", "selected", "scored", "estimate", "err÷est"
     );
     for v in reports {
@@ -1355,7 +1380,7 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
             println!(
-                "{:<28} {:<19} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
+                "{:<28} {:<22} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
                 v["dataset"].as_str().unwrap_or(""),
                 name,
                 f("target_error"),

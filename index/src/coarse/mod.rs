@@ -25,6 +25,7 @@
 pub mod infllm;
 pub mod pq;
 pub mod quest;
+mod residual;
 
 use crate::flat::QueryScores;
 use crate::stats::SearchStats;
@@ -75,6 +76,8 @@ trait Records {
     /// (`first` is the run's first record). An error from `f` (malformed contents) or from
     /// the storage ends the visit. Counts pinned blocks in `stats`.
     fn visit(&self, range: Range<usize>, stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError>;
+    /// Records a run holds at most: those of one block (every record, in memory).
+    fn per_run(&self) -> usize;
 }
 
 /// Records in one array (the in-memory form of every method).
@@ -86,6 +89,9 @@ struct MemRecords<'a> {
 impl Records for MemRecords<'_> {
     fn visit(&self, range: Range<usize>, _stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError> {
         f(range.start, &self.bytes[range.start * self.size..range.end * self.size]).map_err(invalid)
+    }
+    fn per_run(&self) -> usize {
+        usize::MAX
     }
 }
 
@@ -161,6 +167,9 @@ impl Records for PagedRecords<'_> {
             }
         }
         Ok(())
+    }
+    fn per_run(&self) -> usize {
+        self.per_block
     }
 }
 

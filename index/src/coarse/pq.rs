@@ -24,7 +24,7 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..4 | magic `CXPQ` |
-//! | 4..8 | version ([`PQ_VERSION`], 3; 2: no sample blocks; 1: also token-major code blocks) |
+//! | 4..8 | version ([`PQ_VERSION`], 4; 3: no residual codes; 2: also no sample blocks; 1: also token-major code blocks) |
 //! | 8..12 | tokens |
 //! | 12..16 | dim (d) |
 //! | 16..20 | m (subspaces; d is a multiple of m) |
@@ -34,7 +34,10 @@
 //! | 32..36 | seed, high 32 bits |
 //! | 36..40 | centroids_per_block (C) |
 //! | 40..44 | codes_per_block (T, tokens) |
-//! | 44..48 | sample_stride (s: [`SAMPLE_STRIDE`]; version 3 only) |
+//! | 44..48 | sample_stride (s: [`SAMPLE_STRIDE`]; version 3 on) |
+//! | 48..52 | residual subspaces (m_r: [`PqParams::residual`]; version 4; 0: none) |
+//! | 52..56 | residual_centroids_per_block (C_r; version 4; 0 without residual codes) |
+//! | 56..60 | residual_codes_per_block (T_r, tokens; version 4; 0 without residual codes) |
 //!
 //! Then ⌈m · 2^b / C⌉ centroid blocks: centroid `c` of subspace `j` is row `j · 2^b + c`,
 //! record `row % C` of centroid block `row / C`, d/m f16 (2·d/m bytes). Then
@@ -47,12 +50,17 @@
 //! tokens `0, s, 2s, …`, packed as the code blocks are (sample `i` where token `i` would be).
 //! A scan keeping only each query's best ([`PagedPq::token_best_many`]) scores them for its
 //! cut; reading every `s`-th token's codes out of the code blocks would touch most of their
-//! cache lines.
+//! cache lines. Version 4 follows them, where `m_r > 0`, with the residual codes
+//! (`coarse/residual.rs`): ⌈m_r · 2^b / C_r⌉ residual centroid blocks (row `i · 2^b + c`,
+//! d/m_r f16), then ⌈tokens / T_r⌉ residual code blocks, token-major (token `t`'s m_r codes
+//! at byte `m_r · (t mod T_r)` of block `t / T_r`): [`PagedPq::refine`].
 //!
 //! **Scores** come from the query's tables quantised to a byte per entry
 //! ([`ctxfs_kernels::PqLut`]): within half a table step per subspace of the reconstructed
 //! keys' inner products ([`ctxfs_kernels::PqLut::max_error`]).
 
+pub use super::residual::ResidualTable;
+use super::residual::{self, PagedResidual, Residual, ResidualShape};
 use super::{best_pairs, check_queries, check_query, check_run, cut_of_sample, decode_meta, encode_meta, limit, pack};
 use super::{cut_rank, read_meta, take_tokens};
 use super::{records_per_block, run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records, Section};
@@ -67,9 +75,9 @@ use half::f16;
 
 pub(super) const MAGIC: &[u8; 4] = b"CXPQ";
 
-/// The layout version PQ runs are written with: code blocks subspace-major, then the sample
-/// blocks.
-pub const PQ_VERSION: u32 = 3;
+/// The layout version PQ runs are written with: code blocks subspace-major, the sample
+/// blocks, then the residual codes' blocks (`coarse/residual.rs`).
+pub const PQ_VERSION: u32 = 4;
 
 /// Every how many tokens a run's sample codes are taken: the seed table's stride, so that a
 /// sample's scores are the codes' scores of the seeds, which the codes' error margin needs.
@@ -101,21 +109,29 @@ pub struct PqParams {
     /// Lloyd iterations at most.
     pub iters: u32,
     pub seed: u64,
+    /// Subspaces of the residual codes (`coarse/residual.rs`; the head dimension must be a
+    /// multiple of it), `b` bits each as the codes; 0: none.
+    pub residual: u32,
 }
 
 impl PqParams {
     /// PQCache's LongBench setting.
-    pub const M2B6: PqParams = PqParams { m: 2, bits: 6, iters: 25, seed: 0 };
+    pub const M2B6: PqParams = PqParams { m: 2, bits: 6, iters: 25, seed: 0, residual: 0 };
     /// PQCache's InfiniteBench setting.
-    pub const M4B8: PqParams = PqParams { m: 4, bits: 8, iters: 25, seed: 0 };
+    pub const M4B8: PqParams = PqParams { m: 4, bits: 8, iters: 25, seed: 0, residual: 0 };
 
     /// Codes that stand in for the keys of a scan ([`crate::approx`]): a subspace of 4
     /// dimensions per byte, `d / 4` bytes per token, a sixteenth of a token's keys and values
     /// in f16.
     /// Ten Lloyd iterations: on SmolLM2's code at 32K tokens the codes' score error is 2%
     /// above 25's, and a 131,072-token head at d = 128 builds in 1.6 s instead of 2.7.
+    /// Residual codes of 8 dimensions per byte (`d / 8` bytes per token, where d is a
+    /// multiple of 8) rank the candidates the scan chooses before their keys are read; a
+    /// build makes them from 32,768 tokens, where their centroids weigh at most an eighth of
+    /// them.
     pub fn scan_codes(dim: usize) -> PqParams {
-        PqParams { m: (dim / 4).max(1) as u32, bits: 8, iters: 10, seed: 0 }
+        let residual = if dim.is_multiple_of(8) { dim / 8 } else { 0 };
+        PqParams { m: (dim / 4).max(1) as u32, bits: 8, iters: 10, seed: 0, residual: residual as u32 }
     }
 }
 
@@ -138,6 +154,20 @@ pub struct PqMeta {
     /// Version 3: the sample blocks hold the codes of every `sample_stride`-th token (0:
     /// none). Versions 1 and 2 have none.
     pub sample_stride: u32,
+    /// Version 4, with `params.residual` > 0: residual centroid rows per block...
+    pub residual_centroids_per_block: u32,
+    /// ...and residual codes per block (tokens). Both 0 without residual codes.
+    pub residual_codes_per_block: u32,
+}
+
+/// Meta fields after the version, by version: 9 (1, 2), 10 (3: the sample stride), 13 (4:
+/// the residual codes' subspaces, centroids per block and codes per block).
+fn meta_fields(version: u32) -> usize {
+    match version {
+        ..=2 => 9,
+        3 => 10,
+        _ => 13,
+    }
 }
 
 impl PqMeta {
@@ -157,13 +187,18 @@ impl PqMeta {
                 self.centroids_per_block,
                 self.codes_per_block,
                 self.sample_stride,
-            ][..if self.version >= 3 { 10 } else { 9 }],
+                p.residual,
+                self.residual_centroids_per_block,
+                self.residual_codes_per_block,
+            ][..meta_fields(self.version)],
         )
     }
     pub fn decode(b: &[u8]) -> Result<PqMeta, String> {
         let (version, _) = decode_meta(b, MAGIC, "pq", PQ_VERSION, 9)?;
-        let (_, f) = decode_meta(b, MAGIC, "pq", PQ_VERSION, if version >= 3 { 10 } else { 9 })?;
-        let params = PqParams { m: f[2], bits: f[3], iters: f[4], seed: f[5] as u64 | (f[6] as u64) << 32 };
+        let (_, f) = decode_meta(b, MAGIC, "pq", PQ_VERSION, meta_fields(version))?;
+        let field = |i: usize| f.get(i).copied().unwrap_or(0);
+        let seed = f[5] as u64 | (f[6] as u64) << 32;
+        let params = PqParams { m: f[2], bits: f[3], iters: f[4], seed, residual: field(10) };
         let m = PqMeta {
             version,
             tokens: f[0],
@@ -171,9 +206,16 @@ impl PqMeta {
             params,
             centroids_per_block: f[7],
             codes_per_block: f[8],
-            sample_stride: f.get(9).copied().unwrap_or(0),
+            sample_stride: field(9),
+            residual_centroids_per_block: field(11),
+            residual_codes_per_block: field(12),
         };
-        if check_params(m.dim as usize, &params).is_err() || m.centroids_per_block == 0 || m.codes_per_block == 0 {
+        let residual_blocks_given = m.residual_centroids_per_block > 0 && m.residual_codes_per_block > 0;
+        if check_params(m.dim as usize, &params).is_err()
+            || m.centroids_per_block == 0
+            || m.codes_per_block == 0
+            || (params.residual > 0) != residual_blocks_given
+        {
             return Err(format!("pq meta block: inconsistent fields {m:?}"));
         }
         Ok(m)
@@ -183,15 +225,23 @@ impl PqMeta {
         run_blocks(&self.sections())
     }
     /// The centroid rows, the codes, then the sample codes (packed as the codes are; none
-    /// before version 3).
-    fn sections(&self) -> [Section; 3] {
+    /// before version 3), then, where the run has them, the residual centroid rows and codes.
+    fn sections(&self) -> Vec<Section> {
         let s = self.shape();
         let codes = |records| Section { records, size: s.m, per_block: self.codes_per_block as usize };
-        [
+        let mut sections = vec![
             Section { records: s.m * s.k, size: 2 * s.sub(), per_block: self.centroids_per_block as usize },
             codes(self.tokens as usize),
             codes(s.samples()),
-        ]
+        ];
+        if let Some(r) = self.residual_shape() {
+            sections.extend(r.sections(self.residual_centroids_per_block, self.residual_codes_per_block));
+        }
+        sections
+    }
+    /// The residual codes' shape, where the run has them.
+    fn residual_shape(&self) -> Option<ResidualShape> {
+        ResidualShape::of(self.tokens as usize, self.dim as usize, &self.params)
     }
     fn shape(&self) -> Shape {
         let layout = if self.version >= 2 { CodeLayout::SubspaceMajor } else { CodeLayout::TokenMajor };
@@ -209,8 +259,11 @@ impl PqMeta {
 }
 
 fn check_params(dim: usize, p: &PqParams) -> Result<(), String> {
-    if p.m == 0 || dim == 0 || !dim.is_multiple_of(p.m as usize) || !(1..=8).contains(&p.bits) {
-        return Err(format!("pq: {dim} channels cannot be split by {p:?} (m must divide d, 1 ≤ bits ≤ 8)"));
+    let splits = |m: u32| m > 0 && dim.is_multiple_of(m as usize);
+    if dim == 0 || !splits(p.m) || !(1..=8).contains(&p.bits) || (p.residual > 0 && !splits(p.residual)) {
+        return Err(format!(
+            "pq: {dim} channels cannot be split by {p:?} (m and a residual's subspaces must divide d, 1 ≤ bits ≤ 8)"
+        ));
     }
     Ok(())
 }
@@ -257,14 +310,6 @@ impl Shape {
     }
 }
 
-/// One subspace's quantiser, as a build thread returns it.
-struct Subspace {
-    index: usize,
-    centroids: Vec<f16>,
-    /// One per token.
-    codes: Vec<u8>,
-}
-
 /// Codes and centroids in memory: what the import builds and encodes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pq {
@@ -278,6 +323,8 @@ pub struct Pq {
     codes: Vec<u8>,
     /// The codes of every [`SAMPLE_STRIDE`]-th token, subspace-major as `codes` are.
     samples: Vec<u8>,
+    /// The residual codes, where `params.residual` asks for them.
+    residual: Option<Residual>,
 }
 
 impl Pq {
@@ -288,35 +335,69 @@ impl Pq {
         check_params(d, p)?;
         let (m, k) = (p.m as usize, 1usize << p.bits);
         let sub = d / m;
-        let encode = |j: usize| {
-            let points: Vec<f32> =
-                (0..n as u32).flat_map(|t| keys.row(t)[j * sub..(j + 1) * sub].iter().map(|x| x.to_f32())).collect();
-            let mut rng = Rng::new(p.seed ^ (j as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let trained = kmeans(&points, sub, k, p.iters, &mut rng);
-            let centroids: Vec<f16> = trained.iter().map(|&x| f16::from_f32(x)).collect();
-            let rounded: Vec<f32> = centroids.iter().map(|x| x.to_f32()).collect();
-            let nearest = Nearest::new(&rounded, sub);
-            let codes = points.chunks_exact(sub).map(|x| nearest.find(x) as u8).collect();
-            Subspace { index: j, centroids, codes }
-        };
-        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(m);
-        let mut parts: Vec<Subspace> = std::thread::scope(|s| {
-            let encode = &encode;
-            let handles: Vec<_> = (0..threads)
-                .map(|w| s.spawn(move || (w..m).step_by(threads).map(encode).collect::<Vec<_>>()))
-                .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("pq build thread panicked")).collect()
+        let channels = |t: u32, from: usize, to: usize| keys.row(t)[from..to].iter().map(|x| x.to_f32());
+        let (centroids, codes) = quantise(n, m, sub, k, p, 0, &|j| {
+            (0..n as u32).flat_map(|t| channels(t, j * sub, (j + 1) * sub)).collect()
         });
-        parts.sort_by_key(|part| part.index);
-        let centroids = parts.iter().flat_map(|part| part.centroids.iter().copied()).collect();
-        let codes: Vec<u8> = parts.into_iter().flat_map(|part| part.codes).collect();
         let samples =
             codes.chunks(n.max(1)).flat_map(|sub| sub.iter().step_by(SAMPLE_STRIDE as usize)).copied().collect();
-        Ok(Pq { tokens: n as u32, dim: d, params: *p, centroids, codes, samples })
+        let mut pq = Pq { tokens: n as u32, dim: d, params: *p, centroids, codes, samples, residual: None };
+        pq.residual = ResidualShape::of(n, d, p).filter(ResidualShape::amortised).map(|shape| {
+            // Residual subspace `i`'s channels of every key, less the codes' reconstruction.
+            let (sub_r, pq) = (shape.sub(), &pq);
+            let (centroids, by_subspace) = quantise(n, shape.m, sub_r, shape.k, p, m as u64, &|i| {
+                (0..n as u32)
+                    .flat_map(|t| {
+                        let rebuilt = (i * sub_r..(i + 1) * sub_r).map(move |c| pq.channel(t, c));
+                        channels(t, i * sub_r, (i + 1) * sub_r).zip(rebuilt).map(|(x, r)| x - r)
+                    })
+                    .collect()
+            });
+            // Token-major: a candidate's codes are looked up together.
+            let mut codes = vec![0u8; n * shape.m];
+            for (i, column) in by_subspace.chunks(n.max(1)).enumerate() {
+                for (t, &c) in column.iter().enumerate() {
+                    codes[t * shape.m + i] = c;
+                }
+            }
+            Residual { shape, centroids, codes }
+        });
+        // What was built: no residual subspaces where none were.
+        pq.params.residual = pq.residual.as_ref().map_or(0, |r| r.shape.m as u32);
+        Ok(pq)
     }
 
     pub fn params(&self) -> &PqParams {
         &self.params
+    }
+
+    /// Channel `c` of token `t`'s key as its codes reconstruct it.
+    fn channel(&self, t: u32, c: usize) -> f32 {
+        let s = self.shape();
+        let (j, within) = (c / s.sub(), c % s.sub());
+        let row = j * s.k + self.codes[j * self.tokens as usize + t as usize] as usize;
+        self.centroids[row * s.sub() + within].to_f32()
+    }
+
+    /// Whether the codes carry residual codes ([`Pq::refine`]).
+    pub fn has_residual(&self) -> bool {
+        self.residual.is_some()
+    }
+
+    /// The residual codes' tables of `q` ([`Pq::refine`]); `None` where the codes have no
+    /// residual codes.
+    pub fn residual_table(&self, q: &[f32]) -> Result<Option<ResidualTable>, BufferError> {
+        let Some(r) = &self.residual else { return Ok(None) };
+        residual::table(&r.records().0, r.shape, q, &mut SearchStats::default()).map(Some)
+    }
+
+    /// Adds to `scores[i]` the residual codes' part of token `ids[i]`'s score (`ids`
+    /// ascending) by the query whose tables `table` are ([`Pq::residual_table`]): an
+    /// approximate score plus it is the score of the key the codes and the residual codes
+    /// together reconstruct.
+    pub fn refine(&self, table: &ResidualTable, ids: &[u32], scores: &mut [f32]) -> Result<(), BufferError> {
+        let Some(r) = &self.residual else { return Err(super::invalid("pq codes without residual codes".into())) };
+        residual::refine(&r.records().1, r.shape, table, ids, scores, &mut SearchStats::default())
     }
 
     /// Token `t`'s key as its codes reconstruct it.
@@ -397,6 +478,14 @@ impl Pq {
         // Sample blocks only where the sample fills one: below that, a mostly empty block
         // would weigh a fifth of a 4,096-token run's codes, whose every score is soon scanned.
         let sample_stride = if s.samples() >= tper as usize { SAMPLE_STRIDE } else { 0 };
+        let (mut rcper, mut rtper, mut residual) = (0, 0, Vec::new());
+        if let Some(r) = &self.residual {
+            let (c, blocks) =
+                pack(bytemuck::cast_slice(&r.centroids), 2 * r.shape.sub(), payload, "pq residual centroid")?;
+            let (t, codes) = pack(&r.codes, r.shape.m, payload, "pq residual code")?;
+            (rcper, rtper) = (c, t);
+            residual = blocks.into_iter().chain(codes).collect();
+        }
         let meta = PqMeta {
             version: PQ_VERSION,
             tokens: self.tokens,
@@ -405,10 +494,12 @@ impl Pq {
             centroids_per_block: cper,
             codes_per_block: tper,
             sample_stride,
+            residual_centroids_per_block: rcper,
+            residual_codes_per_block: rtper,
         };
         let codes = code_blocks(&self.codes, s.m, tper);
         let samples = if sample_stride > 0 { code_blocks(&self.samples, s.m, tper) } else { Vec::new() };
-        Ok(std::iter::once(meta.encode()).chain(cblocks).chain(codes).chain(samples).collect())
+        Ok(std::iter::once(meta.encode()).chain(cblocks).chain(codes).chain(samples).chain(residual).collect())
     }
 
     fn shape(&self) -> Shape {
@@ -439,7 +530,7 @@ impl Coarse for Pq {
         self.tokens
     }
     fn metadata_bytes_per_token(&self) -> f64 {
-        self.shape().per_token()
+        self.shape().per_token() + self.residual.as_ref().map_or(0.0, |r| r.shape.per_token())
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
         let (c, k, samples) = self.mem();
@@ -454,6 +545,8 @@ pub struct PagedPq<'p> {
     codes: PagedRecords<'p>,
     /// The sample codes (version 3 on).
     samples: Option<PagedRecords<'p>>,
+    /// The residual codes (version 4 on, where the run has them).
+    residual: Option<PagedResidual<'p>>,
 }
 
 impl<'p> PagedPq<'p> {
@@ -462,14 +555,20 @@ impl<'p> PagedPq<'p> {
         let meta = PqMeta::decode(&read_meta(pool, blocks, "pq index")?)?;
         let sections = meta.sections();
         check_run(pool, blocks.len(), &sections, "pq index")?;
-        let [c, t, samples] = sections;
-        let (split, samples_at) = (1 + c.records.div_ceil(c.per_block), blocks.len() - samples.blocks());
+        let (c, t, samples) = (sections[0], sections[1], sections[2]);
+        let split = 1 + c.blocks();
+        let samples_at = split + t.blocks();
+        let residual_at = samples_at + samples.blocks();
         let records = |blocks, s: Section| PagedRecords { pool, blocks, size: s.size, per_block: s.per_block };
+        let residual = meta
+            .residual_shape()
+            .map(|shape| PagedResidual::open(pool, &blocks[residual_at..], shape, [sections[3], sections[4]]));
         Ok(PagedPq {
             meta,
             centroids: records(&blocks[1..split], c),
             codes: records(&blocks[split..samples_at], t),
-            samples: (samples.records > 0).then(|| records(&blocks[samples_at..], samples)),
+            samples: (samples.records > 0).then(|| records(&blocks[samples_at..residual_at], samples)),
+            residual,
         })
     }
 
@@ -480,6 +579,24 @@ impl<'p> PagedPq<'p> {
 
     pub fn meta(&self) -> &PqMeta {
         &self.meta
+    }
+
+    /// [`Pq::residual_table`] of the stored codes; the blocks read count in `stats`.
+    pub fn residual_table(&self, q: &[f32], stats: &mut SearchStats) -> Result<Option<ResidualTable>, BufferError> {
+        let Some(r) = &self.residual else { return Ok(None) };
+        residual::table(&r.centroids, r.shape, q, stats).map(Some)
+    }
+
+    /// [`Pq::refine`] of the stored codes; the blocks read count in `stats`.
+    pub fn refine(
+        &self,
+        table: &ResidualTable,
+        ids: &[u32],
+        scores: &mut [f32],
+        stats: &mut SearchStats,
+    ) -> Result<(), BufferError> {
+        let Some(r) = &self.residual else { return Err(super::invalid("pq codes without residual codes".into())) };
+        residual::refine(&r.codes, r.shape, table, ids, scores, stats)
     }
 
     /// Every approximate score below the prefix, as [`Pq::token_scores`].
@@ -559,7 +676,7 @@ impl Coarse for PagedPq<'_> {
         self.meta.tokens
     }
     fn metadata_bytes_per_token(&self) -> f64 {
-        self.meta.shape().per_token()
+        self.meta.shape().per_token() + self.meta.residual_shape().map_or(0.0, |r| r.per_token())
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
         select(&self.centroids, self.code_records(), self.meta.shape(), q, budget_tokens, prefix)
@@ -948,24 +1065,42 @@ fn tables(
     let sub = s.sub();
     let nq = queries.len() / s.dim;
     let mut luts = vec![0.0f32; nq * s.m * s.k];
-    centroids.visit(0..s.m * s.k, stats, &mut |first, bytes| {
+    centroid_runs(centroids, s.m, s.k, sub, stats, &mut |j, rows, part| {
+        for (t, q) in queries.chunks_exact(s.dim).enumerate() {
+            let lut = &mut luts[t * s.m * s.k..(t + 1) * s.m * s.k];
+            ctxfs_kernels::pq_table(part, &q[j * sub..(j + 1) * sub], &mut lut[rows.clone()]);
+        }
+    })?;
+    Ok(luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect())
+}
+
+/// Called with a run of one subspace's centroid rows: the subspace, the rows' numbers, their
+/// channels.
+pub(super) type CentroidRun<'a> = dyn FnMut(usize, std::ops::Range<usize>, &[f16]) + 'a;
+
+/// Walks `m` subspaces' centroid rows (`k` each, `sub` f16 channels a row) a block at a time,
+/// calling `f(j, rows, part)` for each run of subspace `j`'s rows in a block: their row
+/// numbers and their channels.
+pub(super) fn centroid_runs(
+    centroids: &dyn Records,
+    m: usize,
+    k: usize,
+    sub: usize,
+    stats: &mut SearchStats,
+    f: &mut CentroidRun<'_>,
+) -> Result<(), BufferError> {
+    centroids.visit(0..m * k, stats, &mut |first, bytes| {
         let rows: &[f16] = bytemuck::cast_slice(bytes);
         let end = first + rows.len() / sub;
-        // The rows of each subspace in this block.
         let mut at = first;
         while at < end {
-            let j = at / s.k;
-            let upto = end.min((j + 1) * s.k);
-            let part = &rows[(at - first) * sub..(upto - first) * sub];
-            for (t, q) in queries.chunks_exact(s.dim).enumerate() {
-                let lut = &mut luts[t * s.m * s.k..(t + 1) * s.m * s.k];
-                ctxfs_kernels::pq_table(part, &q[j * sub..(j + 1) * sub], &mut lut[at..upto]);
-            }
+            let j = at / k;
+            let upto = end.min((j + 1) * k);
+            f(j, at..upto, &rows[(at - first) * sub..(upto - first) * sub]);
             at = upto;
         }
         Ok(())
-    })?;
-    Ok(luts.chunks_exact(s.m * s.k).map(|lut| PqLut::quantise(lut, s.k)).collect())
+    })
 }
 
 /// Tokens of token-major codes transposed at a time for the scan.
@@ -1053,6 +1188,43 @@ fn select(
     }
     let scan = token_scores(centroids, codes, s, q, prefix)?;
     Ok(CoarseResult { ids: take_tokens(scan.query(0), budget), metadata_bytes, stats: scan.stats })
+}
+
+/// Trains `m` quantisers of `sub` channels and `k` centroids each, subspace `j` on the `n`
+/// rows `points(j)` gives, and codes every row (subspaces in parallel; the result does not
+/// depend on the thread count): the f16 centroids, row `j · k + c`, and the codes,
+/// subspace-major (`j · n + t`). `salt` sets the subspaces' seeds apart from another
+/// quantiser's built with the same `p`.
+fn quantise(
+    n: usize,
+    m: usize,
+    sub: usize,
+    k: usize,
+    p: &PqParams,
+    salt: u64,
+    points: &(dyn Fn(usize) -> Vec<f32> + Sync),
+) -> (Vec<f16>, Vec<u8>) {
+    let encode = |j: usize| {
+        let points = points(j);
+        let mut rng = Rng::new(p.seed ^ (salt + j as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let trained = kmeans(&points, sub, k, p.iters, &mut rng);
+        let centroids: Vec<f16> = trained.iter().map(|&x| f16::from_f32(x)).collect();
+        let rounded: Vec<f32> = centroids.iter().map(|x| x.to_f32()).collect();
+        let nearest = Nearest::new(&rounded, sub);
+        let codes: Vec<u8> = points.chunks_exact(sub).map(|x| nearest.find(x) as u8).collect();
+        debug_assert_eq!(codes.len(), n);
+        (j, centroids, codes)
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(m);
+    let mut parts: Vec<(usize, Vec<f16>, Vec<u8>)> = std::thread::scope(|s| {
+        let encode = &encode;
+        let handles: Vec<_> =
+            (0..threads).map(|w| s.spawn(move || (w..m).step_by(threads).map(encode).collect::<Vec<_>>())).collect();
+        handles.into_iter().flat_map(|h| h.join().expect("pq build thread panicked")).collect()
+    });
+    parts.sort_by_key(|part| part.0);
+    let centroids = parts.iter().flat_map(|part| part.1.iter().copied()).collect();
+    (centroids, parts.into_iter().flat_map(|part| part.2).collect())
 }
 
 /// Nearest-centroid search for many points. The centroids are kept transposed (channel
