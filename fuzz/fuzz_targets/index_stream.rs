@@ -1,6 +1,7 @@
 //! The index stream's paged readers never panic on damaged blocks that still pass the checksum.
 //! A small head (graph index: meta, adjacency, key rows, seeds, seed values; then Quest, InfLLM
-//! and PQ runs; and its data stream) is built once. Input: 2 bytes (blocks cut from the end of
+//! and PQ runs, and a PQ run with residual codes of a longer head; and its data stream) is
+//! built once. Input: 2 bytes (blocks cut from the end of
 //! the index stream, budget and prefix), then 6-byte edits of one block's payload (block u8,
 //! op u8, offset u16 LE, value u16 LE; see `edit`). Every edited block is re-sealed with its new
 //! CRC, as the reference to it would carry, so the damage reaches the decoders behind the
@@ -29,6 +30,8 @@ static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
 const BS: usize = 4096;
 const D: usize = 16;
 const TOKENS: usize = 600;
+/// Tokens of the PQ run with residual codes.
+const RESIDUAL_TOKENS: usize = 32_768;
 
 struct Pristine {
     /// The index stream's payloads, then the data stream's.
@@ -50,6 +53,12 @@ fn pristine() -> &'static Pristine {
         payloads.extend(Quest::build(&keys, &QuestParams::default()).unwrap().payloads(payload).unwrap());
         payloads.extend(Infllm::build(&keys, &prefill, &InfllmParams::default()).unwrap().payloads(payload).unwrap());
         payloads.extend(Pq::build(&keys, &PqParams::M2B6).unwrap().payloads(payload).unwrap());
+        // A run with residual codes, which a build makes from 32,768 tokens (of 8 channels
+        // here, so that it stays small): its residual centroid and code blocks too.
+        let long = head(&SynthParams { tokens: RESIDUAL_TOKENS, head_dim: 8, group: 1, seed: 5 }, 0, 0, 16, 1);
+        let codes = Pq::build(&MemKeys::new(8, long.keys), &PqParams::scan_codes(8)).unwrap();
+        assert!(codes.residual_table(&[0.0; 8]).unwrap().is_some(), "residual codes");
+        payloads.extend(codes.payloads(payload).unwrap());
         let index_blocks = payloads.len();
         payloads.extend(row_payloads(Rows::F16(&h.values), D, payload));
         Pristine { payloads, index_blocks, queries: h.decode.concat() }
@@ -195,6 +204,14 @@ fuzz_target!(|data: &[u8]| {
                 let _ = c.token_best_many(&p.queries[..2 * D], prefix, budget, 96);
                 let median = |_: usize, sample: &[f32]| sample.get(sample.len() / 2).copied();
                 let _ = c.token_above_many(&p.queries[..2 * D], prefix, 96, &median);
+                // The residual codes a damaged meta block may claim, looked up at both ends
+                // and the middle.
+                let (dim, n) = (c.meta().dim as usize, c.meta().tokens);
+                if let Ok(Some(table)) = c.residual_table(&p.queries[..dim.min(D)], &mut stats) {
+                    let mut ids = vec![0, n / 2, n.saturating_sub(1)];
+                    ids.dedup();
+                    let _ = c.refine(&table, &ids, &mut vec![0.0; ids.len()], &mut stats);
+                }
                 c.select(q, budget, prefix)
             }),
         };
