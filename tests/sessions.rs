@@ -825,6 +825,17 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
             }
         }
     }
+    // A budget between the two holds the codes without their residual codes, which the
+    // sessions then read through the pool: the same answers.
+    let between = (with.compact_ratio() + without.compact_ratio()) / 2.0;
+    let lean = DbConfig { resident_budget: Some(between), rules, ..Default::default() };
+    let lean = Db::open_read_only(&store, DeviceChoice::Auto, lean).unwrap();
+    let warm = lean.warm("with").unwrap();
+    assert!(warm.compact && warm.residual_streamed && warm.resident_over_kv() <= between, "{warm:?}");
+    assert!(!db.warm("with").unwrap().residual_streamed);
+    let (held, streamed) = (db.open_session("with", None).unwrap(), lean.open_session("with", None).unwrap());
+    let q = b.decode_step(0, 5);
+    assert_eq!(streamed.attention(0, &q).unwrap().output, held.attention(0, &q).unwrap().output);
     let [(with_keys, with_err), (without_keys, without_err)] = measured;
     println!(
         "residual codes: {with_keys} keys scored, error sum {with_err:.4}; without: {without_keys}, {without_err:.4}"

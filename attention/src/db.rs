@@ -206,6 +206,9 @@ pub struct WarmReport {
     /// Served compact: its whole index exceeds `DbConfig::resident_budget`, so only the meta
     /// blocks, seed tables and PQ codes were held.
     pub compact: bool,
+    /// Served compact without holding the PQ codes' residual codes, which did not fit the
+    /// budget beside them: sessions read them through the pool as they refine candidates.
+    pub residual_streamed: bool,
 }
 
 impl WarmReport {
@@ -354,9 +357,10 @@ impl Db {
     ///
     /// Under `DbConfig::resident_budget`, a context whose whole index exceeds the budget is
     /// served compact: only each vector file's meta block, seed table and PQ codes are held
-    /// (`WarmReport::compact`), and its sessions scan the codes (`Session::is_compact`). One
-    /// that does not fit even so, or has no PQ codes, is refused with `Error::OverBudget`
-    /// before any block is held.
+    /// (`WarmReport::compact`), and its sessions scan the codes (`Session::is_compact`). The
+    /// codes' residual codes are held where they fit beside them, else read through the pool
+    /// (`WarmReport::residual_streamed`). One that does not fit even so, or has no PQ codes,
+    /// is refused with `Error::OverBudget` before any block is held.
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
         let planned = Planned::of(&snap, name)?;
@@ -370,14 +374,27 @@ impl Db {
         if let (true, Some(budget)) = (compact, budget) {
             let over =
                 |resident_bytes| Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget };
-            let mut holds = Vec::with_capacity(files.len());
-            for (file, what) in &files {
-                let parts = IndexParts::read(pool, file, what)?;
-                holds.push(parts.compact(file).ok_or_else(|| over(whole))?);
-            }
-            let bytes = holds.iter().map(|h| h.len() as u64 * bs).sum::<u64>();
-            if bytes as f64 > budget * kv_bytes as f64 {
-                return Err(over(bytes));
+            let parts =
+                files.iter().map(|(file, what)| IndexParts::read(pool, file, what)).collect::<Result<Vec<_>>>()?;
+            // With the residual codes where they fit, else without them (read through the
+            // pool as a session refines its candidates).
+            let compact_holds = |residual: bool| -> Result<Vec<Vec<BlockRequest>>> {
+                files
+                    .iter()
+                    .zip(&parts)
+                    .map(|((file, _), p)| p.compact(file, residual).ok_or_else(|| over(whole)))
+                    .collect()
+            };
+            let bytes = |h: &[Vec<BlockRequest>]| h.iter().map(|b| b.len() as u64 * bs).sum::<u64>();
+            let fits = |h: &[Vec<BlockRequest>]| bytes(h) as f64 <= budget * kv_bytes as f64;
+            let mut holds = compact_holds(true)?;
+            if !fits(&holds) {
+                let lean = compact_holds(false)?;
+                if !fits(&lean) {
+                    return Err(over(bytes(&lean)));
+                }
+                report.residual_streamed = parts.iter().any(|p| p.residual > 0);
+                holds = lean;
             }
             for ((file, _), blocks) in files.iter().zip(&holds) {
                 hold(pool, blocks, &file.compact, &mut report)?;

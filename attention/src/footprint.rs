@@ -15,6 +15,7 @@
 use crate::error::{Error, Result};
 use crate::layout::{files_of, FileBlocks};
 use ctxfs_buffer::{BlockRequest, BufferPool};
+use ctxfs_index::coarse::pq::PqMeta;
 use ctxfs_index::coarse::{run_of, CoarseKind};
 use ctxfs_index::paged::Layout;
 use ctxfs_vfs::{ModelShape, Snapshot};
@@ -129,6 +130,8 @@ pub(crate) struct IndexParts {
     pub seeds: Range<usize>,
     /// The coarse runs after the graph index, in stream order.
     pub runs: Vec<(CoarseKind, Range<usize>)>,
+    /// Blocks of residual codes at the end of the PQ run (0 without them).
+    pub residual: usize,
 }
 
 impl IndexParts {
@@ -144,17 +147,21 @@ impl IndexParts {
             return Err(corrupt(format!("{} index blocks for a graph index of {graph_end}", file.index.len())));
         }
         let seeds_from = graph_end - (layout.seed_blocks() + layout.seed_value_blocks()) as usize;
-        let (mut runs, mut at) = (Vec::new(), graph_end);
+        let (mut runs, mut at, mut residual) = (Vec::new(), graph_end, 0);
         while at < file.index.len() {
-            let (kind, blocks) = run_of(pool.get(&file.index[at])?.payload())
-                .map_err(|e| corrupt(format!("the coarse run at index block {at}: {e}")))?;
+            let meta = pool.get(&file.index[at])?;
+            let run_error = |e: String| corrupt(format!("the coarse run at index block {at}: {e}"));
+            let (kind, blocks) = run_of(meta.payload()).map_err(run_error)?;
             if blocks == 0 || at + blocks > file.index.len() {
                 return Err(corrupt(format!("a coarse run of {blocks} blocks at block {at} overruns the stream")));
+            }
+            if kind == CoarseKind::Pq {
+                residual = PqMeta::decode(meta.payload()).map_err(run_error)?.residual_blocks();
             }
             runs.push((kind, at..at + blocks));
             at += blocks;
         }
-        Ok(IndexParts { layout, seeds: seeds_from..graph_end, runs })
+        Ok(IndexParts { layout, seeds: seeds_from..graph_end, runs, residual })
     }
 
     /// The PQ run, if the file has one.
@@ -162,13 +169,14 @@ impl IndexParts {
         self.runs.iter().find(|r| r.0 == CoarseKind::Pq).map(|r| r.1.clone())
     }
 
-    /// The blocks a compact context holds: the meta block, the seed table and the PQ run
-    /// (`None` without a PQ run).
-    pub fn compact(&self, file: &FileBlocks) -> Option<Vec<BlockRequest>> {
+    /// The blocks a compact context holds: the meta block, the seed table and the PQ run,
+    /// its residual codes only where `residual` asks (`None` without a PQ run).
+    pub fn compact(&self, file: &FileBlocks, residual: bool) -> Option<Vec<BlockRequest>> {
         let pq = self.pq()?;
+        let end = if residual { pq.end } else { pq.end - self.residual };
         let mut blocks = vec![file.index[0]];
         blocks.extend_from_slice(&file.index[self.seeds.clone()]);
-        blocks.extend_from_slice(&file.index[pq]);
+        blocks.extend_from_slice(&file.index[pq.start..end]);
         Some(blocks)
     }
 }

@@ -126,7 +126,7 @@ impl Store {
             py,
             &serde_json::json!({"blocks": r.blocks, "read": r.read, "held": r.held,
                 "resident_bytes": r.resident_bytes, "kv_bytes": r.kv_bytes, "resident_over_kv": r.resident_over_kv(),
-                "compact": r.compact}),
+                "compact": r.compact, "residual_streamed": r.residual_streamed}),
         )
     }
 

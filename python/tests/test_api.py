@@ -204,6 +204,8 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     reader = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["resident_over_kv"] / 2)
     compact = reader.warm("doc")
     assert compact["compact"] and compact["resident_bytes"] == f["compact_bytes"]
+    # Below 32,768 tokens the codes carry no residual codes: nothing left to stream.
+    assert not compact["residual_streamed"]
     session, _ = reader.create_session(list(range(N)))
     q = np.random.default_rng(7).standard_normal((QH, D), dtype=np.float32)
     # (This context is short enough to be attended in full unless a plan is forced.)

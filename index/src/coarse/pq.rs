@@ -224,6 +224,10 @@ impl PqMeta {
     pub fn run_blocks(&self) -> usize {
         run_blocks(&self.sections())
     }
+    /// Blocks of the residual codes at the run's end (centroids and codes; 0 without them).
+    pub fn residual_blocks(&self) -> usize {
+        self.sections().iter().skip(3).map(Section::blocks).sum()
+    }
     /// The centroid rows, the codes, then the sample codes (packed as the codes are; none
     /// before version 3), then, where the run has them, the residual centroid rows and codes.
     fn sections(&self) -> Vec<Section> {
