@@ -1221,11 +1221,13 @@ impl Session {
                 seeds
             }
         };
-        // A target's and a budget's margin (a range measures its own): a kept scan kept the
-        // scores of the seeds' tokens (every `SEED_STRIDE`-th).
-        let margin = || match scan.kept {
-            Some(kept) => approx::margin(&seeds, &kept.samples),
-            None => approx::seed_margin(&seeds, approx, SEED_STRIDE),
+        // The codes' scores of the seeds' tokens (every `SEED_STRIDE`-th), which a target's and
+        // a budget's margins are measured on (a range measures its own): a kept scan kept them.
+        let samples = || -> Cow<'_, [f32]> {
+            match scan.kept {
+                Some(kept) => Cow::Borrowed(&kept.samples),
+                None => approx.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+            }
         };
         // The codes read beyond the scan: every score again (a range), or the residual codes.
         let mut codes_work = SearchStats::default();
@@ -1240,10 +1242,10 @@ impl Session {
         debug_assert!(matches!(codes, CodesChoice::Range { .. }) || scan.range.is_none());
         let pairs = match codes {
             CodesChoice::Target(t) => {
-                let samples: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
+                let samples = samples();
                 let refiner = self.refiner(r, q, (&seeds, &samples), &mut codes_work)?;
                 let refine = |ids: &[u32], scores: &mut [f32]| Refiner::apply(&refiner, ids, scores, &mut codes_work);
-                approx::attended(approx, best, t, margin(), refine, &mut score)?
+                approx::attended(approx, best, t, approx::margin(&seeds, &samples), refine, &mut score)?
             }
             CodesChoice::Range { beta } => {
                 let given = match scan.range {
@@ -1268,10 +1270,7 @@ impl Session {
                 // (`want` leaves room for them, and the caller drops them from what is found).
                 let (prefix, window) = (self.prefix_tokens(), self.window);
                 let outside = |&(t, _): &(u32, f32)| !window.contains(prefix, seg.base + t);
-                let samples: Cow<'_, [f32]> = match scan.kept {
-                    Some(kept) => Cow::Borrowed(&kept.samples),
-                    None => approx.iter().step_by(SEED_STRIDE as usize).copied().collect(),
-                };
+                let samples = samples();
                 let candidates: Vec<(u32, f32)> = chosen.iter().copied().filter(outside).collect();
                 let ids: Vec<u32> = candidates.iter().map(|c| c.0).collect();
                 let mut refined: Vec<f32> = candidates.iter().map(|c| c.1).collect();
@@ -1286,7 +1285,7 @@ impl Session {
                     }
                     None => {
                         let among: Vec<f32> = chosen.iter().map(|c| c.1).collect();
-                        let cut = approx::cut_among(&among, best, &negligible, margin());
+                        let cut = approx::cut_among(&among, best, &negligible, approx::margin(&seeds, &samples));
                         candidates.iter().filter(|c| c.1 >= cut).map(|c| c.0).collect()
                     }
                 };

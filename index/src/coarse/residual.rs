@@ -158,18 +158,22 @@ pub(super) fn refine(
     scores: &mut [f32],
     stats: &mut SearchStats,
 ) -> Result<(), BufferError> {
-    if ids.len() != scores.len() || ids.windows(2).any(|w| w[0] >= w[1]) || table.0.len() != s.m * s.k {
+    if ids.len() != scores.len() || ids.windows(2).any(|w| w[0] >= w[1]) {
         return Err(invalid(format!("{} residual scores asked for {} ids, not ascending", scores.len(), ids.len())));
+    }
+    if table.0.len() != s.m * s.k {
+        return Err(invalid(format!("residual tables of {} entries for codes of {}", table.0.len(), s.m * s.k)));
     }
     let Some(&last) = ids.last() else { return Ok(()) };
     if last as usize >= s.tokens {
         return Err(invalid(format!("token {last} asked of residual codes of {} tokens", s.tokens)));
     }
     // With 2^8 centroids every byte names one: no code to check, no index to bound.
-    let full: Vec<&[f32; 256]> = table.0.chunks_exact(256).filter_map(|t| t.try_into().ok()).collect();
+    let full: Option<Vec<&[f32; 256]>> =
+        (s.k == 256).then(|| table.0.chunks_exact(256).filter_map(|t| t.try_into().ok()).collect());
     let lookup = |t: u32, row: &[u8]| -> Result<f32, String> {
-        if s.k == 256 {
-            return Ok(row.iter().zip(&full).map(|(&c, sub)| sub[c as usize]).sum());
+        if let Some(full) = &full {
+            return Ok(row.iter().zip(full).map(|(&c, sub)| sub[c as usize]).sum());
         }
         let mut add = 0.0f32;
         for (j, &c) in row.iter().enumerate() {
