@@ -86,7 +86,7 @@ pub fn fsck_json(r: &Report) -> Value {
 pub fn pool_json(s: &PoolStats) -> Value {
     let class = |c: &ClassStats| {
         json!({
-            "hits": c.hits, "misses": c.misses, "hit_ratio": c.hit_ratio(), "bytes_read": c.bytes_read,
+            "hits": c.hits, "misses": c.misses, "first_reads": c.first_reads, "hit_ratio": c.hit_ratio(), "bytes_read": c.bytes_read,
             "evictions": c.evictions, "resident_frames": c.resident_frames, "capacity_frames": c.capacity_frames,
             "resident_pins": c.resident_pins,
         })

@@ -64,6 +64,8 @@ struct Area {
     /// The data area's policy (the index area ranks frames by context recency instead).
     two_queue: Mutex<TwoQueue>,
     misses: AtomicU64,
+    /// Of the misses, blocks read for the first time since the pool was made.
+    first_reads: AtomicU64,
     bytes_read: AtomicU64,
     evictions: AtomicU64,
     /// Holds of [`ResidentBlocks`] on the area's frames, all together.
@@ -128,6 +130,7 @@ impl BufferPool {
             two_queue: Mutex::new(TwoQueue::new(frames.len())),
             frames,
             misses: AtomicU64::new(0),
+            first_reads: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             resident_pins: AtomicU64::new(0),
@@ -505,6 +508,9 @@ impl BufferPool {
                     frame.last_use.store(now, Ordering::Relaxed);
                     frame.context.store(req.context() as u64, Ordering::Relaxed);
                     area.misses.fetch_add(1, Ordering::Relaxed);
+                    if self.table.first_read(req.block) {
+                        area.first_reads.fetch_add(1, Ordering::Relaxed);
+                    }
                     area.bytes_read.fetch_add(self.block_size as u64, Ordering::Relaxed);
                     if area.class == BlockClass::Data {
                         lock(&area.two_queue).loaded(idx);
@@ -614,6 +620,7 @@ impl BufferPool {
         let class = |a: &Area| ClassStats {
             hits: self.table.hits(a.class as usize),
             misses: a.misses.load(Ordering::Relaxed),
+            first_reads: a.first_reads.load(Ordering::Relaxed),
             bytes_read: a.bytes_read.load(Ordering::Relaxed),
             evictions: a.evictions.load(Ordering::Relaxed),
             resident_pins: a.resident_pins.load(Ordering::Relaxed),

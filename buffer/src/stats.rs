@@ -9,6 +9,9 @@ pub struct ClassStats {
     pub hits: u64,
     /// Blocks read from the device.
     pub misses: u64,
+    /// Of `misses`, the blocks read for the first time since the pool was made: misses that
+    /// no cache size or eviction policy would have saved.
+    pub first_reads: u64,
     pub bytes_read: u64,
     pub evictions: u64,
     /// Holds of [`ResidentBlocks`](crate::ResidentBlocks) on the area's frames (index area

@@ -8,6 +8,9 @@
 //! and on probes of maps holding all ~280,000 blocks of a served context: 7% of a decode
 //! step's CPU in `bench decode`'s loop over a layer.
 //!
+//! Each leaf also keeps a bit per block, set when the block is first read
+//! ([`Table::first_read`]): the pool counts the reads no cache could have saved.
+//!
 //! Mapping and unmapping are compare-and-swaps on the slot, so, as under the shard locks
 //! before, two loads of one block cannot both map it, and an unmapping of a frame that no
 //! longer holds the block leaves its new mapping alone. A leaf lives as long as the table:
@@ -27,7 +30,11 @@ pub(crate) const LEAF: u64 = 8;
 /// An empty slot.
 const UNMAPPED: u32 = u32::MAX;
 
-type Leaf = Box<[AtomicU32]>;
+/// A leaf's slots, and a bit per block: whether it was ever read.
+struct Leaf {
+    slots: Box<[AtomicU32]>,
+    read: Box<[AtomicU64]>,
+}
 
 pub(crate) struct Table {
     /// Leaf `i` holds the slots of blocks `i · LEAF ..`.
@@ -38,7 +45,10 @@ pub(crate) struct Table {
 }
 
 fn new_leaf() -> Leaf {
-    (0..LEAF).map(|_| AtomicU32::new(UNMAPPED)).collect()
+    Leaf {
+        slots: (0..LEAF).map(|_| AtomicU32::new(UNMAPPED)).collect(),
+        read: (0..LEAF.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+    }
 }
 
 impl Table {
@@ -63,7 +73,7 @@ impl Table {
 
     fn slot(&self, block: u64) -> Option<&AtomicU32> {
         let leaf = self.leaves.get((block / LEAF) as usize)?.get()?;
-        Some(&leaf[(block % LEAF) as usize])
+        Some(&leaf.slots[(block % LEAF) as usize])
     }
 
     pub fn get(&self, block: u64) -> Option<usize> {
@@ -80,7 +90,17 @@ impl Table {
         // BufferPool::new refuses a pool of u32::MAX frames or more.
         let frame = u32::try_from(frame).ok().filter(|&f| f != UNMAPPED).expect("frame numbers fit a slot");
         let leaf = self.leaves[(block / LEAF) as usize].get_or_init(new_leaf);
-        leaf[(block % LEAF) as usize].compare_exchange(UNMAPPED, frame, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        leaf.slots[(block % LEAF) as usize]
+            .compare_exchange(UNMAPPED, frame, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Marks `block` (mapped, so its leaf exists) as read; returns whether this is its first
+    /// read since the table was made.
+    pub fn first_read(&self, block: u64) -> bool {
+        let Some(leaf) = self.leaves.get((block / LEAF) as usize).and_then(|l| l.get()) else { return false };
+        let (word, bit) = (((block % LEAF) / 64) as usize, 1u64 << (block % 64));
+        leaf.read[word].fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
 
     /// Unmaps `block` if it still maps to `frame`.
@@ -128,24 +148,39 @@ mod tests {
     }
 
     #[test]
+    fn a_block_is_read_first_once_however_often_it_is_mapped() {
+        let t = Table::new(2 * LEAF, 1);
+        assert!(!t.first_read(LEAF + 3), "a block of a leaf never mapped was never read");
+        for round in 0..3 {
+            assert!(t.insert_if_absent(LEAF + 3, 1));
+            assert_eq!(t.first_read(LEAF + 3), round == 0, "round {round}");
+            t.remove(LEAF + 3, 1);
+        }
+        assert!(t.insert_if_absent(LEAF + 64, 2));
+        assert!(t.first_read(LEAF + 64), "another word of the same leaf");
+        assert!(!t.first_read(2 * LEAF), "beyond the device");
+    }
+
+    #[test]
     #[should_panic(expected = "of a device of")]
     fn refuses_a_block_beyond_the_device() {
         Table::new(10, 1).insert_if_absent(10, 0);
     }
 
     /// Many threads race to map, look up and unmap the same few blocks, spread over leaves
-    /// that do not exist yet: a block is never mapped twice at once, and a lookup only ever
-    /// sees a frame some thread mapped it to.
+    /// that do not exist yet: a block is never mapped twice at once, a lookup only ever
+    /// sees a frame some thread mapped it to, and one read of each block is its first.
     #[test]
     fn racing_threads_map_each_block_at_most_once() {
         const THREADS: usize = 8;
         const BLOCKS: u64 = 16;
         let t = Table::new(BLOCKS * LEAF, 8);
         let owners: Vec<AtomicUsize> = (0..BLOCKS).map(|_| AtomicUsize::new(0)).collect();
+        let firsts: Vec<AtomicUsize> = (0..BLOCKS).map(|_| AtomicUsize::new(0)).collect();
         let (mapped, unmapped) = (AtomicUsize::new(0), AtomicUsize::new(0));
         std::thread::scope(|s| {
             for id in 1..=THREADS {
-                let (t, owners, mapped, unmapped) = (&t, &owners, &mapped, &unmapped);
+                let (t, owners, firsts, mapped, unmapped) = (&t, &owners, &firsts, &mapped, &unmapped);
                 s.spawn(move || {
                     let mut x = id as u64;
                     for _ in 0..20_000 {
@@ -161,6 +196,9 @@ mod tests {
                             assert_eq!(before, 0, "block {block} mapped by {id} while {before} held it");
                             mapped.fetch_add(1, Ordering::Relaxed);
                             assert_eq!(t.get(block), Some(frame));
+                            if t.first_read(block) {
+                                firsts[b as usize].fetch_add(1, Ordering::Relaxed);
+                            }
                             owners[b as usize].store(0, Ordering::SeqCst);
                             t.remove(block, frame);
                             unmapped.fetch_add(1, Ordering::Relaxed);
@@ -172,5 +210,6 @@ mod tests {
         assert!(mapped.load(Ordering::Relaxed) > 0);
         assert_eq!(mapped.load(Ordering::Relaxed), unmapped.load(Ordering::Relaxed));
         assert!((0..BLOCKS).all(|b| t.get(b * LEAF + b).is_none()), "every block unmapped at the end");
+        assert!(firsts.iter().all(|f| f.load(Ordering::Relaxed) == 1), "each block read first once: {firsts:?}");
     }
 }

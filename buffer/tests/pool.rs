@@ -278,6 +278,32 @@ fn long_runs_are_split_and_runs_past_the_staging_buffer_are_read_block_by_block(
     assert_eq!(dev.ops.load(Ordering::Relaxed) - o0, (staged + blocks - staged * RUN_BLOCKS) as u64);
 }
 
+/// A block read again after its eviction is a miss but not a first read: first reads count
+/// the misses that no cache could have saved, in each class.
+#[test]
+fn first_reads_count_each_block_once_however_often_it_is_read() {
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 32, 1, 15 * 100);
+    // 20 data frames; two passes over 60 data blocks, then 10 index blocks twice.
+    let data: Vec<BlockRequest> = requests(&store, 1, 0, FileStream::Data).into_iter().map(|r| r.0).take(60).collect();
+    let p = pool(dev, (40 * BS) as u64, 0.5);
+    for _ in 0..2 {
+        for chunk in data.chunks(10) {
+            assert!(p.get_many(chunk).iter().all(|g| g.is_ok()));
+        }
+    }
+    let st = p.stats().data;
+    assert_eq!((st.misses, st.first_reads), (120, 60), "{st:?}");
+    let index: Vec<BlockRequest> =
+        requests(&store, 1, 0, FileStream::Index).into_iter().map(|r| r.0).take(10).collect();
+    for _ in 0..2 {
+        assert!(p.get_many(&index).iter().all(|g| g.is_ok()));
+    }
+    let st = p.stats();
+    assert_eq!((st.index.misses, st.index.first_reads, st.index.hits), (10, 10, 10), "{st:?}");
+    assert_eq!(st.data.first_reads, 60, "the index reads left the data class's count alone");
+}
+
 #[test]
 fn two_threads_missing_the_same_block_share_one_read() {
     let dir = tmp();

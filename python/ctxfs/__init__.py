@@ -292,6 +292,9 @@ class Store:
         return self._native.footprint(name)
 
     def pool_stats(self) -> dict:
+        """The buffer pool's budget and, per block class (index, data): hits, misses,
+        first_reads (misses of blocks never read before: no cache would save them),
+        hit_ratio, bytes_read, evictions, resident_frames, capacity_frames, resident_pins."""
         return self._native.pool_stats()
 
     def gpu_status(self) -> str:

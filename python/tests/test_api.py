@@ -218,6 +218,11 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     assert np.linalg.norm(out - ref) <= 1e-3 * np.linalg.norm(ref)
     out = session.attention(1, q, plan="diprs", target_error=0.01)
     assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
+    # The candidates' blocks were read on demand: first reads are the misses of blocks
+    # never read before, so they are some of the misses and no more.
+    for area in ("index", "data"):
+        stats = reader.pool_stats()[area]
+        assert 0 < stats["first_reads"] <= stats["misses"], (area, stats)
     # On a GPU machine the codes' scans ran there, from a copy of layer 1's codes.
     held = reader.gpu_codes_bytes()
     assert held is None or 0 < held[0] <= held[1], held

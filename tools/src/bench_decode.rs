@@ -149,10 +149,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let (mut ios, mut plans) = (Vec::new(), Vec::new());
     let before = db.pool_stats();
     let disk = crate::disk_stat::Disk::of(&path);
-    let mut disk_from = None;
+    let (mut disk_from, mut steady_from) = (None, None);
     for s in 0..steps {
         if s == 1 {
             disk_from = disk.as_ref().and_then(|d| d.read());
+            steady_from = Some(db.pool_stats());
         }
         let mut io = 0;
         for (l, secs) in layer_secs.iter_mut().enumerate() {
@@ -184,6 +185,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let base = layers.min(BASELINE_LAYERS);
     let steady_from_base = (layers > base).then(|| median((1..steps).map(|s| step_from(base, s)).collect()));
     let steady_ios = median(ios[1..].iter().map(|&x| x as f64).collect());
+    let pool_steady = steady_from.map_or(serde_json::Value::Null, |from| pool_reads(&from, &after, steps - 1));
     // The split of the cold step, then the medians of the steady steps'.
     let cold_split = [0, 1, 2, 3].map(|i| extrapolate(&layer_split.iter().map(|v| v[0][i]).collect::<Vec<_>>()));
     let split = [0, 1, 2, 3].map(|i| {
@@ -251,6 +253,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "layer_steady_seconds": layer_secs.iter().map(|v| median(v[1..].to_vec())).collect::<Vec<_>>(),
         "ios_per_step": steady_ios, "bytes_per_step": steady_ios * args.block_size as f64, "cold_step_ios": ios[0],
         "hit_ratio": after.hit_ratio_since(&before), "disk_per_steady_step": disk_steady,
+        "pool_reads_per_steady_step": pool_steady,
         "plans": plans, "pool_bytes": pool_bytes, "index_bytes": index_bytes, "data_cache_bytes": cache,
         "step_split_seconds": split_json(split), "cold_step_split_seconds": split_json(cold_split),
         "db_open_seconds": db_open_s, "index_warm_seconds": warm_s, "index_warm_blocks": warmed.blocks, "index_held_blocks": warmed.held, "index_warm_extrapolated_seconds": per_layer(warm_s),
@@ -338,6 +341,16 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s (waiting for reads {:.4} s), window and merge {:.4} s",
         split[0], split[1], split[2], split[3]
     );
+    if let Some(p) = pool_steady.as_object() {
+        let (reads, first) = (&p["reads"], &p["first_reads"]);
+        println!(
+            "pool reads per steady step: {:.0} index blocks ({:.0} never read before), {:.0} data blocks ({:.0} never read before)",
+            reads["index"].as_f64().unwrap_or(0.0),
+            first["index"].as_f64().unwrap_or(0.0),
+            reads["data"].as_f64().unwrap_or(0.0),
+            first["data"].as_f64().unwrap_or(0.0),
+        );
+    }
     if let Some(d) = disk_steady.as_object() {
         println!(
             "disk {} per steady step ({} layers): {:.0} reads ({:.0} more merged into them), {:.2} ms per read, busy {:.0}% of the time",
@@ -563,6 +576,19 @@ impl Loaded {
         });
         outs.into_inner().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// The pool's block reads per step over `steps` steps, from `from` to `to`, per class: all
+/// of them, and those of blocks it read for the first time (reads no cache would save).
+fn pool_reads(from: &ctxfs_buffer::PoolStats, to: &ctxfs_buffer::PoolStats, steps: usize) -> serde_json::Value {
+    let per = |a: u64, b: u64| (b - a) as f64 / steps.max(1) as f64;
+    json!({
+        "reads": {"index": per(from.index.misses, to.index.misses), "data": per(from.data.misses, to.data.misses)},
+        "first_reads": {
+            "index": per(from.index.first_reads, to.index.first_reads),
+            "data": per(from.data.first_reads, to.data.first_reads),
+        },
+    })
 }
 
 /// Quality of the timed steps, replayed on a fresh session with the same plans: each q
