@@ -9,8 +9,8 @@
 //! on the approximate scores ([`MassTarget::exact_beta`]) is then lowered by
 //! [`MARGIN_SIGMAS`]`·σ`, so that a key whose approximation fell short of its exact score by
 //! less than that is still a candidate. The caller scores the candidates exactly and keeps
-//! those that reach the target's cut of the scores as they are now known ([`exact_cut`]: the
-//! candidates' exact scores, every other key's approximate one), so that the margin widens
+//! those that reach the target's cut of the scores as they are now known (the candidates'
+//! exact scores, every other key's approximate one: [`attended`]), so that the margin widens
 //! what is scored, not what is attended. It checks the answer's error as for any other range
 //! ([`crate::target::estimate`]); when the estimate misses, a refined target
 //! ([`MassTarget::refined`]) widens the candidates.
@@ -51,44 +51,22 @@ fn rms_error(exact: &[f32], approx: &[f32]) -> f32 {
     (sum / n as f64).sqrt() as f32
 }
 
-/// The candidates of a mass target, ascending: every key whose approximate score (`approx`,
-/// one per key) reaches the cut that meets `t` on the approximate scores, lowered by
-/// `margin`. `window_max` is the best exact score of the caller's window (−∞ without one).
-pub fn candidates(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> Vec<u32> {
-    reaching(approx, lowered_cut(approx, window_max, t, margin))
-}
-
 /// The cut that meets `t` on the approximate scores `approx`.
 fn approximate_cut(approx: &[f32], window_max: f32, t: &MassTarget) -> f32 {
     let best = approx.iter().copied().fold(window_max, f32::max);
     best - t.exact_beta(approx, best)
 }
 
-/// The cut that meets `t` on the approximate scores `approx`, lowered by `margin`.
-fn lowered_cut(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
-    approximate_cut(approx, window_max, t) - margin.max(0.0)
-}
-
-/// As [`candidates`]' cut, over `among`, the approximate scores of the keys a budget already
+/// As the cut of [`attended`]'s candidates, over `among`, the approximate scores of the keys a budget already
 /// chose (the others to be estimated from a sample rather than left out). The others' mass
 /// is not counted: counted with the attended mass it would only raise the cut, so a key that
 /// cut keeps is kept.
 pub fn cut_among(among: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
-    lowered_cut(among, window_max, t, margin)
+    approximate_cut(among, window_max, t) - margin.max(0.0)
 }
 
-/// The score a candidate must reach once the candidates are scored exactly (`scored`: id and
-/// exact score): the cut that meets `t` on every key's best known score, the candidates'
-/// exact ones and the others' approximate ones (`approx`).
-pub fn exact_cut(approx: &[f32], scored: &[(u32, f32)], window_max: f32, t: &MassTarget) -> f32 {
-    let mut known = approx.to_vec();
-    for &(id, s) in scored {
-        known[id as usize] = s;
-    }
-    cut_of_known(&known, window_max, t)
-}
-
-/// The cut that meets `t` on `known`, every key's best known score.
+/// The cut that meets `t` on `known`, every key's best known score: once the candidates are
+/// scored exactly, their exact scores and the others' approximate ones.
 fn cut_of_known(known: &[f32], window_max: f32, t: &MassTarget) -> f32 {
     let best = known.iter().copied().fold(window_max, f32::max);
     best - t.exact_beta(known, best)
@@ -128,12 +106,16 @@ pub fn refined_margin<E>(
 /// (4,145 at 1M tokens, d = 128).
 pub const REFINED_MARGIN_SEEDS: usize = 1024;
 
-/// The tokens a mass target attends from the codes, as (id, exact score), ascending: its
-/// [`candidates`], where `refine` refines the scores of those the margin adds below the
-/// approximate cut, only those whose refined score reaches the cut lowered by the refined
-/// scores' margin (the codes' error less what the residual codes correct); those scored
-/// exactly by `score` (their scores, in the order of the ids it is given), then those that
-/// reach the [`exact_cut`] (the candidates left unscored counted at their refined scores).
+/// The tokens a mass target attends from the codes, as (id, exact score), ascending. Its
+/// candidates are every key whose approximate score (`approx`, one per key) reaches the cut
+/// that meets `t` on the approximate scores, lowered by `margin`; `window_max` is the best
+/// exact score of the caller's window (−∞ without one). `refine` refines the scores of those
+/// the margin adds below the approximate cut, and only those whose refined score reaches the
+/// cut lowered by the refined scores' margin (the codes' error less what the residual codes
+/// correct) stay candidates. The candidates are scored exactly by `score` (their scores, in
+/// the order of the ids it is given), and those that reach the cut of the scores then known
+/// are attended (the candidates' exact scores, the others' approximate ones, refined where
+/// they were).
 pub fn attended<E>(
     approx: &[f32],
     window_max: f32,
@@ -333,6 +315,18 @@ mod tests {
         assert_eq!(margin(&[], &[]), 0.0);
     }
 
+    /// The ids [`attended`] asks `score` for, without residual codes: its candidates.
+    fn candidates(approx: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> Vec<u32> {
+        let asked = RefCell::new(Vec::new());
+        let none = |_: &[u32], _: &mut [f32]| -> Result<Option<f32>, ()> { Ok(None) };
+        attended(approx, window_max, t, margin, none, |ids| -> Result<Vec<f32>, ()> {
+            asked.borrow_mut().extend_from_slice(ids);
+            Ok(ids.iter().map(|&i| approx[i as usize]).collect())
+        })
+        .unwrap();
+        asked.into_inner()
+    }
+
     #[test]
     fn candidates_reach_below_the_approximate_cut_by_the_margin() {
         let t = MassTarget { share: 0.1, scale: 1.0, window_lse: f32::NEG_INFINITY };
@@ -361,7 +355,8 @@ mod tests {
         let higher = cut_among(&approx[..20], f32::NEG_INFINITY, &counted, 0.5);
         assert!(among <= higher && among < 0.0, "{among} > {higher}");
         // All of the keys: the cut of the candidates.
-        assert_eq!(cut_among(&approx, f32::NEG_INFINITY, &t, 0.5), lowered_cut(&approx, f32::NEG_INFINITY, &t, 0.5));
+        let all = cut_among(&approx, f32::NEG_INFINITY, &t, 0.5);
+        assert_eq!(reaching(&approx, all), candidates(&approx, f32::NEG_INFINITY, &t, 0.5));
     }
 
     #[test]
@@ -506,14 +501,22 @@ mod tests {
     fn exact_scores_move_the_cut() {
         let t = MassTarget { share: 0.1, scale: 1.0, window_lse: f32::NEG_INFINITY };
         let approx: Vec<f32> = (0..10).map(|i| -(i as f32)).collect();
-        let on_approx = exact_cut(&approx, &[], f32::NEG_INFINITY, &t);
+        // The cut once `scored` (id, exact score) are known, the others at their approximate scores.
+        let exact_cut = |scored: &[(u32, f32)]| {
+            let mut known = approx.clone();
+            for &(id, s) in scored {
+                known[id as usize] = s;
+            }
+            cut_of_known(&known, f32::NEG_INFINITY, &t)
+        };
+        let on_approx = exact_cut(&[]);
         assert_eq!(on_approx, -t.exact_beta(&approx, 0.0));
         // The codes overrated keys 1 and 2: scored exactly, they fall far below the others,
         // and the best key alone holds all but the share (the candidates 1..=2 are dropped).
-        let higher = exact_cut(&approx, &[(1, -20.0), (2, -20.0)], f32::NEG_INFINITY, &t);
+        let higher = exact_cut(&[(1, -20.0), (2, -20.0)]);
         assert_eq!((on_approx, higher), (-2.0, 0.0));
         // The exact cut of a fully known set is the scan's.
         let exact: Vec<(u32, f32)> = (0..10).map(|i| (i, approx[i as usize])).collect();
-        assert_eq!(exact_cut(&approx, &exact, f32::NEG_INFINITY, &t), on_approx);
+        assert_eq!(exact_cut(&exact), on_approx);
     }
 }

@@ -367,39 +367,44 @@ fn prefix_filter_never_returns_a_token_at_or_beyond_the_prefix() {
     }
 }
 
+/// Field `i` after the version of a PQ run's meta block (docs/format.md §19).
+fn meta_field(run: &[Vec<u8>], i: usize) -> usize {
+    u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize
+}
+
+/// `run` as layout `version` wrote it: its last `blocks` blocks gone, and its meta block
+/// the same fields up to the `fields`-th.
+fn as_version(mut run: Vec<Vec<u8>>, version: u32, fields: usize, blocks: usize) -> Vec<Vec<u8>> {
+    run.truncate(run.len() - blocks);
+    run[0][4..8].copy_from_slice(&version.to_le_bytes());
+    run[0].truncate(8 + 4 * fields);
+    run
+}
+
 /// A PQ run as layout version 3 wrote it: the same meta fields up to the sample stride, its
 /// centroid, code and sample blocks, and no residual codes.
-fn version_3(mut run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-    let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+fn version_3(run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let field = |i: usize| meta_field(&run, i);
     let (tokens, k, residual) = (field(0), 1 << field(3), field(10));
-    if residual > 0 {
-        let blocks = (residual * k).div_ceil(field(11)) + tokens.div_ceil(field(12));
-        run.truncate(run.len() - blocks);
-    }
-    run[0][4..8].copy_from_slice(&3u32.to_le_bytes());
-    run[0].truncate(8 + 4 * 10);
-    run
+    let blocks = if residual == 0 { 0 } else { (residual * k).div_ceil(field(11)) + tokens.div_ceil(field(12)) };
+    as_version(run, 3, 10, blocks)
 }
 
 /// A PQ run as layout version 2 wrote it: the same meta fields, centroid and code blocks,
 /// and no sample blocks.
 fn version_2(run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-    let mut run = version_3(run);
-    let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+    let run = version_3(run);
+    let field = |i: usize| meta_field(&run, i);
     let (tokens, per_block, stride) = (field(0), field(8), field(9));
     let samples = if stride == 0 { 0 } else { tokens.div_ceil(stride).div_ceil(per_block) };
-    run.truncate(run.len() - samples);
-    run[0][4..8].copy_from_slice(&2u32.to_le_bytes());
-    run[0].truncate(8 + 4 * 9);
-    run
+    as_version(run, 2, 9, samples)
 }
 
 /// A PQ run as layout version 1 wrote it: version 2's, code blocks token-major.
 fn token_major(run: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-    let mut run = version_2(run);
-    let field = |i: usize| u32::from_le_bytes(run[0][8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+    let mut run = as_version(version_2(run), 1, 9, 0);
+    let field = |i: usize| meta_field(&run, i);
     let (m, k, per_block) = (field(2), 1 << field(3), field(7));
-    run[0][4..8].copy_from_slice(&1u32.to_le_bytes());
     for block in &mut run[1 + (m * k).div_ceil(per_block)..] {
         let r = block.len() / m;
         *block = (0..r * m).map(|i| block[(i % m) * r + i / m]).collect();

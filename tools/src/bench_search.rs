@@ -627,8 +627,8 @@ fn run_group(
                 let approx = scan.scores(i);
                 let mut stats = SearchStats::default();
                 let seeds = seed_scores(&ix.keys, q, &mut stats)?;
-                let margin = approx::seed_margin(&seeds, approx, SEED_STRIDE);
                 let samples: Vec<f32> = approx.iter().step_by(SEED_STRIDE as usize).copied().collect();
+                let margin = approx::margin(&seeds, &samples);
                 // The residual codes' refinement of the candidates, as compact sessions make it.
                 let codes = &ix.codes;
                 let table = if refining { codes.residual_table(q).map_err(|e| anyhow::anyhow!("{e}"))? } else { None };

@@ -406,12 +406,7 @@ impl Pq {
 
     /// Token `t`'s key as its codes reconstruct it.
     pub fn reconstruct(&self, t: u32) -> Vec<f32> {
-        let s = self.shape();
-        let n = self.tokens as usize;
-        let row = |j: usize| j * s.k + self.codes[j * n + t as usize] as usize;
-        (0..s.m)
-            .flat_map(|j| self.centroids[row(j) * s.sub()..(row(j) + 1) * s.sub()].iter().map(|x| x.to_f32()))
-            .collect()
+        (0..self.dim).map(|c| self.channel(t, c)).collect()
     }
 
     /// Every approximate score below the prefix (what [`Coarse::select`] ranks).
