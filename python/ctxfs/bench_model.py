@@ -3,9 +3,11 @@
 SmolLM2-135M-Instruct serves every decode step's attention from a ctxfs store, once per
 plan, and one table compares the plans side by side in one run:
 
-* full attention, the optimizer's plan (auto), DIPRS at beta = sqrt(d) ln 100, Quest at the
-  token budget DIPRS used on average, and the window alone (128 sink + 512 recent tokens,
-  StreamingLLM-style: a plan with a budget of 0 beyond the window);
+* full attention, the optimizer's plan (auto), the optimizer's plan with each context served
+  compact under a resident budget of 1/8 of its KV bytes (compact: only its PQ codes and
+  seed tables held, keys and values read on demand), DIPRS at beta = sqrt(d) ln 100, Quest
+  at the token budget DIPRS used on average, and the window alone (128 sink + 512 recent
+  tokens, StreamingLLM-style: a plan with a budget of 0 beyond the window);
 * perplexity of a held-out continuation after each long document (code, prose, structured
   text; ``ctxfs.texts``), teacher-forced one decode step at a time;
 * needle-in-a-haystack accuracy: a passphrase hidden at several depths of a prose haystack,
@@ -17,7 +19,9 @@ plan, and one table compares the plans side by side in one run:
 
 ``--rows`` picks rows (full always runs: the others are compared with it); ``--extra
 NAME=JSON`` adds a row of ``Session.attention`` options, e.g. ``scan={"plan": "flat",
-"beta": 73.6, "tail": true}``. ``--json`` prints the table as JSON. The contexts are
+"beta": 73.6, "tail": true}``; a ``resident_budget`` among them serves the row's contexts
+under that budget (a read-only mount of the store with ``Store.open(resident_budget=...)``,
+each context warmed); a budget below what even the codes take is reported as refused. ``--json`` prints the table as JSON. The contexts are
 ``--tokens`` long (8,192 by default: SmolLM2's trained length).
 """
 
@@ -34,14 +38,17 @@ import time
 
 import torch
 
-from . import Store, texts
+from . import OverBudgetError, Store, texts
 from . import hf
 
 PASSPHRASES = ["indigo-falcon-42", "copper-lantern-17", "velvet-harbor-88", "quartz-meadow-23"]
 
 
 #: The standard rows, in order.
-ROWS = ("full", "auto", "diprs", "quest", "window")
+ROWS = ("full", "auto", "compact", "diprs", "quest", "window")
+
+#: The resident budget of the compact row: ctxfs's design budget, an eighth of the KV bytes.
+COMPACT_BUDGET = 0.125
 
 
 def plans(head_dim: int) -> dict[str, dict]:
@@ -49,6 +56,7 @@ def plans(head_dim: int) -> dict[str, dict]:
     return {
         "full": {"plan": "full"},
         "auto": {},
+        "compact": {"resident_budget": COMPACT_BUDGET},
         "diprs": {"plan": "diprs", "beta": beta},
         "quest": {"plan": "quest"},  # budget set to DIPRS's mean below
         "window": {"plan": "quest", "budget": 0},
@@ -168,7 +176,18 @@ def run(args, tok, model, folder: str) -> int:
     wanted = {"full", *args.rows.split(",")}
     rows = {k: v for k, v in plans(head_dim).items() if k in wanted}
     rows.update((e.partition("=")[0], json.loads(e.partition("=")[2])) for e in args.extra)
+    names = [*docs, *(f"needle-{depth}" for depth, _, _ in needles)]
     for label, options in rows.items():
+        budget = options.get("resident_budget")
+        options = {k: v for k, v in options.items() if k != "resident_budget"}
+        row_store, held = store, None
+        if budget is not None:
+            try:
+                row_store, held = compact_mount(path, args.pool, budget, names)
+            except OverBudgetError as e:
+                log(f"row {label}: refused: {e}")
+                table[label] = {"options": {**options, "resident_budget": budget}, "refused": str(e)}
+                continue
         if label == "quest":
             if diprs_budget is None:  # DIPRS was not run: measure its budget alone
                 probe = Tally()
@@ -178,14 +197,15 @@ def run(args, tok, model, folder: str) -> int:
             options = {**options, "budget": diprs_budget}
         log(f"row {label} {options}")
         tally = Tally()
-        ppl = {kind: math.exp(perplexity(model, store, d, c, options, tally, q_heads)) for kind, (d, c) in docs.items()}
+        ppl = {kind: math.exp(perplexity(model, row_store, d, c, options, tally, q_heads)) for kind, (d, c) in docs.items()}
         found, answers = [], []
         for depth, word, ctx in needles:
-            answer = tok.decode(generate(model, store, torch.cat([ctx, question], 1), options, 12, tally, q_heads))
+            answer = tok.decode(generate(model, row_store, torch.cat([ctx, question], 1), options, 12, tally, q_heads))
             answers.append(answer)
             found.append(word in answer.replace(" ", ""))
         prose, _ = docs["prose"]
-        greedy = generate(model, store, torch.cat([prose, question[:, :3]], 1), options, args.steps, tally, q_heads)
+        greedy = generate(model, row_store, torch.cat([prose, question[:, :3]], 1), options, args.steps, tally, q_heads)
+        del row_store  # a compact mount is released before the next row's
         if label == "full":
             reference = greedy
         agreement = (greedy == reference).float().mean().item()
@@ -193,7 +213,8 @@ def run(args, tok, model, folder: str) -> int:
         if label == "diprs":
             diprs_budget = max(1, round(share * (args.tokens - 640)))
         table[label] = {
-            "options": {k: v for k, v in options.items() if v is not None},
+            "options": {k: v for k, v in {**options, "resident_budget": budget}.items() if v is not None},
+            "held": held,
             "perplexity": ppl,
             "needle_accuracy": sum(found) / len(found) if found else None,
             "needle_found": found,
@@ -211,11 +232,30 @@ def run(args, tok, model, folder: str) -> int:
     print(head)
     full = table["full"]["perplexity"]
     for label, row in table.items():
+        if "refused" in row:
+            print(f"{label:<14}refused: {row['refused']}")
+            continue
         cells = "".join(f"{row['perplexity'][k]:>9.3f} ({row['perplexity'][k] / full[k] - 1:+.1%})" for k in kinds)
         needle = "-" if row["needle_accuracy"] is None else f"{row['needle_accuracy']:.2f}"
         print(f"{label:<14}{cells}{needle:>8}{row['agreement']:>8.3f}"
               f"{row['share_attended']:>8.3f}{row['ms_per_step']:>9.1f}")
+    for label, row in table.items():
+        if row.get("held"):
+            h = row["held"]
+            how = "served compact" if h["compact"] else "whole index held"
+            print(f"{label}: resident budget {row['options']['resident_budget']}: {how}, "
+                  f"resident_bytes / kv_bytes {h['resident_over_kv']:.3f} (the most of any context)")
     return 0
+
+
+def compact_mount(path: str, pool: int, budget: float, names: list[str]):
+    """A read-only mount of the store under a resident budget, every context warmed (served
+    compact where its whole index exceeds the budget); and the most any context holds."""
+    mount = Store.open(path, pool=pool, read_only=True, resident_budget=budget)
+    reports = [mount.warm(name) for name in names]
+    worst = max(reports, key=lambda r: r["resident_over_kv"])
+    held = {"resident_over_kv": worst["resident_over_kv"], "compact": all(r["compact"] for r in reports)}
+    return mount, held
 
 
 if __name__ == "__main__":
