@@ -279,6 +279,8 @@ struct Row {
     micros: Vec<f64>,
     /// Summed per head, in the order heads were generated.
     head_micros: Vec<f64>,
+    /// Per group step, of a row that scans codes: the seeds' scores and the scan.
+    scan_micros: Vec<f64>,
     selected: Vec<f64>,
     meta_bytes: Vec<f64>,
     data_bytes: Vec<f64>,
@@ -506,6 +508,9 @@ struct Selection {
     /// With an error target: the tail estimate merged into the answer (as sessions merge
     /// it), and the output error estimated without it.
     target: Option<(Partial, Estimate)>,
+    /// On the first query's selection of a row that scans codes for the whole group: µs the
+    /// seeds' scores and the scan took, before any candidate was scored exactly.
+    scan_micros: Option<f64>,
 }
 
 /// Runs `method` for a GQA group's queries `qs` on `ix`: the window's scores (their maximum
@@ -549,6 +554,7 @@ fn run_group(
         per_token: graph_per_token(graph),
         target: None,
         ids: f.ids,
+        scan_micros: None,
     };
     let mut out = Vec::with_capacity(qs.len() / d);
     match method {
@@ -572,6 +578,7 @@ fn run_group(
                     meta_bytes: scored * 2 * d as u64,
                     per_token: (2 * d) as f64,
                     target: estimate,
+                    scan_micros: None,
                 });
             }
         }
@@ -684,6 +691,7 @@ fn run_group(
                     meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
                     per_token,
                     target,
+                    scan_micros: None,
                 });
             }
         }
@@ -692,6 +700,7 @@ fn run_group(
             // query's best, then a scan keeping the scores above each query's floor.
             let per_token = ix.codes.metadata_bytes_per_token();
             let mut stats = vec![SearchStats::default(); win_max.len()];
+            let scanning = Instant::now();
             let seeds = qs
                 .chunks_exact(d)
                 .zip(&mut stats)
@@ -706,6 +715,7 @@ fn run_group(
                 Some(_) => None,
                 None => Some(ix.codes.token_scores_many(qs, None)?),
             };
+            let scan_micros = scanning.elapsed().as_secs_f64() * 1e6;
             for (i, q) in qs.chunks_exact(d).enumerate() {
                 let stats = &mut stats[i];
                 let score = |ids: &[u32]| -> Result<Vec<f32>> {
@@ -726,6 +736,7 @@ fn run_group(
                     meta_bytes: (n as f64 * per_token) as u64 + stats.keys_scored * 2 * d as u64,
                     per_token,
                     target: None,
+                    scan_micros: (i == 0).then_some(scan_micros),
                 });
             }
         }
@@ -739,6 +750,7 @@ fn run_group(
                     meta_bytes: f.metadata_bytes,
                     per_token: c.metadata_bytes_per_token(),
                     target: None,
+                    scan_micros: None,
                 });
             }
         }
@@ -1064,7 +1076,8 @@ fn run_dataset(a: &Args, src: &Source, bar: &indicatif::ProgressBar) -> Result<s
                     r.micros.push(micros);
                     r.head_micros[head_no] += micros;
                     for (qi, sel) in sels.into_iter().enumerate() {
-                        let Selection { ids, keys_scored, meta_bytes, per_token, target } = sel;
+                        let Selection { ids, keys_scored, meta_bytes, per_token, target, scan_micros } = sel;
+                        r.scan_micros.extend(scan_micros);
                         let mut retrieved: Vec<u32> = ids.iter().copied().filter(|t| !win_set.contains(t)).collect();
                         if let Method::Topk(k) = *method {
                             retrieved.truncate(k);
@@ -1156,6 +1169,7 @@ fn report(
                 "method": r.name, "dipr_recall": mean(&r.recall), "recovery": mean(&r.recovery), "output_error": mean(&r.error),
                 "exact_dipr_output_error": mean(&r.exact_dipr_error), "keys_scored_fraction": mean(&r.scored),
                 "latency_median_us": median(r.micros.clone()), "latency_p99_us": p99(&r.micros),
+                "scan_median_us": (!r.scan_micros.is_empty()).then(|| median(r.scan_micros.clone())),
                 "total_us": r.micros.iter().sum::<f64>(),
                 "speedup_vs_flat": ratio(flat_total, r.micros.iter().sum::<f64>()),
                 "budget_tokens": r.budget, "selected_tokens": mean(&r.selected),
@@ -1311,6 +1325,15 @@ fn print_dataset(v: &serde_json::Value) {
         r("graph_diprs_warm_vs_flat_speedup"),
         r("graph_diprs_all_cold_vs_flat_speedup")
     );
+    let diprs = RowNames::of(v).diprs;
+    if let Some(row) = v["rows"].as_array().and_then(|rows| rows.iter().find(|r| r["method"] == diprs.as_str())) {
+        let (step, scan) = (row["latency_median_us"].as_f64().unwrap_or(0.0), row["scan_median_us"].as_f64());
+        if let Some(scan) = scan {
+            println!(
+                "DIPRS's median group step {step:.0} µs: the seeds and the scan of the codes {scan:.0} µs (median), the rest the exact scores of the candidates"
+            );
+        }
+    }
     for percent in PREFIX_SHARES {
         println!(
             "filtered at {percent}% reuse: {:.2}× the latency of a graph built on the prefix alone, {:.1}× faster than a flat scan of the prefix",

@@ -707,6 +707,13 @@ fn bench_search_reports_every_method_against_exact_attention() {
         let speedup = v["ratios"][format!("{key}_vs_flat_speedup")].as_f64().unwrap();
         assert!((speedup - total("flat") / total(name)).abs() <= 1e-9 * speedup, "{key}: {speedup}");
     }
+    // The codes' DIPRS splits its step: the seeds and the scan, then the exact scores.
+    let (scan, step) = (
+        row("diprs beta=5·√d")["scan_median_us"].as_f64().unwrap(),
+        row("diprs beta=5·√d")["latency_median_us"].as_f64().unwrap(),
+    );
+    assert!(scan > 0.0 && scan < step, "scan {scan} µs of a {step} µs step");
+    assert!(row("flat")["scan_median_us"].is_null(), "the flat plan scans no codes");
     let heads = v["per_head"].as_array().unwrap();
     assert_eq!(heads.len(), 2, "one head per seed");
     assert_eq!((heads[0]["tuning_seed"].as_bool(), heads[1]["tuning_seed"].as_bool()), (Some(true), Some(false)));
