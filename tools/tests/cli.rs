@@ -687,6 +687,8 @@ fn bench_search_reports_every_method_against_exact_attention() {
         "graph diprs 20% prefix graph",
         "flat 20% prefix",
         "graph diprs filtered 50%",
+        "diprs filtered 20%",
+        "diprs filtered 50%",
     ];
     for m in methods {
         assert!(names.contains(&m), "{m} missing from {names:?}");
@@ -723,6 +725,7 @@ fn bench_search_reports_every_method_against_exact_attention() {
         "graph_diprs_warm_vs_flat_speedup",
         "graph_diprs_all_cold_vs_flat_speedup",
         "filtered20_vs_prefix_graph_latency",
+        "codes_filtered20_vs_flat_prefix_speedup",
     ] {
         assert!(v["ratios"][k].as_f64().unwrap() > 0.0, "{k}");
     }
