@@ -1,6 +1,9 @@
 //! Query files: a safetensors file of `layers.{l}.q` tensors, each of shape
 //! `[q_heads, n, head_dim]` (f32, f16 or bf16), q head after q head, row `s` of each q head
-//! being decode step `s`'s query. `ctxfs query` and the decode benchmarks read them.
+//! being decode step `s`'s query. `ctxfs query` and the decode benchmarks read them. A
+//! capture file (`python -m ctxfs.capture`) holds a model's prefill queries there and its
+//! decode steps' queries in `layers.{l}.decode_q`, of the same layout
+//! ([`QueryFile::decode_steps`] reads those).
 //!
 //! Parsing checks everything the file says against what it holds (safetensors' own header
 //! checks: offsets, shapes and dtype sizes agree with the data) and against the context it is
@@ -14,6 +17,8 @@ use safetensors::SafeTensors;
 /// A parsed query file, borrowing its bytes.
 pub struct QueryFile<'a> {
     st: SafeTensors<'a>,
+    /// The name of each layer's tensor after `layers.{l}.`: `q`, or `decode_q`.
+    tensor: &'static str,
 }
 
 /// One layer's decode queries: `steps` rows of `d` per q head, as f32.
@@ -29,17 +34,27 @@ impl<'a> QueryFile<'a> {
     /// Parses the header of a query file (the whole file's bytes).
     pub fn parse(bytes: &'a [u8]) -> Result<QueryFile<'a>> {
         let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Input(format!("not a safetensors file: {e}")))?;
-        Ok(QueryFile { st })
+        Ok(QueryFile { st, tensor: "q" })
     }
 
-    /// Whether the file has a `layers.{layer}.q` tensor.
+    /// The same file read for its `layers.{l}.decode_q` tensors: a capture file's decode
+    /// steps, in place of its prefill queries.
+    pub fn decode_steps(self) -> QueryFile<'a> {
+        QueryFile { tensor: "decode_q", ..self }
+    }
+
+    fn name(&self, layer: usize) -> String {
+        format!("layers.{layer}.{}", self.tensor)
+    }
+
+    /// Whether the file has the layer's tensor (`layers.{layer}.q`, or `.decode_q`).
     pub fn has_layer(&self, layer: usize) -> bool {
-        self.st.tensor(&format!("layers.{layer}.q")).is_ok()
+        self.st.tensor(&self.name(layer)).is_ok()
     }
 
     /// Layer `layer`'s queries, checked to be `[q_heads, n, d]` (`d` at least 1).
     pub fn layer(&self, layer: usize, q_heads: usize, d: usize) -> Result<LayerQueries> {
-        let name = format!("layers.{layer}.q");
+        let name = self.name(layer);
         let t = self.st.tensor(&name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
         let shape = t.shape();
         if shape.len() != 3 || shape[0] != q_heads || shape[2] != d || d == 0 {

@@ -31,7 +31,8 @@ pub struct Args {
     store: PathBuf,
     #[arg(long)]
     context: String,
-    /// A safetensors file of `layers.{l}.q`, shape [q_heads, n, head_dim].
+    /// A safetensors file of `layers.{l}.q` (with `--decode`, `layers.{l}.decode_q`), shape
+    /// [q_heads, n, head_dim].
     #[arg(long)]
     queries: PathBuf,
     /// Only this layer (default: every layer the query file has).
@@ -79,6 +80,10 @@ pub struct Args {
     /// (plan `pq`). A context that does not fit even so is refused.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
+    /// Read each layer's `layers.{l}.decode_q` instead of `layers.{l}.q`: the decode steps'
+    /// queries of a capture file (`python -m ctxfs.capture`), answered in order.
+    #[arg(long)]
+    decode: bool,
     #[arg(long)]
     json: bool,
 }
@@ -119,11 +124,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let map = unsafe { memmap2::Mmap::map(&file)? };
     let at = |e: ctxfs_attention::Error| anyhow!("{}: {e}", args.queries.display());
     let file = QueryFile::parse(&map).map_err(at)?;
+    let (file, tensor) = if args.decode { (file.decode_steps(), "decode_q") } else { (file, "q") };
     let layers: Vec<usize> = match args.layer {
         Some(l) => vec![l],
         None => (0..shape.layers as usize).filter(|&l| file.has_layer(l)).collect(),
     };
-    ensure!(!layers.is_empty(), "{} has no layers.{{l}}.q tensor for this context", args.queries.display());
+    ensure!(!layers.is_empty(), "{} has no layers.{{l}}.{tensor} tensor for this context", args.queries.display());
     let opts = AttentionOptions {
         plan: args.mode.0,
         beta: args.beta,

@@ -1002,6 +1002,34 @@ fn query_into_a_closed_pipe_exits_quietly() {
     }
 }
 
+/// A capture file (tests/data: SmolLM2's keys, values, prefill and decode queries) is a context
+/// to import and, with `--decode`, the decode steps to replay over it; without them, `--decode`
+/// names the tensor it missed.
+#[test]
+fn query_decode_replays_a_capture_files_decode_steps() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2-prose-4k.safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "64M"]);
+    ok(&["import", p(&store), data, "--name", "prose"]);
+    let base = ["query", p(&store), "--context", "prose", "--queries", data, "--json"];
+    // The file's layer 0: 9 q heads, 16 decode steps (and 512 prefill queries).
+    let decode = lines(&ok(&[&base[..], &["--decode"]].concat()));
+    assert_eq!(decode.len(), 9 * 16);
+    assert_eq!(decode.iter().map(|r| r["query"].as_u64().unwrap()).max(), Some(15));
+    let full = lines(&ok(&[&base[..], &["--decode", "--mode", "full"]].concat()));
+    let prefill = lines(&ok(&[&base[..], &["--mode", "full", "--layer", "0"]].concat()));
+    assert_eq!(prefill.len(), 9 * 512, "without --decode, the prefill queries");
+    assert_ne!(full[0]["output"], prefill[0]["output"], "another query, another output");
+    // A generated query file has no decode_q tensors.
+    let ctx = dir.path().join("c.safetensors");
+    ok(&["gen", p(&ctx), "--tokens", "3000", "--layers", "1", "--q-heads", "9", "--kv-heads", "3", "--head-dim", "64"]);
+    let queries = dir.path().join("c.queries.safetensors");
+    let out = ctxfs(&["query", p(&store), "--context", "prose", "--queries", p(&queries), "--decode"]);
+    assert!(!out.status.success());
+    assert!(stderr_of(&out).contains("layers.{l}.decode_q"), "{}", stderr_of(&out));
+}
+
 /// Real attention (SmolLM2-135M, layer 15, 4,096 tokens of prose: tests/data, written by
 /// `python -m ctxfs.capture`) is a dataset beside the generator: every row per dataset.
 #[test]
