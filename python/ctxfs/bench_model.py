@@ -21,8 +21,9 @@ plan, and one table compares the plans side by side in one run:
 NAME=JSON`` adds a row of ``Session.attention`` options, e.g. ``scan={"plan": "flat",
 "beta": 73.6, "tail": true}``; a ``resident_budget`` among them serves the row's contexts
 under that budget (a read-only mount of the store with ``Store.open(resident_budget=...)``,
-each context warmed); a budget below what even the codes take is reported as refused. ``--json`` prints the table as JSON. The contexts are
-``--tokens`` long (8,192 by default: SmolLM2's trained length).
+each context warmed), and a budget below what even the codes take is reported as refused.
+``--json`` prints the table as JSON. The contexts are ``--tokens`` long (8,192 by default:
+SmolLM2's trained length).
 """
 
 from __future__ import annotations
