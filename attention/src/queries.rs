@@ -43,6 +43,11 @@ impl<'a> QueryFile<'a> {
         QueryFile { tensor: "decode_q", ..self }
     }
 
+    /// The name of each layer's tensor after `layers.{l}.`: `q`, or `decode_q`.
+    pub fn tensor(&self) -> &'static str {
+        self.tensor
+    }
+
     fn name(&self, layer: usize) -> String {
         format!("layers.{layer}.{}", self.tensor)
     }

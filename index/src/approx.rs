@@ -51,25 +51,19 @@ fn rms_error(exact: &[f32], approx: &[f32]) -> f32 {
     (sum / n as f64).sqrt() as f32
 }
 
-/// The cut that meets `t` on the approximate scores `approx`.
-fn approximate_cut(approx: &[f32], window_max: f32, t: &MassTarget) -> f32 {
-    let best = approx.iter().copied().fold(window_max, f32::max);
-    best - t.exact_beta(approx, best)
-}
-
-/// As the cut of [`attended`]'s candidates, over `among`, the approximate scores of the keys a budget already
-/// chose (the others to be estimated from a sample rather than left out). The others' mass
-/// is not counted: counted with the attended mass it would only raise the cut, so a key that
-/// cut keeps is kept.
-pub fn cut_among(among: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
-    approximate_cut(among, window_max, t) - margin.max(0.0)
-}
-
-/// The cut that meets `t` on `known`, every key's best known score: once the candidates are
-/// scored exactly, their exact scores and the others' approximate ones.
+/// The cut that meets `t` on `known`, every key's best known score: its approximate one, or
+/// its exact one once scored.
 fn cut_of_known(known: &[f32], window_max: f32, t: &MassTarget) -> f32 {
     let best = known.iter().copied().fold(window_max, f32::max);
     best - t.exact_beta(known, best)
+}
+
+/// As the cut of [`attended`]'s candidates, over `among`, the approximate scores of the keys
+/// a budget already chose (the others to be estimated from a sample rather than left out).
+/// The others' mass is not counted: counted with the attended mass it would only raise the
+/// cut, so a key that cut keeps is kept.
+pub fn cut_among(among: &[f32], window_max: f32, t: &MassTarget, margin: f32) -> f32 {
+    cut_of_known(among, window_max, t) - margin.max(0.0)
 }
 
 /// A caller's refinement of candidates' approximate scores before their keys are read (the
@@ -124,7 +118,7 @@ pub fn attended<E>(
     refine: impl Refine<E>,
     score: impl FnOnce(&[u32]) -> Result<Vec<f32>, E>,
 ) -> Result<Vec<(u32, f32)>, E> {
-    let cut = approximate_cut(approx, window_max, t);
+    let cut = cut_of_known(approx, window_max, t);
     let mut ids = reaching(approx, cut - margin.max(0.0));
     let mut known = approx.to_vec();
     // The band the margin adds below the cut: refined, it narrows to the refined margin.

@@ -83,19 +83,25 @@ class Tally:
         self.steps += steps
 
 
-def perplexity(model, store, doc, cont, options, tally, q_heads) -> float:
-    prompt = torch.cat([doc, cont], 1)
-    cache = hf.CtxfsCache(store, prompt, **options)
-    assert cache.prefix == doc.shape[1], "the document is stored"
-    nll, started = 0.0, time.monotonic()
+def continuation_nll(model, cache, cont) -> float:
+    """Mean negative log-likelihood of ``cont``'s tokens after the first, teacher-forced one
+    decode step at a time through ``cache``."""
+    nll, logits = 0.0, None
     with torch.no_grad():
-        logits = None
         for i in range(cont.shape[1]):
             if logits is not None:
                 nll -= torch.log_softmax(logits[0, -1].float(), -1)[cont[0, i]].item()
             logits = model(cont[:, i : i + 1], cache=cache, use_cache=True).logits
-    tally.add(cache, q_heads, time.monotonic() - started, cont.shape[1])
     return nll / (cont.shape[1] - 1)
+
+
+def perplexity(model, store, doc, cont, options, tally, q_heads) -> float:
+    cache = hf.CtxfsCache(store, torch.cat([doc, cont], 1), **options)
+    assert cache.prefix == doc.shape[1], "the document is stored"
+    started = time.monotonic()
+    nll = continuation_nll(model, cache, cont)
+    tally.add(cache, q_heads, time.monotonic() - started, cont.shape[1])
+    return nll
 
 
 def generate(model, store, prompt, options, new_tokens, tally, q_heads):

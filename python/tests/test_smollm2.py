@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 import ctxfs  # noqa: E402
 import ctxfs.hf as hf  # noqa: E402
 from ctxfs import texts  # noqa: E402
+from ctxfs.bench_model import continuation_nll  # noqa: E402
 from hf_reference import generate, max_relative_logit_error, through_ctxfs  # noqa: E402
 
 PREFIX, NEW = 4096, 64
@@ -81,18 +82,6 @@ def test_a_second_question_prefills_only_its_tokens(smollm2, stored):
     print(f"\nSmolLM2 time to first token: {ttft:.2f} s reusing {PREFIX} stored tokens, "
           f"{prefill_seconds:.2f} s for the prefix's prefill alone: {prefill_seconds / ttft:.1f}x sooner")
     assert ttft < prefill_seconds
-
-
-def continuation_nll(model, cache, cont) -> float:
-    """Mean negative log-likelihood of ``cont``'s tokens after the first, teacher-forced one
-    decode step at a time through ``cache``."""
-    nll, logits = 0.0, None
-    with torch.no_grad():
-        for i in range(cont.shape[1]):
-            if logits is not None:
-                nll -= torch.log_softmax(logits[0, -1].float(), -1)[cont[0, i]].item()
-            logits = model(cont[:, i : i + 1], cache=cache, use_cache=True).logits
-    return nll / (cont.shape[1] - 1)
 
 
 def test_served_compact_the_model_predicts_as_with_full_attention(smollm2, stored_long):

@@ -124,12 +124,17 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let map = unsafe { memmap2::Mmap::map(&file)? };
     let at = |e: ctxfs_attention::Error| anyhow!("{}: {e}", args.queries.display());
     let file = QueryFile::parse(&map).map_err(at)?;
-    let (file, tensor) = if args.decode { (file.decode_steps(), "decode_q") } else { (file, "q") };
+    let file = if args.decode { file.decode_steps() } else { file };
     let layers: Vec<usize> = match args.layer {
         Some(l) => vec![l],
         None => (0..shape.layers as usize).filter(|&l| file.has_layer(l)).collect(),
     };
-    ensure!(!layers.is_empty(), "{} has no layers.{{l}}.{tensor} tensor for this context", args.queries.display());
+    ensure!(
+        !layers.is_empty(),
+        "{} has no layers.{{l}}.{} tensor for this context",
+        args.queries.display(),
+        file.tensor()
+    );
     let opts = AttentionOptions {
         plan: args.mode.0,
         beta: args.beta,
