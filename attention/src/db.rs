@@ -396,7 +396,10 @@ impl Db {
                 report.residual_streamed = parts.iter().any(|p| p.residual > 0);
                 holds = lean;
             }
-            for ((file, _), blocks) in files.iter().zip(&holds) {
+            for (((file, _), blocks), p) in files.iter().zip(&holds).zip(&parts) {
+                if let Some((pq, held_at)) = p.compact_pq() {
+                    let _ = file.compact_pq.set((pq.start, held_at));
+                }
                 hold(pool, blocks, &file.compact, &mut report)?;
             }
         } else {

@@ -172,12 +172,18 @@ impl IndexParts {
     /// The blocks a compact context holds: the meta block, the seed table and the PQ run,
     /// its residual codes only where `residual` asks (`None` without a PQ run).
     pub fn compact(&self, file: &FileBlocks, residual: bool) -> Option<Vec<BlockRequest>> {
-        let pq = self.pq()?;
+        let (pq, held_at) = self.compact_pq()?;
         let end = if residual { pq.end } else { pq.end - self.residual };
         let mut blocks = vec![file.index[0]];
         blocks.extend_from_slice(&file.index[self.seeds.clone()]);
+        debug_assert_eq!(blocks.len(), held_at);
         blocks.extend_from_slice(&file.index[pq.start..end]);
         Some(blocks)
+    }
+
+    /// The PQ run and where [`IndexParts::compact`]'s blocks hold its first block.
+    pub fn compact_pq(&self) -> Option<(Range<usize>, usize)> {
+        Some((self.pq()?, 1 + self.seeds.len()))
     }
 }
 

@@ -90,9 +90,13 @@ pub struct FileBlocks {
     pub index_hints: Box<[FrameHint]>,
     /// The index blocks held resident, once the context is warmed ([`crate::Db::warm`]).
     pub resident: OnceLock<ResidentBlocks>,
-    /// The blocks a compact context holds instead (meta, seed table, PQ codes), which
-    /// searches read through pins that always hit.
+    /// The blocks a compact context holds instead (meta, seed table, PQ codes): the codes
+    /// are read straight from their frames (`compact_pq`), the rest through pins that
+    /// always hit.
     pub compact: OnceLock<ResidentBlocks>,
+    /// Where `compact` holds the PQ run: (its first index block, that block's place among
+    /// the held ones). Scans and refinements read the held codes without pins.
+    pub compact_pq: OnceLock<(usize, usize)>,
 }
 
 impl FileBlocks {
@@ -116,6 +120,7 @@ impl FileBlocks {
             index_hints,
             resident: OnceLock::new(),
             compact: OnceLock::new(),
+            compact_pq: OnceLock::new(),
         })
     }
 }

@@ -1088,8 +1088,13 @@ impl Session {
     }
 
     /// The PQ codes of `run`, a segment's PQ run.
-    fn pq_of<'a>(&'a self, r: &SegmentReader<'_>, run: &'a [BlockRequest]) -> Result<PagedPq<'a>> {
-        PagedPq::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
+    fn pq_of<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>, run: &'a [BlockRequest]) -> Result<PagedPq<'a>> {
+        // A compact context's held PQ run: read from its frames, without pins.
+        let held = match (r.file.compact.get(), r.file.compact_pq.get()) {
+            (Some(held), Some(&(at, from))) if run.first() == r.file.index.get(at) => Some((held, from)),
+            _ => None,
+        };
+        PagedPq::open_held(&self.db.inner.pool, run, held).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
     }
 
     /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
@@ -1472,13 +1477,14 @@ impl Session {
             let from = z.len();
             // exp(z + ln s) = s · exp(z): a seed stands for its stride's tokens.
             let log_stride = (s.stride as f32).ln();
+            // `found` ascends by (token, segment), and so do this segment's seeds: one merge.
+            let mut at = found.partition_point(|f| (f.1, f.0) < (r.seg.base, si));
             for j in 0..l.seed_rows() {
                 let (local, sc) = (j * s.stride, s.scores.get(j as usize).copied().unwrap_or(f32::NEG_INFINITY));
                 let t = r.seg.base + local;
-                let left_out = local < r.seg.usable
-                    && sc > f32::NEG_INFINITY
-                    && !win.contains(prefix, t)
-                    && found.binary_search_by_key(&(t, si), |f| (f.1, f.0)).is_err();
+                at += found[at..].iter().take_while(|f| (f.1, f.0) < (t, si)).count();
+                let retrieved = found.get(at).is_some_and(|f| (f.1, f.0) == (t, si));
+                let left_out = local < r.seg.usable && sc > f32::NEG_INFINITY && !win.contains(prefix, t) && !retrieved;
                 if left_out {
                     z.push(sc * scale + log_stride);
                     ids.push(t);

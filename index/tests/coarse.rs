@@ -9,7 +9,7 @@ use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
 use ctxfs_index::coarse::{reaching, run_of, take_tokens, CoarseKind};
 use ctxfs_index::flat::{QueryScores, BEST_RUN};
 use ctxfs_index::synth::{head, Rng, SynthParams};
-use ctxfs_index::{Coarse, Keys, MemKeys};
+use ctxfs_index::{Coarse, Keys, MemKeys, SearchStats};
 use ctxfs_kernels::Reached;
 use ctxfs_vfs::{max_payload, BlockDevice, DType, DeviceChoice, FileStream, ModelShape, Store};
 use half::f16;
@@ -917,9 +917,12 @@ fn residual_codes_bring_the_codes_scores_nearer_the_exact_ones() {
     *bad6.last_mut().unwrap().last_mut().unwrap() = 64;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let (store, reqs) = store_runs(file_device(&dir), d, &[v4.clone(), version_3(v4), bad6]);
-    let config = PoolConfig { budget_bytes: 600 * 4096, data_fraction: 0.2, ..Default::default() };
-    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap();
+    let config = PoolConfig { budget_bytes: 2400 * 4096, data_fraction: 0.2, ..Default::default() };
+    let pool = Arc::new(BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config).unwrap());
     let paged = PagedPq::open(&pool, &reqs[0]).unwrap();
+    // The same run held resident (as a compact context holds it), read without pins.
+    let held = pool.make_resident(&reqs[0]).unwrap().expect("room to hold the run");
+    let from_held = PagedPq::open_held(&pool, &reqs[0], Some((&held, 0))).unwrap();
     let ids: Vec<u32> = (0..n as u32).step_by(7).collect();
     let (mut approx_err, mut refined_err) = (0.0f64, 0.0f64);
     for q in decode.chunks_exact(d).take(8) {
@@ -934,6 +937,14 @@ fn residual_codes_bring_the_codes_scores_nearer_the_exact_ones() {
         paged.refine(&table, &ids, &mut read, &mut stats).unwrap();
         assert_eq!(read, refined, "the stored residual codes refine as those in memory");
         assert!(stats.blocks_touched > 0);
+        let mut held_stats = SearchStats::default();
+        let mut from_frames: Vec<f32> = ids.iter().map(|&t| approx[t as usize]).collect();
+        from_held.refine(&table, &ids, &mut from_frames, &mut held_stats).unwrap();
+        assert_eq!(from_frames, refined, "the held residual codes refine as those in memory");
+        assert_eq!((held_stats.blocks_read, held_stats.blocks_touched > 0), (0, true));
+        let group = &decode[..4 * d];
+        let kept = |p: &PagedPq<'_>| p.token_best_many(group, None, 256, 96).unwrap().expect("kept");
+        assert_eq!(kept(&from_held).queries, kept(&paged).queries, "held codes scan as pinned ones");
         for (&t, r) in ids.iter().zip(&refined) {
             let exact = dot64(keys.row(t), q);
             approx_err += (approx[t as usize] as f64 - exact).powi(2);
@@ -957,4 +968,9 @@ fn residual_codes_bring_the_codes_scores_nearer_the_exact_ones() {
     let e = bad.refine(&table6, &[n as u32 - 1], &mut [0.0], &mut Default::default()).unwrap_err();
     assert_eq!(e.block(), Some(reqs[2].last().unwrap().block), "{e}");
     assert!(e.to_string().contains(&format!("of token {} ", n - 1)), "{e}");
+    // Held, the bad code is the same error naming the same block.
+    let held_bad = pool.make_resident(&reqs[2]).unwrap().expect("room to hold the run");
+    let bad = PagedPq::open_held(&pool, &reqs[2], Some((&held_bad, 0))).unwrap();
+    let held_e = bad.refine(&table6, &[n as u32 - 1], &mut [0.0], &mut Default::default()).unwrap_err();
+    assert_eq!(held_e.to_string(), e.to_string());
 }

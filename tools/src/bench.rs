@@ -38,6 +38,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
     kib.parse::<u64>().ok().map(|k| k << 10)
 }
 
+/// CPU time the process has used, all its threads together, in seconds.
+pub fn process_cpu_seconds() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec; CLOCK_PROCESS_CPUTIME_ID is supported on
+    // every Linux this runs on, and a failure leaves `t` at zero (returned as such).
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
 /// Starts [`peak_rss_bytes`] over from the current resident memory (Linux: `5` written to
 /// `/proc/self/clear_refs`), so that a phase's peak is its own.
 pub fn reset_peak_rss() {

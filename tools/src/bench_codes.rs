@@ -131,8 +131,10 @@ fn time_choices(
     drop(snap);
     // Room for the whole run in the index area, as a compact context holds its codes.
     let config = PoolConfig { budget_bytes: 2 * bytes, data_fraction: 0.1, ..Default::default() };
-    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?;
-    let pq = PagedPq::open(&pool, &reqs).map_err(|e| anyhow!(e))?;
+    let pool = Arc::new(BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?);
+    // Held resident and read from its frames, as a compact context's codes are.
+    let held = pool.make_resident(&reqs)?.ok_or_else(|| anyhow!("the pool has no room to hold the PQ run"))?;
+    let pq = PagedPq::open_held(&pool, &reqs, Some((&held, 0))).map_err(|e| anyhow!(e))?;
     let tokens = pq.meta().tokens as usize;
     let mut scans = Vec::new();
     for lim in [SHORT.min(tokens), tokens] {

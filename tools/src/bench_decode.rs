@@ -144,6 +144,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let session = db.open_session(NAME, None)?;
     let open_s = t.elapsed().as_secs_f64();
     let mut layer_secs = vec![Vec::new(); layers];
+    // Per layer, per step: the process's CPU time over it (every thread's).
+    let mut layer_cpu = vec![Vec::new(); layers];
     // Per layer, per step: the step's time split (see `split_of`).
     let mut layer_split = vec![Vec::new(); layers];
     let (mut ios, mut plans) = (Vec::new(), Vec::new());
@@ -157,10 +159,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         }
         let mut io = 0;
         for (l, secs) in layer_secs.iter_mut().enumerate() {
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), crate::bench::process_cpu_seconds());
             let a = session.attention(l, &step_q(l, s))?;
             let wall = t.elapsed().as_secs_f64();
             secs.push(wall);
+            layer_cpu[l].push(crate::bench::process_cpu_seconds() - cpu);
             layer_split[l].push(split_of(&a, wall));
             io += a.heads.iter().map(|h| h.stats.blocks_read).sum::<u64>();
             if s == 0 {
@@ -180,6 +183,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         |of: usize, s: usize| -> f64 { extrapolate(&layer_secs[..of].iter().map(|v| v[s]).collect::<Vec<_>>()) };
     let cold = step_from(layers, 0);
     let steady = median((1..steps).map(|s| step_from(layers, s)).collect());
+    // The steady step's CPU time, extrapolated as its time is; over the threads it ran on, the
+    // step it would take without any wait on the disk.
+    let steady_cpu =
+        median((1..steps).map(|s| extrapolate(&layer_cpu.iter().map(|v| v[s]).collect::<Vec<_>>())).collect());
+    let cpu_bound = steady_cpu / attention_threads() as f64;
     // With more layers built than the baselines take: the step as their layers alone would
     // extrapolate it, beside the one measured.
     let base = layers.min(BASELINE_LAYERS);
@@ -275,6 +283,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["peak_rss_bytes"] = json!(crate::bench::peak_rss_bytes());
     v["baseline_layers"] = json!(base);
     v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
+    v["step_cpu"] = json!({"seconds": steady_cpu, "threads": attention_threads(), "bound_seconds": cpu_bound});
     v["import"] = json!(import.as_ref().map(|(r, peak)| json!({
         "seconds": r.seconds, "build_seconds_per_head": r.build_seconds() / r.heads.max(1) as f64, "peak_rss_bytes": peak,
         "seconds_per_head": crate::import::phases_json(r), "knn_gpu_heads": r.knn_gpu_heads,
@@ -319,6 +328,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     if let Some(from_base) = steady_from_base {
         println!("{:<44} {:>12.4}", format!("  the same extrapolated from {base} layers"), from_base);
     }
+    println!(
+        "{:<44} {:>12.4}",
+        format!("  its CPU time ÷ {} threads (no wait on the disk)", attention_threads()),
+        cpu_bound
+    );
     println!("{:<44} {:>12.4}", "exact attention over the same store", exact_step);
     println!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", dram_step);
     println!(

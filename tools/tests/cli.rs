@@ -217,6 +217,11 @@ fn bench_decode_builds_its_store_at_the_block_size_asked_for() {
     let ios = v["ios_per_step"].as_f64().unwrap();
     assert_eq!(v["bytes_per_step"].as_f64(), Some(ios * 8192.0));
     assert!(v["decode_step_seconds"].as_f64().unwrap() > 0.0);
+    // The step's CPU time, and over the threads it ran on, what it would take without waits.
+    let cpu = &v["step_cpu"];
+    let threads = cpu["threads"].as_f64().unwrap();
+    assert!(threads >= 1.0 && cpu["seconds"].as_f64().unwrap() > 0.0, "{cpu}");
+    assert_eq!(cpu["bound_seconds"].as_f64(), Some(cpu["seconds"].as_f64().unwrap() / threads));
     // The loader baseline read exactly the K+V bytes and answered as exact attention does.
     let raw = &v["raw_load"];
     assert_eq!(raw["kv_bytes"].as_u64(), Some(4096 * 8 * 2 * 128 * 2));

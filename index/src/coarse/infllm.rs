@@ -266,10 +266,7 @@ impl<'p> PagedInfllm<'p> {
         let meta = InfllmMeta::decode(&read_meta(pool, blocks, "infllm index")?)?;
         let [s] = meta.sections();
         check_run(pool, blocks.len(), &[s], "infllm index")?;
-        Ok(PagedInfllm {
-            meta,
-            records: PagedRecords { pool, blocks: &blocks[1..], size: s.size, per_block: s.per_block },
-        })
+        Ok(PagedInfllm { meta, records: PagedRecords::new(pool, &blocks[1..], s.size, s.per_block) })
     }
 
     pub fn meta(&self) -> &InfllmMeta {

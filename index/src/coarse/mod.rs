@@ -29,7 +29,7 @@ mod residual;
 
 use crate::flat::QueryScores;
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard};
+use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard, ResidentBlocks};
 use ctxfs_vfs::BlockFault;
 use std::ops::Range;
 use std::sync::Arc;
@@ -69,6 +69,13 @@ pub trait Coarse {
 /// the bytes are malformed.
 type Visitor<'a> = dyn FnMut(usize, &[u8]) -> Result<(), String> + 'a;
 
+/// Called with each block visited: its index in the run and its payload.
+type BlockVisitor<'a> = dyn FnMut(usize, &[u8]) -> Result<(), BufferError> + 'a;
+
+/// Called with each record asked for: its position among the ids and its bytes. An `Err`
+/// says the bytes are malformed.
+type RecordVisitor<'a> = dyn FnMut(usize, &[u8]) -> Result<(), String> + 'a;
+
 /// Fixed-size records, read in runs of whole records: how every coarse index reaches its
 /// metadata, whether it lies in one array or across pinned pages.
 trait Records {
@@ -76,8 +83,12 @@ trait Records {
     /// (`first` is the run's first record). An error from `f` (malformed contents) or from
     /// the storage ends the visit. Counts pinned blocks in `stats`.
     fn visit(&self, range: Range<usize>, stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError>;
-    /// Records a run holds at most: those of one block (every record, in memory).
-    fn per_run(&self) -> usize;
+    /// Calls `f(i, record)` for each record `ids[i]` (ascending, all below the records'
+    /// count), in order. Pins the blocks that hold them in batches, and prefetches records a
+    /// few ids ahead: a sparse read of a few records in each of many blocks (the residual codes
+    /// of scattered tokens) costs one pool call per batch and overlaps its cache misses.
+    fn visit_records(&self, ids: &[u32], stats: &mut SearchStats, f: &mut RecordVisitor<'_>)
+        -> Result<(), BufferError>;
 }
 
 /// Records in one array (the in-memory form of every method).
@@ -90,8 +101,18 @@ impl Records for MemRecords<'_> {
     fn visit(&self, range: Range<usize>, _stats: &mut SearchStats, f: &mut Visitor<'_>) -> Result<(), BufferError> {
         f(range.start, &self.bytes[range.start * self.size..range.end * self.size]).map_err(invalid)
     }
-    fn per_run(&self) -> usize {
-        usize::MAX
+    fn visit_records(
+        &self,
+        ids: &[u32],
+        _stats: &mut SearchStats,
+        f: &mut RecordVisitor<'_>,
+    ) -> Result<(), BufferError> {
+        for (i, &t) in ids.iter().enumerate() {
+            let record = self.bytes.get(t as usize * self.size..(t as usize + 1) * self.size);
+            f(i, record.ok_or_else(|| invalid(format!("record {t} beyond the records in memory")))?)
+                .map_err(invalid)?;
+        }
+        Ok(())
     }
 }
 
@@ -121,12 +142,90 @@ fn check_queries(queries: &[f32], dim: usize) -> Result<(), BufferError> {
 /// than the pool's index area has at once.
 const PIN_BATCH: usize = 64;
 
-/// Records packed `per_block` to a block in a run of blocks read through the pool.
+/// How many records ahead of the one it visits a sparse visit prefetches
+/// ([`Records::visit_records`]): enough misses in flight to hide memory latency.
+const PREFETCH_RECORDS_AHEAD: usize = 8;
+
+/// Records packed `per_block` to a block in a run of blocks read through the pool, or,
+/// where the run is held resident, straight from the held frames.
 struct PagedRecords<'p> {
     pool: &'p BufferPool,
     blocks: &'p [BlockRequest],
     size: usize,
     per_block: usize,
+    /// Where every block of the run is held: block `b` is the held block `from + b`.
+    held: Option<Held<'p>>,
+}
+
+/// Blocks of a run held resident: the run's block `b` is `blocks`' block `from + b`.
+#[derive(Clone, Copy)]
+struct Held<'p> {
+    blocks: &'p ResidentBlocks,
+    from: usize,
+}
+
+impl<'p> PagedRecords<'p> {
+    fn new(pool: &'p BufferPool, blocks: &'p [BlockRequest], size: usize, per_block: usize) -> Self {
+        PagedRecords { pool, blocks, size, per_block, held: None }
+    }
+
+    /// Reads its blocks from `held`'s blocks `from ..` where they hold all of them (a compact
+    /// context's codes): no pin, no page-table lookup, no latch.
+    fn held_from(&mut self, held: &'p ResidentBlocks, from: usize) {
+        if from + self.blocks.len() <= held.len() {
+            self.held = Some(Held { blocks: held, from });
+        }
+    }
+
+    /// Calls `f(b, payload)` for each block `b` of `wanted` (ascending), read through the
+    /// pool in batches of [`PIN_BATCH`], or straight from the held frames. With `whole`, the
+    /// next block is prefetched whole while one is visited (a scan reads all of it).
+    fn each_block(
+        &self,
+        wanted: impl Iterator<Item = usize>,
+        whole: bool,
+        stats: &mut SearchStats,
+        f: &mut BlockVisitor<'_>,
+    ) -> Result<(), BufferError> {
+        if let Some(h) = self.held {
+            let mut wanted = wanted.peekable();
+            while let Some(b) = wanted.next() {
+                // As below: the next block's lines on their way while this one is visited.
+                if let Some(&next) = wanted.peek().filter(|_| whole) {
+                    ctxfs_kernels::prefetch(h.blocks.payload(h.from + next));
+                }
+                stats.blocks_touched += 1;
+                f(b, h.blocks.payload(h.from + b))?;
+            }
+            return Ok(());
+        }
+        let wanted: Vec<usize> = wanted.collect();
+        for batch in wanted.chunks(PIN_BATCH) {
+            let reqs: Vec<BlockRequest> = batch.iter().map(|&b| self.blocks[b]).collect();
+            let guards: Vec<PageGuard<'_>> = self.pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
+            stats.blocks_touched += guards.len() as u64;
+            stats.blocks_read += guards.iter().filter(|g| g.read_here()).count() as u64;
+            for (i, (g, &b)) in guards.iter().zip(batch).enumerate() {
+                // The next block's lines are on their way while this one is visited: blocks
+                // lie in scattered frames, where the CPU's own prefetcher stops at the page.
+                if let Some(next) = guards.get(i + 1).filter(|_| whole) {
+                    ctxfs_kernels::prefetch(next.payload());
+                }
+                f(b, g.payload())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The records `lo..hi` of block `b`'s payload `p`, or an error naming the block.
+    fn records_of<'a>(&self, b: usize, p: &'a [u8], lo: usize, hi: usize) -> Result<&'a [u8], BufferError> {
+        p.get(lo * self.size..hi * self.size).ok_or_else(|| {
+            malformed(
+                &self.blocks[b],
+                format!("coarse index block holds {} bytes, its records need {}", p.len(), hi * self.size),
+            )
+        })
+    }
 }
 
 /// A block whose contents contradict its index's meta block, as a storage error naming it.
@@ -141,35 +240,42 @@ impl Records for PagedRecords<'_> {
         }
         let per = self.per_block;
         let wanted = range.start / per..(range.end - 1) / per + 1;
-        for batch in wanted.clone().step_by(PIN_BATCH) {
-            let reqs = &self.blocks[batch..(batch + PIN_BATCH).min(wanted.end)];
-            let guards: Vec<PageGuard<'_>> = self.pool.get_many(reqs).into_iter().collect::<Result<_, _>>()?;
-            stats.blocks_touched += guards.len() as u64;
-            stats.blocks_read += guards.iter().filter(|g| g.read_here()).count() as u64;
-            for (i, g) in guards.iter().enumerate() {
-                // The next block's lines are on their way while this one is visited: blocks
-                // lie in scattered frames, where the CPU's own prefetcher stops at the page.
-                if let Some(next) = guards.get(i + 1) {
-                    ctxfs_kernels::prefetch(next.payload());
-                }
-                let b = batch + i;
-                let first = range.start.max(b * per);
-                let last = range.end.min((b + 1) * per);
-                let (lo, hi) = ((first - b * per) * self.size, (last - b * per) * self.size);
-                let p = g.payload();
-                if p.len() < hi {
-                    return Err(malformed(
-                        &reqs[i],
-                        format!("coarse index block holds {} bytes, its records need {hi}", p.len()),
-                    ));
-                }
-                f(first, &p[lo..hi]).map_err(|why| malformed(&reqs[i], why))?;
-            }
-        }
-        Ok(())
+        self.each_block(wanted, true, stats, &mut |b, p| {
+            let first = range.start.max(b * per);
+            let last = range.end.min((b + 1) * per);
+            let bytes = self.records_of(b, p, first - b * per, last - b * per)?;
+            f(first, bytes).map_err(|why| malformed(&self.blocks[b], why))
+        })
     }
-    fn per_run(&self) -> usize {
-        self.per_block
+    fn visit_records(
+        &self,
+        ids: &[u32],
+        stats: &mut SearchStats,
+        f: &mut RecordVisitor<'_>,
+    ) -> Result<(), BufferError> {
+        let per = self.per_block;
+        let mut blocks: Vec<usize> = ids.iter().map(|&t| t as usize / per).collect();
+        blocks.dedup();
+        let held = self.held;
+        // The bytes of record `t` in the held frames, where they are there.
+        let held_record = |t: u32| -> Option<&[u8]> {
+            let h = held?;
+            let at = (t as usize % per) * self.size;
+            h.blocks.payload(h.from + t as usize / per).get(at..at + self.size)
+        };
+        let mut i = 0;
+        self.each_block(blocks.into_iter(), false, stats, &mut |b, p| {
+            let to = i + ids[i..].partition_point(|&t| (t as usize) < (b + 1) * per);
+            for (j, &t) in ids.iter().enumerate().take(to).skip(i) {
+                if let Some(ahead) = ids.get(j + PREFETCH_RECORDS_AHEAD).and_then(|&a| held_record(a)) {
+                    ctxfs_kernels::prefetch(ahead);
+                }
+                let lo = t as usize - b * per;
+                f(j, self.records_of(b, p, lo, lo + 1)?).map_err(|why| malformed(&self.blocks[b], why))?;
+            }
+            i = to;
+            Ok(())
+        })
     }
 }
 
@@ -369,14 +475,27 @@ pub(crate) fn cut_rank(stride: usize, k: usize) -> usize {
     (CUT_SPARE * k).div_ceil(stride) + 8
 }
 
-/// The `k` best of `pairs` (token, score) by score (ties: the lower token), ascending by
-/// token: the tokens and order [`take_tokens`] gives.
+/// The `k` best of `pairs` (token, score), ascending by token, by score (ties: the lower
+/// token), in their order: the tokens and order [`take_tokens`] gives. A selection of the
+/// `k`-th best score, then one pass: no sort.
 pub fn best_pairs(mut pairs: Vec<(u32, f32)>, k: usize) -> Vec<(u32, f32)> {
-    if k < pairs.len() {
-        pairs.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        pairs.truncate(k);
+    debug_assert!(pairs.windows(2).all(|w| w[0].0 < w[1].0), "pairs ascend by token");
+    if k == 0 {
+        pairs.clear();
+    } else if k < pairs.len() {
+        let mut scores: Vec<f32> = pairs.iter().map(|p| p.1).collect();
+        let cut = *scores.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1;
+        // Those above the cut, and of those at it the lowest tokens, to make `k`.
+        let mut at_cut = k - scores[..k].iter().filter(|s| s.total_cmp(&cut).is_gt()).count();
+        pairs.retain(|p| match p.1.total_cmp(&cut) {
+            std::cmp::Ordering::Greater => true,
+            std::cmp::Ordering::Equal if at_cut > 0 => {
+                at_cut -= 1;
+                true
+            }
+            _ => false,
+        });
     }
-    pairs.sort_unstable_by_key(|p| p.0);
     pairs
 }
 
@@ -393,6 +512,21 @@ fn limit(tokens: u32, prefix: Option<u32>) -> u32 {
 mod tests {
     use super::*;
     use crate::synth::Rng;
+
+    #[test]
+    fn best_pairs_are_the_best_by_score_then_token_in_token_order() {
+        let mut rng = Rng::new(4);
+        for (n, k) in [(0usize, 3usize), (5, 0), (5, 5), (5, 9), (1000, 1), (1000, 64), (1000, 999), (20_000, 2048)] {
+            // Few distinct values, so that ties straddle the cut.
+            let pairs: Vec<(u32, f32)> =
+                (0..n as u32).map(|t| (3 * t + 1, (rng.below(32) as f32 - 16.0) * 0.25)).collect();
+            let mut expected = pairs.clone();
+            expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            expected.truncate(k);
+            expected.sort_by_key(|p| p.0);
+            assert_eq!(best_pairs(pairs, k), expected, "n {n} k {k}");
+        }
+    }
 
     #[test]
     fn take_tokens_is_the_best_by_score_then_id() {

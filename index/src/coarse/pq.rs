@@ -69,7 +69,7 @@ use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
 use crate::synth::Rng;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, ResidentBlocks};
 use ctxfs_kernels::{PqLut, Reached, SumCut};
 use half::f16;
 
@@ -551,6 +551,18 @@ pub struct PagedPq<'p> {
 impl<'p> PagedPq<'p> {
     /// Opens a PQ index from the block requests of its run (meta block first).
     pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedPq<'p>, String> {
+        Self::open_held(pool, blocks, None)
+    }
+
+    /// [`PagedPq::open`], reading the run's blocks from `held` where it holds them resident:
+    /// the run's block `b` is `held`'s block `from + b` (a compact context's holds). Sections
+    /// past the held blocks' end (residual codes a lean compact context streams) go through
+    /// the pool.
+    pub fn open_held(
+        pool: &'p BufferPool,
+        blocks: &'p [BlockRequest],
+        held: Option<(&'p ResidentBlocks, usize)>,
+    ) -> Result<PagedPq<'p>, String> {
         let meta = PqMeta::decode(&read_meta(pool, blocks, "pq index")?)?;
         let sections = meta.sections();
         check_run(pool, blocks.len(), &sections, "pq index")?;
@@ -558,15 +570,22 @@ impl<'p> PagedPq<'p> {
         let split = 1 + c.blocks();
         let samples_at = split + t.blocks();
         let residual_at = samples_at + samples.blocks();
-        let records = |blocks, s: Section| PagedRecords { pool, blocks, size: s.size, per_block: s.per_block };
-        let residual = meta
-            .residual_shape()
-            .map(|shape| PagedResidual::open(pool, &blocks[residual_at..], shape, [sections[3], sections[4]]));
+        let records = |at: usize, to: usize, s: Section| {
+            let mut r = PagedRecords::new(pool, &blocks[at..to], s.size, s.per_block);
+            if let Some((held, from)) = held {
+                r.held_from(held, from + at);
+            }
+            r
+        };
+        let residual = meta.residual_shape().map(|shape| {
+            let held = held.map(|(h, from)| (h, from + residual_at));
+            PagedResidual::open(pool, &blocks[residual_at..], shape, [sections[3], sections[4]], held)
+        });
         Ok(PagedPq {
             meta,
-            centroids: records(&blocks[1..split], c),
-            codes: records(&blocks[split..samples_at], t),
-            samples: (samples.records > 0).then(|| records(&blocks[samples_at..residual_at], samples)),
+            centroids: records(1, split, c),
+            codes: records(split, samples_at, t),
+            samples: (samples.records > 0).then(|| records(samples_at, residual_at, samples)),
             residual,
         })
     }

@@ -169,10 +169,7 @@ impl<'p> PagedQuest<'p> {
         let meta = QuestMeta::decode(&read_meta(pool, blocks, "quest index")?)?;
         let [s] = meta.sections();
         check_run(pool, blocks.len(), &[s], "quest index")?;
-        Ok(PagedQuest {
-            meta,
-            records: PagedRecords { pool, blocks: &blocks[1..], size: s.size, per_block: s.per_block },
-        })
+        Ok(PagedQuest { meta, records: PagedRecords::new(pool, &blocks[1..], s.size, s.per_block) })
     }
 
     pub fn meta(&self) -> &QuestMeta {

@@ -17,7 +17,7 @@
 use super::{check_query, invalid, MemRecords, PagedRecords, Records, Section};
 use crate::coarse::pq::{centroid_runs, PqParams};
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, ResidentBlocks};
 use half::f16;
 
 /// The most the residual centroids may weigh against the residual codes, as a divisor: an
@@ -104,10 +104,24 @@ pub(super) struct PagedResidual<'p> {
 
 impl<'p> PagedResidual<'p> {
     /// The residual codes in `blocks`, the run's blocks after its sample blocks.
-    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest], shape: ResidualShape, [c, t]: [Section; 2]) -> Self {
+    /// The residual codes in `blocks`, read from `held`'s blocks from the given one on where
+    /// they are held there.
+    pub fn open(
+        pool: &'p BufferPool,
+        blocks: &'p [BlockRequest],
+        shape: ResidualShape,
+        [c, t]: [Section; 2],
+        held: Option<(&'p ResidentBlocks, usize)>,
+    ) -> Self {
         let split = c.blocks();
-        let records = |blocks, s: Section| PagedRecords { pool, blocks, size: s.size, per_block: s.per_block };
-        PagedResidual { shape, centroids: records(&blocks[..split], c), codes: records(&blocks[split..], t) }
+        let records = |at: usize, blocks, s: Section| {
+            let mut r = PagedRecords::new(pool, blocks, s.size, s.per_block);
+            if let Some((held, from)) = held {
+                r.held_from(held, from + at);
+            }
+            r
+        };
+        PagedResidual { shape, centroids: records(0, &blocks[..split], c), codes: records(split, &blocks[split..], t) }
     }
 }
 
@@ -184,19 +198,10 @@ pub(super) fn refine(
         }
         Ok(add)
     };
-    // Only the blocks holding ids are read: a block's ids at a time.
-    let per = codes.per_run().max(1);
-    let mut i = 0;
-    while let Some(&t) = ids.get(i) {
-        let block = t as usize / per;
-        let to = i + ids[i..].partition_point(|&u| u as usize / per == block);
-        codes.visit(t as usize..ids[to - 1] as usize + 1, stats, &mut |from, bytes| {
-            for (&u, score) in ids[i..to].iter().zip(&mut scores[i..to]) {
-                *score += lookup(u, &bytes[(u as usize - from) * s.m..][..s.m])?;
-            }
-            Ok(())
-        })?;
-        i = to;
-    }
+    // Only the blocks holding ids are read.
+    codes.visit_records(ids, stats, &mut |i, row| {
+        scores[i] += lookup(ids[i], row)?;
+        Ok(())
+    })?;
     Ok(())
 }
