@@ -169,12 +169,15 @@ impl<'p> PagedRecords<'p> {
         PagedRecords { pool, blocks, size, per_block, held: None }
     }
 
-    /// Reads its blocks from `held`'s blocks `from ..` where they hold all of them (a compact
-    /// context's codes): no pin, no page-table lookup, no latch.
-    fn held_from(&mut self, held: &'p ResidentBlocks, from: usize) {
-        if from + self.blocks.len() <= held.len() {
-            self.held = Some(Held { blocks: held, from });
+    /// Reads its blocks from the held blocks where a run's blocks are held (`held`: the held
+    /// blocks and where the run's first is among them) and they hold all of this one's,
+    /// which starts at the run's block `at` (a compact context's codes): no pin, no
+    /// page-table lookup, no latch.
+    fn held_in_run(mut self, held: Option<(&'p ResidentBlocks, usize)>, at: usize) -> Self {
+        if let Some((blocks, from)) = held.filter(|&(h, from)| from + at + self.blocks.len() <= h.len()) {
+            self.held = Some(Held { blocks, from: from + at });
         }
+        self
     }
 
     /// Calls `f(b, payload)` for each block `b` of `wanted` (ascending), read through the

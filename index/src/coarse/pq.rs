@@ -571,11 +571,7 @@ impl<'p> PagedPq<'p> {
         let samples_at = split + t.blocks();
         let residual_at = samples_at + samples.blocks();
         let records = |at: usize, to: usize, s: Section| {
-            let mut r = PagedRecords::new(pool, &blocks[at..to], s.size, s.per_block);
-            if let Some((held, from)) = held {
-                r.held_from(held, from + at);
-            }
-            r
+            PagedRecords::new(pool, &blocks[at..to], s.size, s.per_block).held_in_run(held, at)
         };
         let residual = meta.residual_shape().map(|shape| {
             let held = held.map(|(h, from)| (h, from + residual_at));

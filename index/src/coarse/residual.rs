@@ -103,9 +103,9 @@ pub(super) struct PagedResidual<'p> {
 }
 
 impl<'p> PagedResidual<'p> {
-    /// The residual codes in `blocks`, the run's blocks after its sample blocks.
-    /// The residual codes in `blocks`, read from `held`'s blocks from the given one on where
-    /// they are held there.
+    /// The residual codes in `blocks`, the run's blocks after its sample blocks; read from
+    /// the held blocks where `held` holds them (the held blocks, and where `blocks`' first
+    /// is among them).
     pub fn open(
         pool: &'p BufferPool,
         blocks: &'p [BlockRequest],
@@ -114,13 +114,8 @@ impl<'p> PagedResidual<'p> {
         held: Option<(&'p ResidentBlocks, usize)>,
     ) -> Self {
         let split = c.blocks();
-        let records = |at: usize, blocks, s: Section| {
-            let mut r = PagedRecords::new(pool, blocks, s.size, s.per_block);
-            if let Some((held, from)) = held {
-                r.held_from(held, from + at);
-            }
-            r
-        };
+        let records =
+            |at: usize, blocks, s: Section| PagedRecords::new(pool, blocks, s.size, s.per_block).held_in_run(held, at);
         PagedResidual { shape, centroids: records(0, &blocks[..split], c), codes: records(split, &blocks[split..], t) }
     }
 }
