@@ -816,7 +816,7 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
         for step in 0..4 {
             let q = b.decode_step(0, step);
             let a = session.attention(0, &q).unwrap();
-            assert_eq!(a.plan(), "pq");
+            assert_eq!(a.choice.label(), "pq");
             for (qh, h) in a.heads.iter().enumerate() {
                 let qv = &q[qh * d..(qh + 1) * d];
                 let want = exact(&keys, &values, d, &all, qv, 1.0 / (d as f32).sqrt()).0;

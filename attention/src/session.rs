@@ -174,7 +174,8 @@ pub struct HeadTiming {
     /// missed on the way are read while summing and count in `values` only.
     pub value_wait: Duration,
     /// The head's whole share: the above, the window's attention and the merge (and, for
-    /// the first q head of a group, opening the kv head's files and window).
+    /// the first q head of a group, opening the kv head's files and window). A scan of the
+    /// group's codes, keys or pages counts a share in each head's `search` and `total`.
     pub total: Duration,
 }
 
@@ -679,7 +680,7 @@ impl Session {
         choice: Choice,
         opts: &AttentionOptions,
     ) -> Result<GroupSearch> {
-        let mut started = Instant::now();
+        let started = Instant::now();
         let d = self.shape.head_dim as usize;
         let scale = self.scale(opts);
         let isa = ctxfs_kernels::active();
@@ -710,6 +711,7 @@ impl Session {
         // A flat plan scores every key for each q head of the group, and Quest every page's
         // bound: one pass over each segment's keys or pages for all of them (its time is shared
         // out as their search time).
+        let opening = started.elapsed();
         let scanning = Instant::now();
         let scans: Vec<GroupCodes> = match choice.plan {
             Plan::Full | Plan::Flat => readers
@@ -743,6 +745,9 @@ impl Session {
             _ => Vec::new(),
         };
         let scan_share = scanning.elapsed() / (qs.len() / d).max(1) as u32;
+        // Each head's share of the time counts its share of the scan; the first head's also
+        // the opening of the files and window.
+        let (mut started, mut carried) = (Instant::now(), opening);
         let mut heads = Vec::with_capacity(qs.len() / d);
         for ((i, q), (win_z, fresh_z)) in qs.chunks_exact(d).enumerate().zip(own_z) {
             let mut stats = if i == 0 { window_io } else { SearchStats::default() };
@@ -829,9 +834,9 @@ impl Session {
                 prefetch,
                 stats,
                 search,
-                elapsed: started.elapsed(),
+                elapsed: carried + scan_share + started.elapsed(),
             });
-            started = Instant::now();
+            (started, carried) = (Instant::now(), Duration::ZERO);
         }
         let layouts = readers.iter().map(|r| *r.index.layout()).collect();
         drop(readers);
