@@ -1123,7 +1123,7 @@ impl Session {
                 CodesWant::Every | CodesWant::Above { .. } => DeviceScan::Done(None),
             };
             match kept {
-                DeviceScan::Done(Some(kept)) => return Ok(GroupCodes::Kept(kept)),
+                DeviceScan::Done(Some(kept)) => return Ok(GroupCodes::Kept { kept, seeds: self.group_seeds(r, qs)? }),
                 DeviceScan::Done(None) => match device.scan(&pq, run, qs, r.seg.filter())? {
                     DeviceScan::Done(scan) => return Ok(GroupCodes::Scores(scan)),
                     DeviceScan::NotHeld => {}
@@ -1136,19 +1136,13 @@ impl Session {
         match want {
             CodesWant::Best(k) => {
                 if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, SEED_STRIDE)? {
-                    return Ok(GroupCodes::Kept(kept));
+                    return Ok(GroupCodes::Kept { kept, seeds: self.group_seeds(r, qs)? });
                 }
             }
             CodesWant::Above { beta, own_max } => {
                 // The seeds' exact scores bound each query's best before the scan: its floor
                 // lies that far below them ([`approx::range_floor`]).
-                let d = self.shape.head_dim as usize;
-                let mut seeds = Vec::with_capacity(own_max.len());
-                for q in qs.chunks_exact(d) {
-                    let (mut scores, mut stats) = (Vec::new(), SearchStats::default());
-                    r.index.score_strided(SEED_STRIDE, r.seg.usable, q, &mut scores, &mut stats)?;
-                    seeds.push(SeedsScored { scores, stats });
-                }
+                let seeds = self.group_seeds(r, qs)?;
                 let floor = |i: usize, sample: &[f32]| {
                     let known = approx::known_max(&seeds[i].scores, own_max[i]);
                     Some(approx::range_floor(known, beta, approx::margin(&seeds[i].scores, sample)))
@@ -1164,6 +1158,21 @@ impl Session {
             CodesWant::Every => {}
         }
         Ok(GroupCodes::Scores(pq.token_scores_many(qs, r.seg.filter())?))
+    }
+
+    /// The exact scores of a segment's seeds (every [`SEED_STRIDE`]-th token) for each query
+    /// of a GQA group: one scan of the seed table for all of them. The first query's counts
+    /// the blocks the scan touched; each counts its seeds as keys scored.
+    fn group_seeds(&self, r: &SegmentReader<'_>, qs: &[f32]) -> Result<Vec<SeedsScored>> {
+        let (mut all, mut stats) = (Vec::new(), SearchStats::default());
+        let len = r.index.score_strided_many(SEED_STRIDE, r.seg.usable, qs, &mut all, &mut stats)?;
+        let scored = SearchStats { keys_scored: len as u64, ..SearchStats::default() };
+        Ok((0..qs.len() / self.shape.head_dim as usize)
+            .map(|i| SeedsScored {
+                scores: all[i * len..(i + 1) * len].to_vec(),
+                stats: if i == 0 { stats } else { scored },
+            })
+            .collect())
     }
 
     /// A coarse plan's selection from one segment, with the exact scores of the tokens it
@@ -1220,7 +1229,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
-        let seeds = match scan.range.map(|a| a.seeds) {
+        let seeds = match scan.seeds {
             Some(scored) => {
                 *stats += scored.stats;
                 scored.scores.clone()
@@ -1259,7 +1268,7 @@ impl Session {
             }
             CodesChoice::Range { beta } => {
                 let given = match scan.range {
-                    Some(range) => range.scan,
+                    Some(range) => range,
                     None => RangeScan::Every(scored),
                 };
                 let every = || -> Result<GroupScan> {
@@ -1552,7 +1561,7 @@ struct SeedsScored {
 /// or only its scores above a range's floor and its seeds' ([`Session::codes_scan`]).
 enum GroupCodes {
     Scores(GroupScan),
-    Kept(KeptGroup),
+    Kept { kept: KeptGroup, seeds: Vec<SeedsScored> },
     Range { scan: RangeGroup, seeds: Vec<SeedsScored> },
 }
 
@@ -1566,37 +1575,40 @@ enum RangeGroup {
 impl GroupCodes {
     /// The group's `i`-th query's part.
     fn query(&self, i: usize) -> Scanned<'_> {
-        let none = Scanned { scores: QueryScores::plain(&[]), kept: None, range: None, stats: SearchStats::default() };
+        let none = Scanned {
+            scores: QueryScores::plain(&[]),
+            kept: None,
+            range: None,
+            seeds: None,
+            stats: SearchStats::default(),
+        };
         match self {
             GroupCodes::Scores(scan) => Scanned { scores: scan.query(i), stats: scan.stats, ..none },
-            GroupCodes::Kept(kept) => Scanned { kept: Some(&kept.queries[i]), stats: kept.stats, ..none },
+            GroupCodes::Kept { kept, seeds } => {
+                Scanned { kept: Some(&kept.queries[i]), seeds: Some(&seeds[i]), stats: kept.stats, ..none }
+            }
             GroupCodes::Range { scan, seeds } => {
                 let (scan, stats) = match scan {
                     RangeGroup::Above(group) => (RangeScan::Above(group.queries[i].as_ref()), group.stats),
                     RangeGroup::Every(every) => (RangeScan::Every(every.query(i)), every.stats),
                 };
-                Scanned { range: Some(RangeScanned { scan, seeds: &seeds[i] }), stats, ..none }
+                Scanned { range: Some(scan), seeds: Some(&seeds[i]), stats, ..none }
             }
         }
     }
 }
 
 /// One query's part of a segment's scan: its scores (none when only some were kept), or its
-/// kept best, or a range's scan with its seeds' exact scores, and the scan's work.
+/// kept best, or a range's scan (the scores above its floor, none where more reached it than
+/// there was room for, or every score); the exact scores of its seeds where the group's
+/// were scored with the scan; and the scan's work.
 #[derive(Clone, Copy)]
 struct Scanned<'a> {
     scores: QueryScores<'a>,
     kept: Option<&'a KeptScores>,
-    range: Option<RangeScanned<'a>>,
+    range: Option<RangeScan<'a>>,
+    seeds: Option<&'a SeedsScored>,
     stats: SearchStats,
-}
-
-/// One query's part of a range's scan: the scores above its floor (none where more reached
-/// it than there was room for) or every score, and its seeds, scored before the scan.
-#[derive(Clone, Copy)]
-struct RangeScanned<'a> {
-    scan: RangeScan<'a>,
-    seeds: &'a SeedsScored,
 }
 
 impl<'a> Scanned<'a> {

@@ -606,6 +606,37 @@ impl Keys for PagedIndex<'_> {
     }
 }
 
+impl PagedIndex<'_> {
+    /// [`Keys::score_strided`] of several queries (a GQA group's q heads), query after query
+    /// in `out`: with a seed table of this stride, one scan of it for all of them, each score
+    /// the single query's to the bit. Returns the scores per query. Counts in `stats` what one
+    /// query's scan counts.
+    pub fn score_strided_many(
+        &self,
+        stride: u32,
+        limit: u32,
+        queries: &[f32],
+        out: &mut Vec<f32>,
+        stats: &mut SearchStats,
+    ) -> Result<usize, BufferError> {
+        let (l, dim) = (&self.layout, self.layout.dim as usize);
+        out.clear();
+        if stride == 0 || stride != l.seed_stride {
+            let (mut one, mut len, mut others) = (Vec::new(), 0, SearchStats::default());
+            for (t, q) in queries.chunks_exact(dim).enumerate() {
+                self.score_strided(stride, limit, q, &mut one, if t == 0 { &mut *stats } else { &mut others })?;
+                len = one.len();
+                out.extend_from_slice(&one);
+            }
+            return Ok(len);
+        }
+        let len = limit.min(l.tokens).div_ceil(stride) as usize;
+        out.resize(queries.len() / dim * len, 0.0);
+        self.scan_rows((l.first_seed_block(), l.seed_rows()), 0, queries, Strided { out, stride: len, len }, stats)?;
+        Ok(len)
+    }
+}
+
 /// Scores laid out query after query: query `t`'s score of row `first + i` goes to
 /// `out[t · stride + i]`, for `i < len`.
 struct Strided<'o> {

@@ -161,6 +161,30 @@ fn the_seed_values_are_the_seed_tokens_values() {
 }
 
 #[test]
+fn a_groups_seeds_scored_at_once_are_each_querys_to_the_bit() {
+    let (keys, graph, queries, values) = data();
+    let (_, blocks) = index_payloads(&keys, &values, &graph, max_payload(4096));
+    let (_dir, store, reqs) = uring_index(64, &blocks);
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let hints = hints_for(&reqs);
+    let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+    let group = &queries[..3 * 64];
+    // The seed table's stride (one scan for the group) and another (scattered rows), over
+    // the whole index and over a prefix of it.
+    for (stride, limit) in [(SEED_STRIDE, keys.len()), (SEED_STRIDE, 1000), (50, keys.len()), (50, 777)] {
+        let (mut all, mut stats) = (Vec::new(), Default::default());
+        let len = paged.score_strided_many(stride, limit, group, &mut all, &mut stats).unwrap();
+        assert_eq!((len, all.len()), (limit.div_ceil(stride) as usize, 3 * len), "stride {stride} limit {limit}");
+        assert_eq!(stats.keys_scored, len as u64);
+        for (t, q) in group.chunks(64).enumerate() {
+            let mut one = Vec::new();
+            paged.score_strided(stride, limit, q, &mut one, &mut Default::default()).unwrap();
+            assert_eq!(&all[t * len..(t + 1) * len], &one[..], "query {t}, stride {stride} limit {limit}");
+        }
+    }
+}
+
+#[test]
 fn older_layouts_without_seed_values_or_a_seed_table_answer_the_same() {
     let (keys, graph, queries, values) = data();
     let (layout, blocks) = index_payloads(&keys, &values, &graph, max_payload(4096));
