@@ -524,6 +524,13 @@ fn an_error_target_is_met_on_real_attention() {
     println!("flat: error ≤ 0.01 on {met} of {answers} answers, {:.1}% of the tokens beyond the window", share * 100.0);
     assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
     assert!(share < 0.5, "the target retrieved {:.1}% of the tokens", share * 100.0);
+    // DIPRS on the codes, asked for a target, cuts where the target asks, not at a β.
+    let (met, answers, share) = target_answers(&session, &src, Some(Plan::Diprs), 0.01);
+    println!(
+        "diprs: error ≤ 0.01 on {met} of {answers} answers, {:.1}% of the tokens beyond the window",
+        share * 100.0
+    );
+    assert!(met as f64 >= 0.9 * answers as f64, "met on {met} of {answers}");
     // A target must be a positive number.
     let d = session.shape().head_dim as usize;
     let bad = AttentionOptions { target_error: Some(f32::NAN), ..Default::default() };

@@ -1428,7 +1428,8 @@ impl Session {
             }
             beta = match (target, r.chosen_beta) {
                 (Some(_), Some(cut)) => beta.max(cut),
-                (Some(_), None) => beta.max(opts.beta),
+                // The codes cut a target's range on their own scores: no β bounds it.
+                (Some(_), None) => f32::INFINITY,
                 (None, chosen) => beta.min(chosen.unwrap_or(beta)),
             };
             if tail {
