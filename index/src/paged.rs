@@ -596,21 +596,15 @@ impl Keys for PagedIndex<'_> {
         out: &mut Vec<f32>,
         stats: &mut SearchStats,
     ) -> SourceResult {
-        let l = &self.layout;
-        if stride == 0 || stride != l.seed_stride {
-            return score_strided_rows(self, stride, limit, q, out, stats);
-        }
-        let len = limit.min(l.tokens).div_ceil(stride) as usize;
-        out.resize(len, 0.0);
-        self.scan_rows((l.first_seed_block(), l.seed_rows()), 0, q, Strided { out, stride: len, len }, stats)
+        self.score_strided_many(stride, limit, q, out, stats).map(|_| ())
     }
 }
 
 impl PagedIndex<'_> {
     /// [`Keys::score_strided`] of several queries (a GQA group's q heads), query after query
-    /// in `out`: with a seed table of this stride, one scan of it for all of them, each score
-    /// the single query's to the bit. Returns the scores per query. Counts in `stats` what one
-    /// query's scan counts.
+    /// in `out`: with a seed table of this stride, one scan of it for all of them (each score
+    /// what one query's scan gives, to the bit), else each query's scattered rows. Returns the
+    /// scores per query. Counts in `stats` what one query's scan counts.
     pub fn score_strided_many(
         &self,
         stride: u32,
@@ -624,7 +618,7 @@ impl PagedIndex<'_> {
         if stride == 0 || stride != l.seed_stride {
             let (mut one, mut len, mut others) = (Vec::new(), 0, SearchStats::default());
             for (t, q) in queries.chunks_exact(dim).enumerate() {
-                self.score_strided(stride, limit, q, &mut one, if t == 0 { &mut *stats } else { &mut others })?;
+                score_strided_rows(self, stride, limit, q, &mut one, if t == 0 { &mut *stats } else { &mut others })?;
                 len = one.len();
                 out.extend_from_slice(&one);
             }
