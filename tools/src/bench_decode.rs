@@ -62,6 +62,11 @@ pub struct Args {
     /// share of the key blocks and of the value blocks, read on demand.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
+    /// Time the decode steps and the first output only, without the baselines (exact
+    /// attention over the store and over DRAM, the quality replay, the loader, the store on
+    /// top): at 1M tokens on 2 cores those take minutes, the steps seconds.
+    #[arg(long)]
+    steps_only: bool,
     #[arg(long)]
     json: bool,
 }
@@ -201,58 +206,53 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     });
     let split_json = |[search, values, wait, rest]: [f64; 4]| json!({"search": search, "value_read_and_sum": values, "value_wait": wait, "window_and_merge": rest});
 
-    // On the baselines' layers: exact attention over the same store (one step), the quality
-    // replay, the loader and exact attention over DRAM.
-    let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
-    let exact_layers: Vec<f64> = (0..base)
-        .map(|l| -> Result<f64> {
-            let t = Instant::now();
-            session.attention_with(l, &step_q(l, steps - 1), &full)?;
-            Ok(t.elapsed().as_secs_f64())
-        })
-        .collect::<Result<_>>()?;
-    let exact_step = extrapolate(&exact_layers);
-    drop(session);
-    let quality = quality(&db, base, steps, &step_q)?;
-    let stored = store_on_top(&db, layers, n)?;
     let gpu_codes = db.gpu_codes_bytes();
     let gpu_status = db.gpu_status().to_string();
-    drop(db);
-
-    // The loader baseline: the K+V bytes from disk, attended as they arrive.
-    let raw = RawKv::write(&args.dir, &book, base, n, !reusable)?;
-    drop_page_cache(&raw.path);
-    let loaded = raw.load_and_attend(base, n, &|l| step_q(l, 0))?;
-    let baseline_error =
-        loaded.outputs.iter().zip(&quality.exact_first_step).map(|(o, want)| rel_err(o, want)).fold(0.0, f64::max);
-    ensure!(baseline_error <= 1e-3, "the loader baseline's output is {baseline_error:.2e} from exact attention");
-    // Exact attention over the KV held in DRAM, as a server that keeps it resident does.
-    let t = Instant::now();
-    std::hint::black_box(loaded.attend(base, n, &|l| step_q(l, steps - 1)));
-    let dram_layers = t.elapsed().as_secs_f64();
-    drop(loaded.chunks);
     let per_layer = |x: f64| x / layers as f64 * MODEL_LAYERS as f64;
     let per_base_layer = |x: f64| x / base as f64 * MODEL_LAYERS as f64;
-    let (raw_first_output, dram_step) = (per_base_layer(loaded.seconds), per_base_layer(dram_layers));
+    // On the baselines' layers: exact attention over the same store (one step), the quality
+    // replay, the loader and exact attention over DRAM.
+    let baselines = if args.steps_only {
+        None
+    } else {
+        let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
+        let exact_layers: Vec<f64> = (0..base)
+            .map(|l| -> Result<f64> {
+                let t = Instant::now();
+                session.attention_with(l, &step_q(l, steps - 1), &full)?;
+                Ok(t.elapsed().as_secs_f64())
+            })
+            .collect::<Result<_>>()?;
+        drop(session);
+        let quality = quality(&db, base, steps, &step_q)?;
+        let stored = store_on_top(&db, layers, n)?;
+        drop(db);
+
+        // The loader baseline: the K+V bytes from disk, attended as they arrive.
+        let raw = RawKv::write(&args.dir, &book, base, n, !reusable)?;
+        drop_page_cache(&raw.path);
+        let loaded = raw.load_and_attend(base, n, &|l| step_q(l, 0))?;
+        let loader_error =
+            loaded.outputs.iter().zip(&quality.exact_first_step).map(|(o, want)| rel_err(o, want)).fold(0.0, f64::max);
+        ensure!(loader_error <= 1e-3, "the loader baseline's output is {loader_error:.2e} from exact attention");
+        // Exact attention over the KV held in DRAM, as a server that keeps it resident does.
+        let t = Instant::now();
+        std::hint::black_box(loaded.attend(base, n, &|l| step_q(l, steps - 1)));
+        let dram_layers = t.elapsed().as_secs_f64();
+        Some(Baselines {
+            exact_step: extrapolate(&exact_layers),
+            dram_step: per_base_layer(dram_layers),
+            quality,
+            stored,
+            raw_first_output: per_base_layer(loaded.seconds),
+            raw_kv_bytes: raw.kv_bytes(base, n),
+            loader_error,
+        })
+    };
     // First output of a context not yet resident: open the DB, read its index resident, open
     // a session and run the first step; of one already resident: the session and the step.
     let first_output = db_open_s + per_layer(warm_s) + open_s + cold;
     let resident_first_output = open_s + cold;
-    let quality_json = json!({
-        "dipr_recall": quality.recall, "output_error": quality.error, "exact_dipr_output_error": quality.exact_dipr_error,
-        "recovery": quality.recovery, "heads_measured": quality.heads, "keys_scored_fraction": quality.keys_scored_fraction,
-    });
-    let raw_json = json!({
-        "seconds": raw_first_output, "kv_bytes": raw.kv_bytes(base, n), "extrapolated_from_layers": base,
-        "queue_depth": RAW_QUEUE_DEPTH, "op_bytes": RAW_OP, "threads": attention_threads(),
-        "output_error_vs_exact": baseline_error,
-    });
-    let ratios = json!({
-        "first_output_vs_raw_load": raw_first_output / first_output,
-        "resident_first_output_vs_dram_exact": dram_step / resident_first_output,
-        "step_vs_dram_exact": dram_step / steady,
-        "step_vs_exact": exact_step / steady,
-    });
     let mut v = json!({
         "tokens": n, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "layers_built": layers, "extrapolated_from_layers": layers, "model_layers": MODEL_LAYERS, "steps": steps,
@@ -267,11 +267,6 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "db_open_seconds": db_open_s, "index_warm_seconds": warm_s, "index_warm_blocks": warmed.blocks, "index_held_blocks": warmed.held, "index_warm_extrapolated_seconds": per_layer(warm_s),
         "session_open_seconds": open_s,
         "time_to_first_output_seconds": first_output, "resident_time_to_first_output_seconds": resident_first_output,
-        "quality": quality_json,
-        "exact_step_seconds": exact_step, "dram_exact_step_seconds": dram_step,
-        "raw_load": raw_json,
-        "store_1k_on_top": {"tokens": stored.tokens, "seconds": stored.seconds, "blocks": stored.blocks, "build_seconds": stored.build_seconds()},
-        "ratios": ratios,
     });
     // Beside the object above: one more field there exceeds json!'s recursion limit.
     v["footprint"] = footprint.to_json();
@@ -280,6 +275,32 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     v["compact"] = json!(warmed.compact);
     // Where the codes' scans ran: the codes the GPU holds (none: every scan on a core).
     v["gpu_codes"] = json!(gpu_codes.map(|(held, budget)| json!({"held_bytes": held, "budget_bytes": budget})));
+    // Null with --steps-only.
+    let b = baselines.as_ref();
+    v["quality"] = json!(b.map(|b| {
+        let q = &b.quality;
+        json!({
+            "dipr_recall": q.recall, "output_error": q.error, "exact_dipr_output_error": q.exact_dipr_error,
+            "recovery": q.recovery, "heads_measured": q.heads, "keys_scored_fraction": q.keys_scored_fraction,
+        })
+    }));
+    v["exact_step_seconds"] = json!(b.map(|b| b.exact_step));
+    v["dram_exact_step_seconds"] = json!(b.map(|b| b.dram_step));
+    v["raw_load"] = json!(b.map(|b| json!({
+        "seconds": b.raw_first_output, "kv_bytes": b.raw_kv_bytes, "extrapolated_from_layers": base,
+        "queue_depth": RAW_QUEUE_DEPTH, "op_bytes": RAW_OP, "threads": attention_threads(),
+        "output_error_vs_exact": b.loader_error,
+    })));
+    v["store_1k_on_top"] = json!(b.map(|b| json!({
+        "tokens": b.stored.tokens, "seconds": b.stored.seconds, "blocks": b.stored.blocks,
+        "build_seconds": b.stored.build_seconds(),
+    })));
+    v["ratios"] = json!(b.map(|b| json!({
+        "first_output_vs_raw_load": b.raw_first_output / first_output,
+        "resident_first_output_vs_dram_exact": b.dram_step / resident_first_output,
+        "step_vs_dram_exact": b.dram_step / steady,
+        "step_vs_exact": b.exact_step / steady,
+    })));
     v["peak_rss_bytes"] = json!(crate::bench::peak_rss_bytes());
     v["baseline_layers"] = json!(base);
     v["decode_step_seconds_from_baseline_layers"] = json!(steady_from_base);
@@ -333,16 +354,19 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         format!("  its CPU time ÷ {} threads (no wait on the disk)", attention_threads()),
         cpu_bound
     );
-    println!("{:<44} {:>12.4}", "exact attention over the same store", exact_step);
-    println!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", dram_step);
-    println!(
-        "quality of the steps timed: DIPR recall {:.3}, output error {:.4} (the exact DIPR set's {:.4}), recovery {:.3}, keys scored {:.2}%",
-        quality.recall,
-        quality.error,
-        quality.exact_dipr_error,
-        quality.recovery,
-        quality.keys_scored_fraction * 100.0
-    );
+    if let Some(b) = &baselines {
+        println!("{:<44} {:>12.4}", "exact attention over the same store", b.exact_step);
+        println!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", b.dram_step);
+        let q = &b.quality;
+        println!(
+            "quality of the steps timed: DIPR recall {:.3}, output error {:.4} (the exact DIPR set's {:.4}), recovery {:.3}, keys scored {:.2}%",
+            q.recall,
+            q.error,
+            q.exact_dipr_error,
+            q.recovery,
+            q.keys_scored_fraction * 100.0
+        );
+    }
     println!(
         "I/O per steady step: {:.0} blocks ({:.1} MiB), cold step {} blocks; hit ratio {:.3}; plans {}",
         steady_ios,
@@ -376,10 +400,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             d["busy_fraction"].as_f64().unwrap_or(0.0) * 100.0
         );
     }
-    println!(
-        "store_session of {} new tokens on top of the {n}-token book: {:.2} s, {} blocks written ({} layers)",
-        stored.tokens, stored.seconds, stored.blocks, layers
-    );
+    if let Some(b) = &baselines {
+        println!(
+            "store_session of {} new tokens on top of the {n}-token book: {:.2} s, {} blocks written ({} layers)",
+            b.stored.tokens, b.stored.seconds, b.stored.blocks, layers
+        );
+    }
     println!(
         "DB open (maps the {} MiB pool) {db_open_s:.2} s; index made resident once per DB open: {} of {} blocks held, read in {warm_s:.2} s ({:.2} s for 32 layers)",
         pool_bytes >> 20,
@@ -387,16 +413,42 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         warmed.blocks,
         per_layer(warm_s)
     );
-    println!(
-        "first output, context not resident (DB open + index read + session + first step): {first_output:.3} s; raw O_DIRECT load of the {:.2} GB of K+V, attended as it arrives: {raw_first_output:.3} s: {:.2}×",
-        raw.kv_bytes(MODEL_LAYERS, n) as f64 / 1e9,
-        raw_first_output / first_output
-    );
-    println!(
-        "first output, context resident (session + first step): {resident_first_output:.4} s; exact attention over the KV in DRAM: {dram_step:.4} s per step: {:.2}×",
-        dram_step / resident_first_output
-    );
+    match &baselines {
+        Some(b) => {
+            println!(
+                "first output, context not resident (DB open + index read + session + first step): {first_output:.3} s; raw O_DIRECT load of the {:.2} GB of K+V, attended as it arrives: {:.3} s: {:.2}×",
+                per_base_layer(b.raw_kv_bytes as f64) / 1e9,
+                b.raw_first_output,
+                b.raw_first_output / first_output
+            );
+            println!(
+                "first output, context resident (session + first step): {resident_first_output:.4} s; exact attention over the KV in DRAM: {:.4} s per step: {:.2}×",
+                b.dram_step,
+                b.dram_step / resident_first_output
+            );
+        }
+        None => println!(
+            "first output, context not resident (DB open + index read + session + first step): {first_output:.3} s; resident (session + first step): {resident_first_output:.4} s"
+        ),
+    }
     Ok(())
+}
+
+/// What the steps are measured against, on the baselines' layers, 32-layer steps
+/// extrapolated from them.
+struct Baselines {
+    /// Exact attention over the same store, one step.
+    exact_step: f64,
+    /// Exact attention over the KV held in DRAM, one step.
+    dram_step: f64,
+    quality: Quality,
+    stored: ctxfs_attention::WriteReport,
+    /// The loader's first output: the K+V read with raw O_DIRECT and attended as it arrives.
+    raw_first_output: f64,
+    /// The K+V bytes the loader read (the baselines' layers).
+    raw_kv_bytes: u64,
+    /// The loader's first output against exact attention's (relative, the worst layer).
+    loader_error: f64,
 }
 
 /// Stores 1,024 new tokens on top of the whole book as a child context (random vectors stand

@@ -211,7 +211,17 @@ fn bench_decode_builds_its_store_at_the_block_size_asked_for() {
     assert!(!dir.path().join("store.ctxfs").exists(), "a refused run formats nothing");
 
     let args = ["bench", "decode", "--dir", p(dir.path()), "--tokens", "4096", "--layers", "1", "--steps", "2"];
+    // The steps alone: no baseline is measured, and the loader's file is not written.
+    let steps = json(&[&args[..], &["--block-size", "8192", "--steps-only", "--json"]].concat());
+    assert!(steps["import"].is_object() && steps["decode_step_seconds"].as_f64().unwrap() > 0.0, "{steps}");
+    assert!(steps["time_to_first_output_seconds"].as_f64().unwrap() > 0.0);
+    for k in ["quality", "raw_load", "ratios", "exact_step_seconds", "dram_exact_step_seconds", "store_1k_on_top"] {
+        assert!(steps[k].is_null(), "{k}: {}", steps[k]);
+    }
+    assert!(!dir.path().join("kv.raw").exists());
+    // The whole run reuses the store the steps-only run built.
     let v = json(&[&args[..], &["--block-size", "8192", "--json"]].concat());
+    assert!(v["import"].is_null(), "{}", v["import"]);
     let store = dir.path().join("store.ctxfs");
     assert_eq!(json(&["inspect", p(&store), "--json"])["superblock"]["block_size"].as_u64(), Some(8192));
     let ios = v["ios_per_step"].as_f64().unwrap();
