@@ -769,8 +769,10 @@ impl Session {
             });
             let (mut found, mut seeds) =
                 self.retrieve(&readers, &scanned, q, own_scores, choice, opts, target, &previous, &mut stats)?;
+            // Without a target, only the tail's log-sum-exp is needed before the group's q heads
+            // are all searched: their values are summed together after.
             let mut tail = if estimates_tail(choice, opts) || target.is_some() {
-                self.tail(&readers, &seeds, &found, scale, &mut stats)?
+                self.tail(&readers, &seeds, &found, (scale, target.is_none()), &mut stats)?
             } else {
                 None
             };
@@ -802,7 +804,7 @@ impl Session {
                     }
                     summed = std::mem::replace(&mut found, wider_found);
                     seeds = wider_seeds;
-                    tail = self.tail(&readers, &seeds, &found, scale, &mut stats)?;
+                    tail = self.tail(&readers, &seeds, &found, (scale, false), &mut stats)?;
                     rounds += 1;
                 }
             }
@@ -837,6 +839,21 @@ impl Session {
                 elapsed: carried + scan_share + started.elapsed(),
             });
             (started, carried) = (Instant::now(), Duration::ZERO);
+        }
+        // The tails' values, one pass over the seed values for the group; each head's share of
+        // the time counts in its search, as a tail summed during the search would.
+        let unsummed = |h: &SearchedHead| h.tail.as_ref().is_some_and(|t| !t.weights.is_empty());
+        let waiting: Vec<usize> = (0..heads.len()).filter(|&i| unsummed(&heads[i])).collect();
+        if let Some(&first) = waiting.first() {
+            let mut stats = SearchStats::default();
+            let mut tails: Vec<&mut Tail> =
+                heads.iter_mut().filter(|h| unsummed(h)).filter_map(|h| h.tail.as_mut()).collect();
+            let share = self.sum_tails(&readers, &mut tails, &mut stats)?;
+            heads[first].stats += stats;
+            for i in waiting {
+                heads[i].search += share;
+                heads[i].elapsed += share;
+            }
         }
         let layouts = readers.iter().map(|r| *r.index.layout()).collect();
         drop(readers);
@@ -1472,13 +1489,15 @@ impl Session {
     /// from its search) that are neither in `found` (by token, then segment) nor in the
     /// window, each weighted by its stride, their values read from the seed values. `None`
     /// when a segment's index has no seed values (stored before layout 4): an estimate of
-    /// only some segments would be biased.
+    /// only some segments would be biased. With `defer`, its values are left for
+    /// [`Session::sum_tails`] to sum with the rest of the group's; its log-sum-exp is final
+    /// either way.
     fn tail(
         &self,
         readers: &[SegmentReader<'_>],
         seeds: &[SeedScores],
         found: &[(usize, u32, f32)],
-        scale: f32,
+        (scale, defer): (f32, bool),
         stats: &mut SearchStats,
     ) -> Result<Option<Tail>> {
         let started = Instant::now();
@@ -1509,16 +1528,41 @@ impl Session {
             }
             spans.push(from..z.len());
         }
-        let d = self.shape.head_dim as usize;
-        let part = Partial::from_scores_summed(ctxfs_kernels::active(), &mut z, d, |weights, o| {
-            for (r, span) in readers.iter().zip(&spans) {
-                r.index
-                    .sum_seed_values(&weights[span.clone()], o, stats)
-                    .expect("checked above: it has seed values")?;
-            }
-            Ok::<(), Error>(())
-        })?;
-        Ok(Some(Tail { part, seeds: ids, spent: started.elapsed() }))
+        let part = Partial::unsummed(ctxfs_kernels::active(), &mut z, self.shape.head_dim as usize);
+        // An empty part has no values to sum (and `z` holds no weights).
+        let weights = if part.is_empty() { Vec::new() } else { z };
+        let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights };
+        if !defer {
+            self.sum_tails(readers, &mut [&mut tail], stats)?;
+        }
+        Ok(Some(tail))
+    }
+
+    /// Sums the values of `tails` ([`Session::tail`]'s, their values not yet summed) in one
+    /// pass over each segment's seed values for all of them: a GQA group's q heads read the
+    /// seed values once. Returns each one's share of the time, which its `spent` counts too.
+    fn sum_tails(
+        &self,
+        readers: &[SegmentReader<'_>],
+        tails: &mut [&mut Tail],
+        stats: &mut SearchStats,
+    ) -> Result<Duration> {
+        let started = Instant::now();
+        let mut from = 0;
+        for r in readers {
+            let span = from..from + r.index.layout().seed_rows() as usize;
+            let (weights, mut accs): (Vec<&[f32]>, Vec<&mut [f32]>) =
+                tails.iter_mut().map(|t| (&t.weights[span.clone()], &mut t.part.o[..])).unzip();
+            r.index.sum_seed_values(&weights, &mut accs, stats).expect("Session::tail checked: it has seed values")?;
+            from = span.end;
+        }
+        let share = started.elapsed() / tails.len().max(1) as u32;
+        for t in tails.iter_mut() {
+            t.part.normalise();
+            t.weights = Vec::new();
+            t.spent += share;
+        }
+        Ok(share)
     }
 }
 
@@ -1755,11 +1799,15 @@ fn log_add(a: f32, b: f32) -> f32 {
 
 /// The tail estimate of one q head ([`AttentionOptions::tail`]).
 struct Tail {
+    /// Attention over the seeds left out; its `o` is zero while `weights` waits to be summed.
     part: Partial,
     /// The seeds it attended, as token ids.
     seeds: Vec<u32>,
     /// Time spent estimating it (value work, reported with the values).
     spent: Duration,
+    /// The unnormalised weights of every segment's seed rows, segment after segment, whose
+    /// values are not yet summed into `part` ([`Session::sum_tails`]); empty once summed.
+    weights: Vec<f32>,
 }
 
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the

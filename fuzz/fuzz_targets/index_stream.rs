@@ -174,7 +174,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = gather_rows(&pool, data_reqs, &l, &ends);
     let mut acc = [0.0f32; D];
     if l.seed_rows() <= 4096 {
-        let _ = paged.sum_seed_values(&vec![1.0; l.seed_rows() as usize], &mut acc, &mut stats);
+        let _ = paged.sum_seed_values(&[&vec![1.0; l.seed_rows() as usize]], &mut [&mut acc], &mut stats);
     }
     if let Ok(Some(held)) = pool.make_resident(index) {
         if let Ok(resident) = PagedIndex::open(&pool, index, &hints).and_then(|i| i.with_resident(&held)) {

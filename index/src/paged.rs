@@ -491,20 +491,30 @@ impl<'p> PagedIndex<'p> {
         (1 + node / per, at..at + bytes)
     }
 
-    /// Adds `Σ weights[j] · value(token j · seed_stride)` into `acc`, from the seed values
-    /// (`weights`: one per seed row; blocks whose weights are all 0 are skipped). `None` when
-    /// the stream has no seed values (layouts 1 to 3).
-    pub fn sum_seed_values(&self, weights: &[f32], acc: &mut [f32], stats: &mut SearchStats) -> Option<SourceResult> {
+    /// For each query `i`, adds `Σ weights[i][j] · value(token j · seed_stride)` into
+    /// `accs[i]`, from the seed values (`weights[i]`: one per seed row). Each block is read
+    /// once for all the queries (a GQA group's), and skipped where all their weights are 0.
+    /// `None` when the stream has no seed values (layouts 1 to 3).
+    pub fn sum_seed_values(
+        &self,
+        weights: &[&[f32]],
+        accs: &mut [&mut [f32]],
+        stats: &mut SearchStats,
+    ) -> Option<SourceResult> {
         let l = &self.layout;
         if !l.seed_values {
             return None;
         }
-        assert_eq!(weights.len(), l.seed_rows() as usize, "one weight per seed row");
+        assert!(
+            weights.len() == accs.len() && weights.iter().all(|w| w.len() == l.seed_rows() as usize),
+            "one weight per seed row, one accumulator per query"
+        );
         let (rows, dim) = (l.rows_per_block as usize, l.dim as usize);
         let first = l.first_seed_block() + l.seed_blocks();
+        let span = |from: usize| from..(from + rows).min(l.seed_rows() as usize);
         let wanted: Vec<(u32, usize)> = (0..l.seed_blocks())
             .map(|i| (i, i as usize * rows))
-            .filter(|&(_, from)| weights[from..(from + rows).min(weights.len())].iter().any(|&w| w != 0.0))
+            .filter(|&(_, from)| weights.iter().any(|w| w[span(from)].iter().any(|&x| x != 0.0)))
             .collect();
         // At most PIN_BATCH blocks pinned at a time, as a scan.
         Some(wanted.chunks(PIN_BATCH).try_for_each(|chunk| {
@@ -513,9 +523,11 @@ impl<'p> PagedIndex<'p> {
                 stats,
                 |block| {
                     for &(i, from) in chunk {
-                        let w = &weights[from..(from + rows).min(weights.len())];
                         let b = first + i;
-                        Rows::of(l.dtype, block(b), 0, w.len(), dim).map_err(|e| (b, e))?.accumulate_rows(acc, w);
+                        let values = Rows::of(l.dtype, block(b), 0, span(from).len(), dim).map_err(|e| (b, e))?;
+                        for (w, acc) in weights.iter().zip(accs.iter_mut()) {
+                            values.accumulate_rows(acc, &w[span(from)]);
+                        }
                     }
                     Ok(())
                 },

@@ -137,7 +137,10 @@ fn short_blocks_and_links_beyond_the_index_are_errors_naming_the_block() {
             topk(&paged, q, 10, 32, None).err(),
             flat::scan(&paged, q, l.tokens, &mut stats).err(),
             paged.gather_keys(&(0..l.tokens).collect::<Vec<_>>()).err(),
-            paged.sum_seed_values(&vec![1.0; l.seed_rows() as usize], &mut [0.0; D], &mut stats).unwrap().err(),
+            paged
+                .sum_seed_values(&[&vec![1.0; l.seed_rows() as usize]], &mut [&mut [0.0; D]], &mut stats)
+                .unwrap()
+                .err(),
         ]
         .into_iter()
         .flatten()

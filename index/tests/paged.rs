@@ -145,19 +145,32 @@ fn the_seed_values_are_the_seed_tokens_values() {
     let hints = hints_for(&reqs);
     let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
     let rows = layout.seed_rows() as usize;
-    // Weights that skip whole blocks (0) and differ row by row elsewhere.
-    let weights: Vec<f32> = (0..rows).map(|j| if (j / 15) % 3 == 1 { 0.0 } else { queries[j] }).collect();
-    let mut got = vec![0.0f32; 64];
-    paged.sum_seed_values(&weights, &mut got, &mut Default::default()).unwrap().unwrap();
-    let mut want = vec![0.0f32; 64];
-    for (j, w) in weights.iter().enumerate() {
-        let t = j * SEED_STRIDE as usize;
-        for (a, v) in want.iter_mut().zip(&values[t * 64..(t + 1) * 64]) {
-            *a += w * v.to_f32();
+    // Three queries' weights, summed in one pass: each skips whole blocks (0) in places of
+    // its own and differs row by row elsewhere; all three skip some blocks together.
+    let weights: Vec<Vec<f32>> = (0..3)
+        .map(|i| {
+            (0..rows).map(|j| if (j / 15) % 3 == 1 || (j / 15) % 4 == i { 0.0 } else { queries[j + 7 * i] }).collect()
+        })
+        .collect();
+    let mut got = vec![vec![0.0f32; 64]; 3];
+    let mut accs: Vec<&mut [f32]> = got.iter_mut().map(|g| &mut g[..]).collect();
+    let refs: Vec<&[f32]> = weights.iter().map(|w| &w[..]).collect();
+    paged.sum_seed_values(&refs, &mut accs, &mut Default::default()).unwrap().unwrap();
+    for (w, got) in weights.iter().zip(&got) {
+        let mut want = vec![0.0f32; 64];
+        for (j, w) in w.iter().enumerate() {
+            let t = j * SEED_STRIDE as usize;
+            for (a, v) in want.iter_mut().zip(&values[t * 64..(t + 1) * 64]) {
+                *a += w * v.to_f32();
+            }
         }
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(err <= 1e-3 * want.iter().map(|x| x.abs()).fold(1.0, f32::max), "{got:?} against {want:?}");
+        // Summed alone, the same values.
+        let mut alone = vec![0.0f32; 64];
+        paged.sum_seed_values(&[w], &mut [&mut alone[..]], &mut Default::default()).unwrap().unwrap();
+        assert_eq!(&alone, got);
     }
-    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-    assert!(err <= 1e-3 * want.iter().map(|x| x.abs()).fold(1.0, f32::max), "{got:?} against {want:?}");
 }
 
 #[test]
@@ -208,7 +221,7 @@ fn older_layouts_without_seed_values_or_a_seed_table_answer_the_same() {
         assert!(!old.layout().seed_values);
         assert_eq!(old.layout().seed_stride, if version == 3 { SEED_STRIDE } else { 0 });
         let weights = vec![1.0; old.layout().seed_rows() as usize];
-        assert!(old.sum_seed_values(&weights, &mut [0.0; 64], &mut Default::default()).is_none());
+        assert!(old.sum_seed_values(&[&weights], &mut [&mut [0.0; 64]], &mut Default::default()).is_none());
         for q in queries.chunks(64) {
             // Layout 2 scores the seeds from their scattered key rows instead: the same keys.
             let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&old, q, &params).unwrap());

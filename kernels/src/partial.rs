@@ -69,16 +69,34 @@ impl Partial {
         dim: usize,
         sum: impl FnOnce(&[f32], &mut [f32]) -> Result<(), Err>,
     ) -> Result<Partial, Err> {
+        let mut part = Self::unsummed(isa, z, dim);
+        if !part.is_empty() {
+            sum(z, &mut part.o)?;
+            part.normalise();
+        }
+        Ok(part)
+    }
+
+    /// Attention given the scores, its values not yet summed: its maximum and weight total
+    /// are final (and so its [`Partial::lse`]), `o` is zero, and `z` is overwritten with the
+    /// unnormalised weights. The caller adds `Σ z_i · value_i` into `o`, then calls
+    /// [`Partial::normalise`]; several queries' values can so be summed in one pass over
+    /// them.
+    pub fn unsummed(isa: Isa, z: &mut [f32], dim: usize) -> Partial {
         let m = max_on(isa, z);
         if m == f32::NEG_INFINITY {
-            return Ok(Partial::empty(dim));
+            return Partial::empty(dim);
         }
         let l = exp_sub_on(isa, z, m);
-        let mut o = vec![0.0; dim];
-        sum(z, &mut o)?;
-        let inv = 1.0 / l;
-        o.iter_mut().for_each(|x| *x *= inv);
-        Ok(Partial { o, m, l })
+        Partial { o: vec![0.0; dim], m, l }
+    }
+
+    /// Divides the values summed into an [`Partial::unsummed`] part by its weights' total.
+    pub fn normalise(&mut self) {
+        if !self.is_empty() {
+            let inv = 1.0 / self.l;
+            self.o.iter_mut().for_each(|x| *x *= inv);
+        }
     }
 
     /// The exact combination of attention over disjoint parts of the keys.

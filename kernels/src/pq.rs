@@ -236,32 +236,67 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
 }
 
 /// Of the run's tokens `tokens` (positions within it), those whose byte sum reaches
-/// `cut.least`, added to `out` in token order as (context token, score) while it keeps fewer than
-/// `cut.cap`; `out.count` counts every one. The scores are [`pq_scores`]' bit for bit, and
-/// only these are made: a caller that wants a query's best reads a few thousand scores
-/// instead of every token's.
-pub fn pq_reaching(lut: &PqLut, run: CodeRun<'_>, tokens: Range<usize>, cut: SumCut, out: &mut Reached) {
-    pq_reaching_on(crate::active(), lut, run, tokens, cut, out)
+/// `cuts[i].least` under `luts[i]`, added to `outs[i]` in token order as (context token,
+/// score) while it keeps fewer than `cuts[i].cap`; `outs[i].count` counts every one. The
+/// scores are [`pq_scores`]' bit for bit, and only these are made: a caller that wants a
+/// query's best reads a few thousand scores instead of every token's. Several queries over
+/// the same codes (a GQA group's q heads) are scanned together, up to [`REACH_QUERIES`] at
+/// a time: each subspace's codes are loaded once for all of them. A cut of `u32::MAX` is
+/// reached by none (a query no sum reaches, [`PqLut::least_sum_reaching`]'s `None`).
+pub fn pq_reaching(luts: &[PqLut], run: CodeRun<'_>, tokens: Range<usize>, cuts: &[SumCut], outs: &mut [Reached]) {
+    pq_reaching_on(crate::active(), luts, run, tokens, cuts, outs)
 }
 
-pub fn pq_reaching_on(isa: Isa, lut: &PqLut, run: CodeRun<'_>, tokens: Range<usize>, cut: SumCut, out: &mut Reached) {
-    let m = lut.subspaces();
+/// Queries [`pq_reaching`] scans at once.
+pub const REACH_QUERIES: usize = 4;
+
+pub fn pq_reaching_on(
+    isa: Isa,
+    luts: &[PqLut],
+    run: CodeRun<'_>,
+    tokens: Range<usize>,
+    cuts: &[SumCut],
+    outs: &mut [Reached],
+) {
+    let m = luts.first().map_or(0, PqLut::subspaces);
+    assert!(
+        luts.iter().all(|l| l.subspaces() == m) && cuts.len() == luts.len() && outs.len() == luts.len(),
+        "{} tables of {m} subspaces, {} cuts, {} outputs",
+        luts.len(),
+        cuts.len(),
+        outs.len()
+    );
     assert!(
         run.codes.len() == m * run.tokens && tokens.start <= tokens.end && tokens.end <= run.tokens,
         "{} code bytes for {m} subspaces of {} tokens, tokens {tokens:?} scanned",
         run.codes.len(),
         run.tokens
     );
-    let done = match usable(isa) {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
-            // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
-            // checked above.
-            unsafe { avx512vbmi::pq_reaching(lut, run, tokens.clone(), cut, out) }
+    for ((luts, cuts), outs) in
+        luts.chunks(REACH_QUERIES).zip(cuts.chunks(REACH_QUERIES)).zip(outs.chunks_mut(REACH_QUERIES))
+    {
+        let done = match usable(isa) {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
+                use avx512vbmi::pq_reaching as scan;
+                let tokens = tokens.clone();
+                // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
+                // checked above, and a chunk holds 1 to REACH_QUERIES queries, as many as `Q`.
+                unsafe {
+                    match luts.len() {
+                        1 => scan::<1>(luts, run, tokens, cuts, outs),
+                        2 => scan::<2>(luts, run, tokens, cuts, outs),
+                        3 => scan::<3>(luts, run, tokens, cuts, outs),
+                        _ => scan::<REACH_QUERIES>(luts, run, tokens, cuts, outs),
+                    }
+                }
+            }
+            _ => 0,
+        };
+        for ((lut, &cut), out) in luts.iter().zip(cuts).zip(outs.iter_mut()) {
+            scalar_reaching(lut, run, tokens.start + done..tokens.end, cut, out);
         }
-        _ => 0,
-    };
-    scalar_reaching(lut, run, tokens.start + done..tokens.end, cut, out);
+    }
 }
 
 /// Subspaces whose byte sums fit a u16 lane (255 each).
@@ -355,35 +390,39 @@ mod avx512vbmi {
         out.len()
     }
 
-    /// [`super::pq_reaching`] of the run's tokens `tokens`, chunked as [`pq_scores`] chunks
-    /// them; returns how many tokens it scanned (all of them).
+    /// Chunks of 64 tokens scanned together in [`pq_reaching`].
+    const REACH_CHUNKS: usize = 2;
+
+    /// [`super::pq_reaching`] of `Q` queries (1 to [`super::REACH_QUERIES`]) over the run's
+    /// tokens `tokens`, two chunks at a time (all of a 4 KiB block's 126 tokens at `m` = 32;
+    /// the sums of four queries' two chunks fill half the vector registers); returns how
+    /// many tokens it scanned (all of them).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW and VBMI; `run.codes.len() == m · run.tokens`,
-    /// `tokens.end ≤ run.tokens` and `m ≤ MAX_U16_SUBSPACES`.
+    /// The CPU has AVX-512 F, BW and VBMI; every table has `m` subspaces, `m ≤
+    /// MAX_U16_SUBSPACES`; `run.codes.len() == m · run.tokens`, `tokens.end ≤ run.tokens`;
+    /// `luts`, `cuts` and `outs` have `Q` elements.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub(super) unsafe fn pq_reaching(
-        lut: &PqLut,
+    pub(super) unsafe fn pq_reaching<const Q: usize>(
+        luts: &[PqLut],
         run: CodeRun<'_>,
         tokens: Range<usize>,
-        cut: SumCut,
-        out: &mut Reached,
+        cuts: &[SumCut],
+        outs: &mut [Reached],
     ) -> usize {
+        let luts: &[PqLut; Q] = luts.try_into().expect("Q tables");
         let len = tokens.len();
-        let whole = len / (64 * CHUNKS) * (64 * CHUNKS);
-        for at in (0..whole).step_by(64 * CHUNKS) {
-            // SAFETY: as this function's; tokens `at .. at + 256 ≤ len`.
-            unsafe { reaching::<CHUNKS>(lut, run, tokens.start, at, len, cut, out) };
+        let whole = len / (64 * REACH_CHUNKS) * (64 * REACH_CHUNKS);
+        for at in (0..whole).step_by(64 * REACH_CHUNKS) {
+            // SAFETY: as this function's; tokens `at .. at + 128 ≤ len`.
+            unsafe { reaching::<Q, REACH_CHUNKS>(luts, run, tokens.start, at, len, cuts, outs) };
         }
-        let from = tokens.start;
         // SAFETY: as this function's; `whole < len` when a chunk is left.
         unsafe {
             match (len - whole).div_ceil(64) {
                 0 => {}
-                1 => reaching::<1>(lut, run, from, whole, len, cut, out),
-                2 => reaching::<2>(lut, run, from, whole, len, cut, out),
-                3 => reaching::<3>(lut, run, from, whole, len, cut, out),
-                _ => reaching::<CHUNKS>(lut, run, from, whole, len, cut, out),
+                1 => reaching::<Q, 1>(luts, run, tokens.start, whole, len, cuts, outs),
+                _ => reaching::<Q, REACH_CHUNKS>(luts, run, tokens.start, whole, len, cuts, outs),
             }
         }
         len
@@ -409,7 +448,7 @@ mod avx512vbmi {
         let masks = chunk_masks::<N>(at, out.len());
         // SAFETY: as this function's: the masks cover tokens `from + at ..` below
         // `from + out.len() ≤ r`.
-        let (even, odd) = unsafe { sums::<N>(lut, codes, r, from + at, &masks) };
+        let [(even, odd)] = unsafe { sums::<1, N>(&[lut], codes, r, from + at, &masks) };
         for c in 0..N {
             for (i, sums) in in_token_order(even[c], odd[c]).into_iter().enumerate() {
                 for (half, part) in
@@ -443,101 +482,115 @@ mod avx512vbmi {
     }
 
     /// `N` chunks of 64 tokens from `at` of the `len` tokens from `from` of the run, and of
-    /// those the tokens whose sum reaches the cut, added in token order. A chunk none of whose
-    /// tokens reaches it (nearly all, for a query's best) costs one compare per half.
+    /// those, per query, the tokens whose sum reaches its cut, added in token order. A chunk
+    /// none of whose tokens reaches a query's cut (nearly all, for a query's best) costs one
+    /// compare per half.
     ///
     /// # Safety
     /// As [`pq_reaching`]', with `from + len ≤ run.tokens` and `at < len`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    unsafe fn reaching<const N: usize>(
-        lut: &PqLut,
+    unsafe fn reaching<const Q: usize, const N: usize>(
+        luts: &[PqLut; Q],
         run: CodeRun<'_>,
         from: usize,
         at: usize,
         len: usize,
-        cut: SumCut,
-        out: &mut Reached,
+        cuts: &[SumCut],
+        outs: &mut [Reached],
     ) {
-        // Sums are at most 255 · m ≤ u16::MAX: a cut above every u16 is reached by none.
-        let Ok(least) = u16::try_from(cut.least) else { return };
-        let least = _mm512_set1_epi16(least as i16);
         let masks = chunk_masks::<N>(at, len);
         // SAFETY: as this function's: the masks cover tokens `from + at ..` below
         // `from + len ≤ run.tokens`.
-        let (even, odd) = unsafe { sums::<N>(lut, run.codes, run.tokens, from + at, &masks) };
-        for c in 0..N {
-            // Word `i` of the even sums is token 2i of the chunk, of the odd ones 2i + 1; a
-            // masked token's sum is that of code 0 and must not count.
-            let valid = (len - at).saturating_sub(64 * c).min(64);
-            let below = |n: usize| if n >= 32 { !0u32 } else { (1u32 << n) - 1 };
-            let even_hits = _mm512_cmpge_epu16_mask(even[c], least) & below(valid.div_ceil(2));
-            let odd_hits = _mm512_cmpge_epu16_mask(odd[c], least) & below(valid / 2);
-            if even_hits | odd_hits == 0 {
-                continue;
-            }
-            let [low, high] = in_token_order(even[c], odd[c]);
-            let mut sums = [0u16; 64];
-            // SAFETY: 64 u16 are two 64-byte vectors' worth of writable bytes.
-            unsafe {
-                _mm512_storeu_si512(sums.as_mut_ptr().cast(), low);
-                _mm512_storeu_si512(sums.as_mut_ptr().add(32).cast(), high);
-            }
-            let hits =
-                u64::from(_mm512_cmpge_epu16_mask(low, least)) | u64::from(_mm512_cmpge_epu16_mask(high, least)) << 32;
-            let mut hits = hits & if valid == 64 { !0 } else { (1u64 << valid) - 1 };
-            let first = run.first + (from + at + 64 * c) as u32;
-            while hits != 0 {
-                let i = hits.trailing_zeros();
-                hits &= hits - 1;
-                out.add(first + i, lut.score(u32::from(sums[i as usize])), cut.cap);
+        let sums = unsafe { sums::<Q, N>(&luts.each_ref(), run.codes, run.tokens, from + at, &masks) };
+        for (((lut, cut), out), (even, odd)) in luts.iter().zip(cuts).zip(outs.iter_mut()).zip(sums) {
+            // Sums are at most 255 · m ≤ u16::MAX: a cut above every u16 is reached by none.
+            let Ok(least) = u16::try_from(cut.least) else { continue };
+            let least = _mm512_set1_epi16(least as i16);
+            for c in 0..N {
+                // Word `i` of the even sums is token 2i of the chunk, of the odd ones 2i + 1;
+                // a masked token's sum is that of code 0 and must not count.
+                let valid = (len - at).saturating_sub(64 * c).min(64);
+                let below = |n: usize| if n >= 32 { !0u32 } else { (1u32 << n) - 1 };
+                let even_hits = _mm512_cmpge_epu16_mask(even[c], least) & below(valid.div_ceil(2));
+                let odd_hits = _mm512_cmpge_epu16_mask(odd[c], least) & below(valid / 2);
+                if even_hits | odd_hits == 0 {
+                    continue;
+                }
+                let [low, high] = in_token_order(even[c], odd[c]);
+                let mut words = [0u16; 64];
+                // SAFETY: 64 u16 are two 64-byte vectors' worth of writable bytes.
+                unsafe {
+                    _mm512_storeu_si512(words.as_mut_ptr().cast(), low);
+                    _mm512_storeu_si512(words.as_mut_ptr().add(32).cast(), high);
+                }
+                let hits = u64::from(_mm512_cmpge_epu16_mask(low, least))
+                    | u64::from(_mm512_cmpge_epu16_mask(high, least)) << 32;
+                let mut hits = hits & if valid == 64 { !0 } else { (1u64 << valid) - 1 };
+                let first = run.first + (from + at + 64 * c) as u32;
+                while hits != 0 {
+                    let i = hits.trailing_zeros();
+                    hits &= hits - 1;
+                    out.add(first + i, lut.score(u32::from(words[i as usize])), cut.cap);
+                }
             }
         }
     }
 
-    /// The byte sums of `N` chunks of 64 tokens from token `at` of a run of `r`, the bytes of
-    /// tokens outside `masks` read as code 0: per chunk, the even tokens' sums and the odd
-    /// tokens' as 16-bit words, without widening (the looked-up bytes' even bytes masked, the
-    /// odd ones shifted down).
+    /// Per query, the byte sums of `N` chunks of 64 tokens from token `at` of a run of `r`,
+    /// the bytes of tokens outside `masks` read as code 0: per chunk, the even tokens' sums
+    /// and the odd tokens' as 16-bit words. A subspace's codes are loaded once for every
+    /// query. The looked-up bytes are added as words (a word is even + 256 · odd, summed
+    /// modulo 2^16) and the odd bytes apart; the even sums are the difference, exact since
+    /// they are below 2^16: two adds and a shift per looked-up vector, not three and a mask.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`; chunk `c`'s mask covers
-    /// only tokens below `r` from `at + 64c`; `m ≤ MAX_U16_SUBSPACES`.
+    /// The CPU has AVX-512 F, BW and VBMI; every table has `m` subspaces, `m ≤
+    /// MAX_U16_SUBSPACES`; `codes.len() == m · r`; chunk `c`'s mask covers only tokens below
+    /// `r` from `at + 64c`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     #[inline]
-    unsafe fn sums<const N: usize>(
-        lut: &PqLut,
+    unsafe fn sums<const Q: usize, const N: usize>(
+        luts: &[&PqLut; Q],
         codes: &[u8],
         r: usize,
         at: usize,
         masks: &[__mmask64; N],
-    ) -> ([__m512i; N], [__m512i; N]) {
-        let low_bytes = _mm512_set1_epi16(0x00FF);
-        let mut even = [_mm512_setzero_si512(); N];
-        let mut odd = [_mm512_setzero_si512(); N];
-        for (j, table) in lut.bytes.chunks_exact(PQ_TABLE).enumerate() {
-            let t = table.as_ptr();
-            // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
-            let (t0, t1, t2, t3) = unsafe {
-                (
-                    _mm512_loadu_si512(t.cast()),
-                    _mm512_loadu_si512(t.add(64).cast()),
-                    _mm512_loadu_si512(t.add(128).cast()),
-                    _mm512_loadu_si512(t.add(192).cast()),
-                )
-            };
-            for c in 0..N {
-                // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
-                // `(j + 1)·r ≤ m·r` of `codes` (an empty mask reads none).
-                let idx = unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast()) };
-                // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
-                let low = _mm512_permutex2var_epi8(t0, idx, t1);
-                let high = _mm512_permutex2var_epi8(t2, idx, t3);
-                let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
-                even[c] = _mm512_add_epi16(even[c], _mm512_and_si512(v, low_bytes));
-                odd[c] = _mm512_add_epi16(odd[c], _mm512_srli_epi16::<8>(v));
+    ) -> [([__m512i; N], [__m512i; N]); Q] {
+        let mut words = [[_mm512_setzero_si512(); N]; Q];
+        let mut odd = [[_mm512_setzero_si512(); N]; Q];
+        let m = luts[0].subspaces();
+        for j in 0..m {
+            // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
+            // `(j + 1)·r ≤ m·r` of `codes` (an empty mask reads none).
+            let idx: [__m512i; N] = std::array::from_fn(|c| unsafe {
+                _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast())
+            });
+            // A code's top bit picks entries 128..256.
+            let top: [__mmask64; N] = std::array::from_fn(|c| _mm512_movepi8_mask(idx[c]));
+            for q in 0..Q {
+                let t = luts[q].bytes[j * PQ_TABLE..(j + 1) * PQ_TABLE].as_ptr();
+                // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
+                let (t0, t1, t2, t3) = unsafe {
+                    (
+                        _mm512_loadu_si512(t.cast()),
+                        _mm512_loadu_si512(t.add(64).cast()),
+                        _mm512_loadu_si512(t.add(128).cast()),
+                        _mm512_loadu_si512(t.add(192).cast()),
+                    )
+                };
+                for c in 0..N {
+                    // Entries 0..128 and 128..256 by the code's low 7 bits.
+                    let low = _mm512_permutex2var_epi8(t0, idx[c], t1);
+                    let high = _mm512_permutex2var_epi8(t2, idx[c], t3);
+                    let v = _mm512_mask_blend_epi8(top[c], low, high);
+                    words[q][c] = _mm512_add_epi16(words[q][c], v);
+                    odd[q][c] = _mm512_add_epi16(odd[q][c], _mm512_srli_epi16::<8>(v));
+                }
             }
         }
-        (even, odd)
+        std::array::from_fn(|q| {
+            (std::array::from_fn(|c| _mm512_sub_epi16(words[q][c], _mm512_slli_epi16::<8>(odd[q][c]))), odd[q])
+        })
     }
 }
 
@@ -584,44 +637,63 @@ mod tests {
     fn tokens_reaching_a_cut_are_those_whose_scores_reach_it() {
         let mut seed = 11;
         for (m, k, r) in [(32, 256, 300), (16, 64, 64), (3, 7, 131), (1, 256, 1), (257, 256, 200), (300, 256, 70)] {
-            let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
+            // Up to six queries over the same codes (more than one scan takes at once), each
+            // with its own tables and cut.
+            let luts: Vec<PqLut> = (0..6)
+                .map(|_| {
+                    let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
+                    PqLut::quantise(&tables, k)
+                })
+                .collect();
             let codes: Vec<u8> = (0..m * r).map(|_| (lcg(&mut seed) % k as u64) as u8).collect();
-            let lut = PqLut::quantise(&tables, k);
-            let mut scores = vec![0.0; r];
-            pq_scores_on(Isa::Scalar, &lut, &codes, r, 0, &mut scores);
-            let mut sorted = scores.clone();
-            sorted.sort_by(|a, b| b.total_cmp(a));
-            // Cuts at a token's score (ties reach it), between scores, above and below all.
-            let cuts = [sorted[r / 7], sorted[r / 2], sorted[0], sorted[r - 1], sorted[0] + 1.0, f32::NEG_INFINITY];
             let run = CodeRun { codes: &codes, tokens: r, first: 1_000 };
-            for cut in cuts {
-                let least = lut.least_sum_reaching(cut);
-                let want: Vec<(u32, f32)> = (r / 5..r)
-                    .filter(|&t| scores[t].total_cmp(&cut).is_ge())
-                    .map(|t| (run.first + t as u32, scores[t]))
+            let scores: Vec<Vec<f32>> = luts
+                .iter()
+                .map(|lut| {
+                    let mut scores = vec![0.0; r];
+                    pq_scores_on(Isa::Scalar, lut, &codes, r, 0, &mut scores);
+                    scores
+                })
+                .collect();
+            // Cuts at a token's score (ties reach it), between scores, above and below all.
+            let cuts_of = |scores: &[f32]| {
+                let mut sorted = scores.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                [sorted[r / 7], sorted[r / 2], sorted[0], sorted[r - 1], sorted[0] + 1.0, f32::NEG_INFINITY]
+            };
+            for (pick, queries) in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6), (5, 5)] {
+                // Query `i` takes cut `(pick + i) % 6` of its own scores.
+                let cuts: Vec<f32> = (0..queries).map(|i| cuts_of(&scores[i])[(pick + i) % 6]).collect();
+                let want: Vec<Vec<(u32, f32)>> = (0..queries)
+                    .map(|i| {
+                        (r / 5..r)
+                            .filter(|&t| scores[i][t].total_cmp(&cuts[i]).is_ge())
+                            .map(|t| (run.first + t as u32, scores[i][t]))
+                            .collect()
+                    })
                     .collect();
-                let Some(least) = least else {
-                    assert!(want.is_empty(), "m {m}: no sum reaches {cut}, yet {} scores do", want.len());
-                    continue;
-                };
+                for (i, &cut) in cuts.iter().enumerate() {
+                    if luts[i].least_sum_reaching(cut).is_none() {
+                        assert!(want[i].is_empty(), "m {m}: no sum reaches {cut}, yet {} scores do", want[i].len());
+                    }
+                }
                 for isa in crate::available() {
-                    for cap in [usize::MAX, want.len() / 2] {
-                        let mut out = Reached::default();
-                        pq_reaching_on(isa, &lut, run, r / 5..r, SumCut { least, cap }, &mut out);
-                        assert_eq!(out.count, want.len(), "{isa:?} m {m} k {k} r {r} cut {cut}");
-                        // In token order: the first `cap` of them when they are more.
-                        let got = out.tokens.clone();
-                        let bits = |v: &[(u32, f32)]| v.iter().map(|&(t, s)| (t, s.to_bits())).collect::<Vec<_>>();
-                        if cap >= want.len() {
-                            assert_eq!(bits(&got), bits(&want), "{isa:?} m {m} k {k} r {r} cut {cut}");
-                        } else {
-                            assert_eq!(
-                                bits(&got),
-                                bits(&want[..cap]),
-                                "{isa:?} m {m}: kept {} of {}",
-                                got.len(),
-                                want.len()
-                            );
+                    for halve in [false, true] {
+                        let sum_cuts: Vec<SumCut> = (0..queries)
+                            .map(|i| SumCut {
+                                least: luts[i].least_sum_reaching(cuts[i]).unwrap_or(u32::MAX),
+                                cap: if halve { want[i].len() / 2 } else { usize::MAX },
+                            })
+                            .collect();
+                        let mut outs = vec![Reached::default(); queries];
+                        pq_reaching_on(isa, &luts[..queries], run, r / 5..r, &sum_cuts, &mut outs);
+                        for (i, out) in outs.iter().enumerate() {
+                            let why = format!("{isa:?} m {m} k {k} r {r} query {i} of {queries}, cut {}", cuts[i]);
+                            assert_eq!(out.count, want[i].len(), "{why}");
+                            // In token order: the first `cap` of them when they are more.
+                            let bits = |v: &[(u32, f32)]| v.iter().map(|&(t, s)| (t, s.to_bits())).collect::<Vec<_>>();
+                            let cap = sum_cuts[i].cap.min(want[i].len());
+                            assert_eq!(bits(&out.tokens), bits(&want[i][..cap]), "{why}");
                         }
                     }
                 }

@@ -963,7 +963,12 @@ impl KeepCodes<BufferError> for KeptHere<'_> {
 
     fn reaching(&mut self, luts: &[PqLut], lim: usize, cuts: &[f32], cap: usize) -> Result<Vec<Reached>, BufferError> {
         let (s, slice) = (self.s, scan_slice(self.s));
-        let least: Vec<Option<u32>> = luts.iter().zip(cuts).map(|(lut, &cut)| lut.least_sum_reaching(cut)).collect();
+        // A cut no sum reaches is reached by no token (`u32::MAX`).
+        let sum_cuts: Vec<SumCut> = luts
+            .iter()
+            .zip(cuts)
+            .map(|(lut, &cut)| SumCut { least: lut.least_sum_reaching(cut).unwrap_or(u32::MAX), cap })
+            .collect();
         let mut reached = vec![Reached::default(); luts.len()];
         self.codes.visit(0..s.whole_blocks(lim, s.tokens as usize), &mut self.stats, &mut |first, bytes| {
             let tokens = bytes.len() / s.m;
@@ -972,12 +977,7 @@ impl KeepCodes<BufferError> for KeptHere<'_> {
             let wanted = lim.saturating_sub(first).min(tokens);
             // A slice of the run's tokens at a time for every query, as `token_scores` scans.
             for from in (0..wanted).step_by(slice) {
-                let part = from..(from + slice).min(wanted);
-                for ((lut, least), out) in luts.iter().zip(&least).zip(&mut reached) {
-                    if let Some(least) = *least {
-                        ctxfs_kernels::pq_reaching(lut, run, part.clone(), SumCut { least, cap }, out);
-                    }
-                }
+                ctxfs_kernels::pq_reaching(luts, run, from..(from + slice).min(wanted), &sum_cuts, &mut reached);
             }
             Ok(())
         })?;
