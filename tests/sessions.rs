@@ -512,6 +512,38 @@ fn the_tail_estimate_brings_dipr_answers_closer_to_exact_attention() {
     assert!(tail_err < 0.85 * bare_err, "the tail estimate did not help: {tail_err} against {bare_err}");
 }
 
+/// An answer that retrieves every seed leaves its tail estimate empty, with nothing to sum:
+/// with an error target (its tail summed at once) as without one (summed with the rest of
+/// the group's), the answer is exact attention's.
+#[test]
+fn an_answer_that_retrieves_every_seed_has_an_empty_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    let session = db.open_session("book", None).unwrap();
+    let all: Vec<u32> = (0..N as u32).collect();
+    let d = b.shape.head_dim as usize;
+    let q = b.decode_step(1, 0);
+    let want = exact_layer(&b, 1, &q, &all, None);
+    let mut empty_with_target = 0;
+    for plan in [Plan::Flat, Plan::Diprs, Plan::Pq] {
+        for target_error in [None, Some(1e-9)] {
+            let opts = AttentionOptions { tail: Some(true), target_error, budget: Some(N), ..opts(plan, 1e9) };
+            let a = session.attention_with(1, &q, &opts).unwrap();
+            for (h, head) in a.heads.iter().enumerate() {
+                let why = format!("{plan:?} target {target_error:?} head {h}");
+                // A range wide enough for every token leaves no seed out.
+                assert!(target_error.is_some() || head.tail_seeds == 0, "{why}");
+                empty_with_target += usize::from(target_error.is_some() && head.tail_seeds == 0);
+                let span = h * d..(h + 1) * d;
+                let err = rel_err(&a.output[span.clone()], &want[span]);
+                assert!(err < 1e-3, "{why}: {err}");
+            }
+        }
+    }
+    assert!(empty_with_target > 0, "no answer with a target retrieved every seed");
+}
+
 /// An error target on real attention (SmolLM2-135M, layer 15, 4,096 tokens of prose: the
 /// dataset in tests/data): the flat scan cuts each query's range where the mass it leaves
 /// out meets the target, and widens it once when the error estimated from the values misses.

@@ -1532,15 +1532,16 @@ impl Session {
         // An empty part has no values to sum (and `z` holds no weights).
         let weights = if part.is_empty() { Vec::new() } else { z };
         let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights };
-        if !defer {
+        if !defer && !tail.weights.is_empty() {
             self.sum_tails(readers, &mut [&mut tail], stats)?;
         }
         Ok(Some(tail))
     }
 
-    /// Sums the values of `tails` ([`Session::tail`]'s, their values not yet summed) in one
-    /// pass over each segment's seed values for all of them: a GQA group's q heads read the
-    /// seed values once. Returns each one's share of the time, which its `spent` counts too.
+    /// Sums the values of `tails` ([`Session::tail`]'s, their values not yet summed: their
+    /// `weights` not empty) in one pass over each segment's seed values for all of them: a
+    /// GQA group's q heads read the seed values once. Returns each one's share of the time,
+    /// which its `spent` counts too.
     fn sum_tails(
         &self,
         readers: &[SegmentReader<'_>],
