@@ -35,7 +35,14 @@ impl UringDevice {
     }
 
     fn new_ring(&self) -> io::Result<IoUring> {
-        let ring = IoUring::new(RING_DEPTH)?;
+        // Completions are reaped by the thread that submitted them, which waits in the kernel
+        // for them (`run_batch`): their work can wait for that thread's next entry instead of
+        // interrupting it (kernels before 5.19 refuse the flag: a plain ring then).
+        let ring = match IoUring::builder().setup_coop_taskrun().build(RING_DEPTH) {
+            Ok(ring) => ring,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::new(RING_DEPTH)?,
+            Err(e) => return Err(e),
+        };
         ring.submitter().register_files(&[self.file.as_raw_fd()])?;
         Ok(ring)
     }
