@@ -37,7 +37,7 @@ pub use element::{Element, ElementKind};
 pub use partial::Partial;
 pub use pq::{
     pq_reaching, pq_reaching_on, pq_scores, pq_scores_on, pq_table, pq_table_on, CodeRun, PqLut, Reached, SumCut,
-    PQ_TABLE, REACH_QUERIES,
+    PQ_TABLE, REACH_QUERIES, SHORT_REACH_TOKENS,
 };
 
 use std::sync::OnceLock;

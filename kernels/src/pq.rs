@@ -241,14 +241,23 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
 /// scores are [`pq_scores`]' bit for bit, and only these are made: a caller that wants a
 /// query's best reads a few thousand scores instead of every token's. Several queries over
 /// the same codes (a GQA group's q heads) are scanned together, up to [`REACH_QUERIES`] at
-/// a time: each subspace's codes are loaded once for all of them. A cut of `u32::MAX` is
+/// a time over a block's tokens: the block's codes come from memory once for all of them,
+/// and each query's lookups find them in the L1 cache. A cut of `u32::MAX` is
 /// reached by none (a query no sum reaches, [`PqLut::least_sum_reaching`]'s `None`).
 pub fn pq_reaching(luts: &[PqLut], run: CodeRun<'_>, tokens: Range<usize>, cuts: &[SumCut], outs: &mut [Reached]) {
     pq_reaching_on(crate::active(), luts, run, tokens, cuts, outs)
 }
 
-/// Queries [`pq_reaching`] scans at once.
+/// Queries [`pq_reaching`] scans at once over a block's tokens (at most
+/// [`SHORT_REACH_TOKENS`]).
 pub const REACH_QUERIES: usize = 4;
+
+/// Tokens up to which [`pq_reaching`] takes [`REACH_QUERIES`] queries at a time: two chunks
+/// of 64 (a 4 KiB code block holds 126 at `m` = 32). Over a longer range it takes one at a
+/// time, four chunks at once, each query's tables loaded once for 256 tokens: over a long
+/// range from memory (an in-memory run's slice of 1,024 tokens), four queries' tables, 32 KB,
+/// and the codes do not fit the L1 cache together, and that scan was the slower.
+pub const SHORT_REACH_TOKENS: usize = 128;
 
 pub fn pq_reaching_on(
     isa: Isa,
@@ -272,9 +281,8 @@ pub fn pq_reaching_on(
         run.codes.len(),
         run.tokens
     );
-    for ((luts, cuts), outs) in
-        luts.chunks(REACH_QUERIES).zip(cuts.chunks(REACH_QUERIES)).zip(outs.chunks_mut(REACH_QUERIES))
-    {
+    let at_once = if tokens.len() <= SHORT_REACH_TOKENS { REACH_QUERIES } else { 1 };
+    for ((luts, cuts), outs) in luts.chunks(at_once).zip(cuts.chunks(at_once)).zip(outs.chunks_mut(at_once)) {
         let done = match usable(isa) {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
@@ -390,13 +398,10 @@ mod avx512vbmi {
         out.len()
     }
 
-    /// Chunks of 64 tokens scanned together in [`pq_reaching`].
-    const REACH_CHUNKS: usize = 2;
-
     /// [`super::pq_reaching`] of `Q` queries (1 to [`super::REACH_QUERIES`]) over the run's
-    /// tokens `tokens`, two chunks at a time (all of a 4 KiB block's 126 tokens at `m` = 32;
-    /// the sums of four queries' two chunks fill half the vector registers); returns how
-    /// many tokens it scanned (all of them).
+    /// tokens `tokens`: two chunks at a time for more than two queries (the sums of four
+    /// queries' two chunks fill half the vector registers), four for fewer; returns how many
+    /// tokens it scanned (all of them).
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VBMI; every table has `m` subspaces, `m ≤
@@ -411,18 +416,27 @@ mod avx512vbmi {
         outs: &mut [Reached],
     ) -> usize {
         let luts: &[PqLut; Q] = luts.try_into().expect("Q tables");
-        let len = tokens.len();
-        let whole = len / (64 * REACH_CHUNKS) * (64 * REACH_CHUNKS);
-        for at in (0..whole).step_by(64 * REACH_CHUNKS) {
-            // SAFETY: as this function's; tokens `at .. at + 128 ≤ len`.
-            unsafe { reaching::<Q, REACH_CHUNKS>(luts, run, tokens.start, at, len, cuts, outs) };
+        let (len, from) = (tokens.len(), tokens.start);
+        let step = if Q > 2 { 2 } else { CHUNKS };
+        let whole = len / (64 * step) * (64 * step);
+        for at in (0..whole).step_by(64 * step) {
+            // SAFETY: as this function's; tokens `at .. at + 64 · step ≤ len`.
+            unsafe {
+                if Q > 2 {
+                    reaching::<Q, 2>(luts, run, from, at, len, cuts, outs)
+                } else {
+                    reaching::<Q, CHUNKS>(luts, run, from, at, len, cuts, outs)
+                }
+            }
         }
-        // SAFETY: as this function's; `whole < len` when a chunk is left.
+        // SAFETY: as this function's; `whole < len` when a chunk is left, fewer than `step`.
         unsafe {
             match (len - whole).div_ceil(64) {
                 0 => {}
-                1 => reaching::<Q, 1>(luts, run, tokens.start, whole, len, cuts, outs),
-                _ => reaching::<Q, REACH_CHUNKS>(luts, run, tokens.start, whole, len, cuts, outs),
+                1 => reaching::<Q, 1>(luts, run, from, whole, len, cuts, outs),
+                2 => reaching::<Q, 2>(luts, run, from, whole, len, cuts, outs),
+                3 => reaching::<Q, 3>(luts, run, from, whole, len, cuts, outs),
+                _ => reaching::<Q, CHUNKS>(luts, run, from, whole, len, cuts, outs),
             }
         }
         len
@@ -538,8 +552,10 @@ mod avx512vbmi {
 
     /// Per query, the byte sums of `N` chunks of 64 tokens from token `at` of a run of `r`,
     /// the bytes of tokens outside `masks` read as code 0: per chunk, the even tokens' sums
-    /// and the odd tokens' as 16-bit words. A subspace's codes are loaded once for every
-    /// query. The looked-up bytes are added as words (a word is even + 256 · odd, summed
+    /// and the odd tokens' as 16-bit words. Query after query for each subspace: the codes
+    /// come from memory for the first, from the L1 cache for the rest (loading them once and
+    /// keeping them in registers for every query was the slower: the compiler spills them).
+    /// The looked-up bytes are added as words (a word is even + 256 · odd, summed
     /// modulo 2^16) and the odd bytes apart; the even sums are the difference, exact since
     /// they are below 2^16: two adds and a shift per looked-up vector, not three and a mask.
     ///
@@ -560,13 +576,6 @@ mod avx512vbmi {
         let mut odd = [[_mm512_setzero_si512(); N]; Q];
         let m = luts[0].subspaces();
         for j in 0..m {
-            // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
-            // `(j + 1)·r ≤ m·r` of `codes` (an empty mask reads none).
-            let idx: [__m512i; N] = std::array::from_fn(|c| unsafe {
-                _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast())
-            });
-            // A code's top bit picks entries 128..256.
-            let top: [__mmask64; N] = std::array::from_fn(|c| _mm512_movepi8_mask(idx[c]));
             for q in 0..Q {
                 let t = luts[q].bytes[j * PQ_TABLE..(j + 1) * PQ_TABLE].as_ptr();
                 // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
@@ -579,10 +588,15 @@ mod avx512vbmi {
                     )
                 };
                 for c in 0..N {
-                    // Entries 0..128 and 128..256 by the code's low 7 bits.
-                    let low = _mm512_permutex2var_epi8(t0, idx[c], t1);
-                    let high = _mm512_permutex2var_epi8(t2, idx[c], t3);
-                    let v = _mm512_mask_blend_epi8(top[c], low, high);
+                    // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
+                    // `(j + 1)·r ≤ m·r` of `codes` (an empty mask reads none). Loaded again
+                    // for each query, from the L1 cache after the first.
+                    let idx =
+                        unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast()) };
+                    // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
+                    let low = _mm512_permutex2var_epi8(t0, idx, t1);
+                    let high = _mm512_permutex2var_epi8(t2, idx, t3);
+                    let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
                     words[q][c] = _mm512_add_epi16(words[q][c], v);
                     odd[q][c] = _mm512_add_epi16(odd[q][c], _mm512_srli_epi16::<8>(v));
                 }
