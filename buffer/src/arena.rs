@@ -43,12 +43,6 @@ impl FrameArena {
         // SAFETY: `skip < PAGE`, and the allocation has PAGE bytes beyond the slots.
         let first = unsafe { base.add(skip) };
         if populate {
-            // Held blocks are scanned one after another (a compact context's codes, 512 MB
-            // at 1M tokens for 2 layers): in 2 MiB pages where the system has them, a scan
-            // misses the TLB once a huge page instead of once a block. Advice only: a refusal
-            // leaves 4 KiB pages. SAFETY: the range lies inside the allocation, which this
-            // arena owns; the advice changes no byte of it.
-            unsafe { libc::madvise(first.as_ptr().cast(), slots * slot_bytes, libc::MADV_HUGEPAGE) };
             for offset in (0..slots * slot_bytes).step_by(PAGE) {
                 // A volatile write: the memory already reads as zero, so a plain write of
                 // zero could be elided. SAFETY: the byte lies inside the allocation, and no
