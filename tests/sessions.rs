@@ -825,7 +825,8 @@ fn a_long_context_finds_its_range_and_its_best_from_the_scores_it_kept() {
 /// Served compact beyond the scan's reach (the codes' best 1,024 beyond the window), a
 /// context imported with residual codes (an import makes them from 32,768 tokens) reads the
 /// keys of fewer candidates than one imported without, for answers as close to exact
-/// attention, and holds their bytes within the budget.
+/// attention, and holds their bytes within the budget. A DIPR range on its codes reads fewer
+/// keys too, for as much of the range.
 #[test]
 fn residual_codes_read_fewer_keys_for_answers_as_close() {
     const LONG: usize = 32_768;
@@ -847,20 +848,30 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
     assert!((8.0..=10.0).contains(&added) && with.compact_ratio() <= 0.125, "{with:?} {without:?}");
     let (keys, values) = (widen(&b.head(0, 0).keys), widen(&b.head(0, 0).values));
     let all: Vec<u32> = (0..LONG as u32).collect();
-    // Per context: keys scored, and the sum of output errors against exact attention.
+    // Per context: keys scored, and the sum of output errors against exact attention; then
+    // for DIPRS (β = 5·√d, whose candidates the residual codes refine as well): keys scored
+    // and the summed DIPR recall.
     let mut measured = [(0u64, 0.0f64); 2];
-    for (m, name) in measured.iter_mut().zip(["with", "without"]) {
+    let mut ranged = [(0u64, 0.0f64); 2];
+    let beta = 5.0 * (d as f32).sqrt();
+    for ((m, r), name) in measured.iter_mut().zip(&mut ranged).zip(["with", "without"]) {
         assert!(db.warm(name).unwrap().compact);
         let session = db.open_session(name, None).unwrap();
         for step in 0..4 {
             let q = b.decode_step(0, step);
             let a = session.attention(0, &q).unwrap();
             assert_eq!(a.choice.label(), "pq");
-            for (qh, h) in a.heads.iter().enumerate() {
+            let range = session.attention_with(0, &q, &opts(Plan::Diprs, beta)).unwrap();
+            for (qh, (h, found)) in a.heads.iter().zip(&range.heads).enumerate() {
                 let qv = &q[qh * d..(qh + 1) * d];
                 let want = exact(&keys, &values, d, &all, qv, 1.0 / (d as f32).sqrt()).0;
                 m.0 += h.stats.keys_scored;
                 m.1 += rel_err(&a.output[qh * d..(qh + 1) * d], &want);
+                let s: Vec<f32> = keys.chunks_exact(d).map(|k| k.iter().zip(qv).map(|(a, b)| a * b).sum()).collect();
+                let top = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let dipr: Vec<u32> = all.iter().copied().filter(|&t| s[t as usize] >= top - beta).collect();
+                let held = dipr.iter().filter(|t| found.selected.binary_search(t).is_ok()).count();
+                *r = (r.0 + found.stats.keys_scored, r.1 + held as f64 / dipr.len() as f64);
             }
         }
     }
@@ -881,4 +892,11 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
     );
     assert!((with_keys as f64) < 0.9 * without_keys as f64, "{with_keys} against {without_keys} keys");
     assert!(with_err <= 1.2 * without_err, "error {with_err} against {without_err}");
+    let [(with_keys, with_recall), (without_keys, without_recall)] = ranged.map(|(k, r)| (k, r / 16.0));
+    println!("DIPRS, residual codes: {with_keys} keys scored, recall {with_recall:.4}; without: {without_keys}, {without_recall:.4}");
+    assert!(with_keys < without_keys, "{with_keys} against {without_keys} keys");
+    assert!(
+        with_recall >= 0.95 && with_recall >= without_recall - 0.01,
+        "recall {with_recall} against {without_recall}"
+    );
 }

@@ -18,7 +18,7 @@ use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
-use ctxfs_index::approx::{self, RangeScan};
+use ctxfs_index::approx::{self, RangeScan, ResidualRefine};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ResidualTable};
 use ctxfs_index::coarse::quest::PagedQuest;
@@ -1265,8 +1265,10 @@ impl Session {
                 None => approx.iter().step_by(SEED_STRIDE as usize).copied().collect(),
             }
         };
-        // The codes read beyond the scan: every score again (a range), or the residual codes.
+        // The codes read beyond the scan: every score again (a range), or the residual codes
+        // (their tables and the refinements of a range apart, as separate closures make them).
         let mut codes_work = SearchStats::default();
+        let (mut tables_work, mut refine_work) = (SearchStats::default(), SearchStats::default());
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
             let mut scores = vec![0.0; ids.len()];
             index.score(ids, q, &mut scores, stats)?;
@@ -1294,7 +1296,20 @@ impl Session {
                     codes_work = every.stats;
                     Ok(every)
                 };
-                approx::range_on_codes(given, &seeds, best, beta, &mut score, every)?
+                // The residual codes' refinement of the candidates, where their keys are read
+                // from disk: a compact context's.
+                let tables = || -> Result<Option<(PagedPq<'_>, ResidualTable)>> {
+                    if !self.compact {
+                        return Ok(None);
+                    }
+                    let pq = self.open_pq(r)?;
+                    Ok(pq.residual_table(q, &mut tables_work)?.map(|t| (pq, t)))
+                };
+                let refine = |(pq, table): &(PagedPq<'_>, ResidualTable), ids: &[u32], scores: &mut [f32]| {
+                    Ok(pq.refine(table, ids, scores, &mut refine_work)?)
+                };
+                let mut refiner = ResidualRefine::new(&seeds, tables, refine);
+                approx::range_on_codes(given, &seeds, best, beta, &mut refiner, &mut score, every)?
             }
             CodesChoice::Best { want, budget, negligible } => {
                 // (token, approximate score), ascending by token.
@@ -1332,6 +1347,8 @@ impl Session {
         // The codes' approximate scores are not inner products with keys: keys scored counts
         // the exact ones (the seeds' and the candidates').
         let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..scan.stats });
+        codes_work += tables_work;
+        codes_work += refine_work;
         found.stats += SearchStats { keys_scored: 0, ..codes_work };
         found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
         Ok(found)

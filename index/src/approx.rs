@@ -19,6 +19,7 @@ use crate::coarse::pq::ScoresAbove;
 use crate::coarse::reaching;
 use crate::flat::{GroupScan, QueryScores};
 use crate::target::MassTarget;
+use std::borrow::Cow;
 
 /// How many root-mean-square errors of the approximation below the approximate cut the
 /// candidates reach. One: a key the codes underrate by more is caught by the answer's error
@@ -161,6 +162,9 @@ pub trait Approx {
     /// The keys whose approximate score reaches `cut`, as (id, score), ascending by id;
     /// `None` where `cut` is below what was kept.
     fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>>;
+    /// The approximate scores of the seeds' tokens (every [`crate::search::SEED_STRIDE`]-th),
+    /// which margins are measured on.
+    fn samples(&self) -> Cow<'_, [f32]>;
 }
 
 impl Approx for QueryScores<'_> {
@@ -171,6 +175,10 @@ impl Approx for QueryScores<'_> {
     fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>> {
         Some(QueryScores::reaching(self, cut).into_iter().map(|t| (t, self.scores[t as usize])).collect())
     }
+
+    fn samples(&self) -> Cow<'_, [f32]> {
+        Cow::Owned(self.scores.iter().step_by(crate::search::SEED_STRIDE as usize).copied().collect())
+    }
 }
 
 impl Approx for ScoresAbove {
@@ -180,6 +188,82 @@ impl Approx for ScoresAbove {
 
     fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>> {
         (cut >= self.floor).then(|| self.tokens.iter().copied().filter(|p| p.1 >= cut).collect())
+    }
+
+    fn samples(&self) -> Cow<'_, [f32]> {
+        Cow::Borrowed(&self.samples)
+    }
+}
+
+/// The residual codes' refinement a DIPR range may ask for ([`in_range`]): candidates'
+/// approximate scores taken most of the way to their exact ones, so that fewer keys are
+/// read to be scored exactly. It pays where a key's read is a block read (a compact
+/// context's keys), not where the keys are in memory: a lookup of a candidate's residual
+/// codes then costs about what its key's exact score does.
+pub trait RangeRefine<E> {
+    /// Makes the query's tables and gives the margin of the refined scores' error, measured
+    /// on the seeds ([`refined_margin`]; `samples`: the codes' scores of the seeds' tokens);
+    /// `None` where there are no residual codes.
+    fn start(&mut self, samples: &[f32]) -> Result<Option<f32>, E>;
+    /// Adds to `scores` (approximate, of the ascending `ids`) their refinement; asked only
+    /// after [`RangeRefine::start`] gave a margin.
+    fn refine(&mut self, ids: &[u32], scores: &mut [f32]) -> Result<(), E>;
+}
+
+/// The codes alone: a range that never refines.
+pub struct Unrefined;
+
+impl<E> RangeRefine<E> for Unrefined {
+    fn start(&mut self, _samples: &[f32]) -> Result<Option<f32>, E> {
+        Ok(None)
+    }
+    fn refine(&mut self, _ids: &[u32], _scores: &mut [f32]) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// [`RangeRefine`] by residual codes, its margin measured on the seeds' exact scores
+/// `seeds`: `tables` makes the query's tables (`None` without residual codes), and `refine`
+/// adds, with them, the refinement of the ascending ids' scores. The tables and the margin
+/// are made once, however often a range starts.
+pub struct ResidualRefine<'s, T, M, R> {
+    seeds: &'s [f32],
+    tables: Option<M>,
+    /// The tables and the margin, once made (`None` inside: no residual codes).
+    made: Option<Option<(T, f32)>>,
+    refine: R,
+}
+
+impl<'s, T, M, R> ResidualRefine<'s, T, M, R> {
+    pub fn new(seeds: &'s [f32], tables: M, refine: R) -> Self {
+        ResidualRefine { seeds, tables: Some(tables), made: None, refine }
+    }
+}
+
+impl<E, T, M, R> RangeRefine<E> for ResidualRefine<'_, T, M, R>
+where
+    M: FnOnce() -> Result<Option<T>, E>,
+    R: FnMut(&T, &[u32], &mut [f32]) -> Result<(), E>,
+{
+    fn start(&mut self, samples: &[f32]) -> Result<Option<f32>, E> {
+        if let (None, Some(tables)) = (&self.made, self.tables.take()) {
+            let made = match tables()? {
+                Some(t) => {
+                    let margin = refined_margin(self.seeds, samples, |ids, s| (self.refine)(&t, ids, s))?;
+                    Some((t, margin))
+                }
+                None => None,
+            };
+            self.made = Some(made);
+        }
+        Ok(self.made.as_ref().and_then(|m| m.as_ref().map(|m| m.1)))
+    }
+
+    fn refine(&mut self, ids: &[u32], scores: &mut [f32]) -> Result<(), E> {
+        match &self.made {
+            Some(Some((t, _))) => (self.refine)(t, ids, scores),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -213,41 +297,84 @@ pub fn range_floor(known_max: f32, beta: f32, margin: f32) -> f32 {
 /// root-mean-square errors of the codes over those in the range become the margin where
 /// that is wider, and the keys the wider margin adds are scored too, for [`RANGE_ROUNDS`]
 /// rounds at most.
+///
+/// Where `refiner` has residual codes, the keys the codes' cut reaches are refined first,
+/// and only those whose refined score reaches the cut lowered by the refined scores' margin
+/// are scored; that margin widens as the codes' does, from the refined scores' errors over
+/// the range.
 pub fn in_range<E>(
     scored: &impl Approx,
     known_max: f32,
     beta: f32,
     margin: f32,
+    refiner: &mut impl RangeRefine<E>,
     mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
 ) -> Result<Option<Vec<(u32, f32)>>, E> {
     let mut margin = margin.max(0.0);
+    // The refined scores' margin, once refining.
+    let mut refined_margin: Option<f32> = None;
     let best_approx = scored.best();
-    // (id, exact score, approximate score)
-    let mut found: Vec<(u32, f32, f32)> = Vec::new();
+    // Scored: (id, exact score, approximate score, refined score).
+    let mut found: Vec<(u32, f32, f32, f32)> = Vec::new();
+    // Reached by the codes' cut, not scored: (id, approximate score, refined score).
+    let mut held: Vec<(u32, f32, f32)> = Vec::new();
     let mut best = known_max;
-    // Keys at or above it are scored already.
-    let mut scored_down_to = f32::INFINITY;
-    for _ in 0..RANGE_ROUNDS {
-        let cut = best.max(best_approx - margin) - beta - margin;
-        if cut >= scored_down_to {
+    // Keys at or above it have been reached.
+    let mut reached_down_to = f32::INFINITY;
+    for round in 0..RANGE_ROUNDS {
+        let top = best.max(best_approx - margin);
+        let cut = top - beta - margin;
+        let reaches_more = cut < reached_down_to;
+        if reaches_more {
+            let Some(mut reached) = scored.reaching(cut) else {
+                return Ok(None);
+            };
+            reached.retain(|&(_, a)| a < reached_down_to);
+            reached_down_to = cut;
+            if round == 0 {
+                refined_margin = refiner.start(&scored.samples())?.map(|m| m.max(0.0));
+            }
+            let ids: Vec<u32> = reached.iter().map(|r| r.0).collect();
+            let mut refined: Vec<f32> = reached.iter().map(|r| r.1).collect();
+            if refined_margin.is_some() {
+                refiner.refine(&ids, &mut refined)?;
+            }
+            held.extend(reached.iter().zip(refined).map(|(&(t, a), r)| (t, a, r)));
+        }
+        let refined_cut = top - beta - refined_margin.unwrap_or(margin);
+        let (mut now, later): (Vec<_>, Vec<_>) = held.into_iter().partition(|h| h.2 >= refined_cut);
+        held = later;
+        if now.is_empty() && !reaches_more {
             break;
         }
-        let Some(mut candidates) = scored.reaching(cut) else {
-            return Ok(None);
-        };
-        candidates.retain(|&(_, a)| a < scored_down_to);
-        scored_down_to = cut;
-        let ids: Vec<u32> = candidates.iter().map(|c| c.0).collect();
-        let scores = score(&ids)?;
+        now.sort_unstable_by_key(|h| h.0);
+        let ids: Vec<u32> = now.iter().map(|h| h.0).collect();
+        let scores = if ids.is_empty() { Vec::new() } else { score(&ids)? };
         best = scores.iter().copied().fold(best, f32::max);
-        found.extend(candidates.into_iter().zip(scores).map(|((t, a), s)| (t, s, a)));
-        let (exact, approximate): (Vec<f32>, Vec<f32>) =
-            found.iter().filter(|f| f.1 >= best - beta).map(|f| (f.1, f.2)).unzip();
-        let wanted = RANGE_MARGIN_SIGMAS * rms_error(&exact, &approximate);
-        if wanted <= margin {
+        found.extend(now.into_iter().zip(scores).map(|((t, a, r), s)| (t, s, a, r)));
+        // The errors of the approximate and the refined scores over the range.
+        let ranged: Vec<&(u32, f32, f32, f32)> = found.iter().filter(|f| f.1 >= best - beta).collect();
+        let exact: Vec<f32> = ranged.iter().map(|f| f.1).collect();
+        let wanted = |of: fn(&(u32, f32, f32, f32)) -> f32| {
+            let approximate: Vec<f32> = ranged.iter().map(|f| of(f)).collect();
+            RANGE_MARGIN_SIGMAS * rms_error(&exact, &approximate)
+        };
+        let mut wider = false;
+        let codes = wanted(|f| f.2);
+        if codes > margin {
+            margin = codes;
+            wider = true;
+        }
+        if let Some(m) = refined_margin.as_mut() {
+            let refined = wanted(|f| f.3);
+            if refined > *m {
+                *m = refined;
+                wider = true;
+            }
+        }
+        if !wider {
             break;
         }
-        margin = wanted;
     }
     let mut pairs: Vec<(u32, f32)> = found.into_iter().filter(|f| f.1 >= best - beta).map(|f| (f.0, f.1)).collect();
     pairs.sort_unstable_by_key(|p| p.0);
@@ -270,14 +397,16 @@ pub fn known_max(seeds: &[f32], window_max: f32) -> f32 {
 
 /// A query's DIPR range on the codes, as (id, exact score), ascending: [`in_range`] from what
 /// the scan gave (`scan`), its margin measured on the seeds' exact scores (`seeds`, every
-/// [`crate::search::SEED_STRIDE`]-th key's), the best known beside them `window_max`. Where the
-/// scan kept too little for the range, `every` scans this query's every score (a group of one
-/// query) and the range is found from those; it is the range every score gives.
+/// [`crate::search::SEED_STRIDE`]-th key's), the best known beside them `window_max`, its
+/// candidates refined by `refiner` where that pays. Where the scan kept too little for the
+/// range, `every` scans this query's every score (a group of one query) and the range is
+/// found from those; it is the range every score gives.
 pub fn range_on_codes<E>(
     scan: RangeScan<'_>,
     seeds: &[f32],
     window_max: f32,
     beta: f32,
+    refiner: &mut impl RangeRefine<E>,
     mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
     every: impl FnOnce() -> Result<GroupScan, E>,
 ) -> Result<Vec<(u32, f32)>, E> {
@@ -285,9 +414,9 @@ pub fn range_on_codes<E>(
     let found = match scan {
         RangeScan::Every(scores) => {
             let margin = seed_margin(seeds, scores.scores, crate::search::SEED_STRIDE);
-            in_range(&scores, known, beta, margin, &mut score)?
+            in_range(&scores, known, beta, margin, refiner, &mut score)?
         }
-        RangeScan::Above(Some(kept)) => in_range(kept, known, beta, margin(seeds, &kept.samples), &mut score)?,
+        RangeScan::Above(Some(kept)) => in_range(kept, known, beta, margin(seeds, &kept.samples), refiner, &mut score)?,
         RangeScan::Above(None) => None,
     };
     if let Some(pairs) = found {
@@ -295,7 +424,7 @@ pub fn range_on_codes<E>(
     }
     let scan = every()?;
     let margin = seed_margin(seeds, scan.scores(0), crate::search::SEED_STRIDE);
-    Ok(in_range(&scan.query(0), known, beta, margin, &mut score)?.expect("every score reaches any cut"))
+    Ok(in_range(&scan.query(0), known, beta, margin, refiner, &mut score)?.expect("every score reaches any cut"))
 }
 
 #[cfg(test)]
@@ -362,10 +491,17 @@ mod tests {
         approx[2] -= 1.0;
         let run = |known: f32, beta: f32, margin: f32| {
             let mut asked = Vec::new();
-            let pairs = in_range(&QueryScores::plain(&approx), known, beta, margin, |ids| -> Result<Vec<f32>, ()> {
-                asked = ids.to_vec();
-                Ok(ids.iter().map(|&t| exact[t as usize]).collect())
-            })
+            let pairs = in_range(
+                &QueryScores::plain(&approx),
+                known,
+                beta,
+                margin,
+                &mut Unrefined,
+                |ids| -> Result<Vec<f32>, ()> {
+                    asked = ids.to_vec();
+                    Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+                },
+            )
             .unwrap()
             .expect("every score reaches any cut");
             (asked, pairs)
@@ -396,7 +532,8 @@ mod tests {
             Ok(ids.iter().map(|&t| exact[t as usize]).collect())
         };
         let (known, beta, margin) = (6.0, 4.0, 0.5);
-        let every = in_range(&QueryScores::plain(&approx), known, beta, margin, score).unwrap().unwrap();
+        let every =
+            in_range(&QueryScores::plain(&approx), known, beta, margin, &mut Unrefined, score).unwrap().unwrap();
         let lowest = lowest_asked.get();
         assert!(every.len() > 10, "{} keys in the range", every.len());
         let floor = range_floor(known, beta, margin);
@@ -405,14 +542,14 @@ mod tests {
             floor,
             tokens: (0..approx.len() as u32).map(|t| (t, approx[t as usize])).filter(|p| p.1 >= floor).collect(),
         };
-        assert_eq!(in_range(&kept(floor), known, beta, margin, score).unwrap(), Some(every));
+        assert_eq!(in_range(&kept(floor), known, beta, margin, &mut Unrefined, score).unwrap(), Some(every));
         // Kept above the least approximate score a round asked for, a round reaches below what
         // was kept.
         assert!(floor <= lowest, "{floor} > {lowest}");
-        assert_eq!(in_range(&kept(lowest + 1e-3), known, beta, margin, score).unwrap(), None);
+        assert_eq!(in_range(&kept(lowest + 1e-3), known, beta, margin, &mut Unrefined, score).unwrap(), None);
         // None above the floor (the best known is far above every key): an empty range.
         let none = ScoresAbove { samples: Vec::new(), floor: 100.0, tokens: Vec::new() };
-        assert_eq!(in_range(&none, 110.0, beta, margin, score).unwrap(), Some(Vec::new()));
+        assert_eq!(in_range(&none, 110.0, beta, margin, &mut Unrefined, score).unwrap(), Some(Vec::new()));
     }
 
     #[test]
@@ -438,7 +575,7 @@ mod tests {
                 *rescans.borrow_mut() += 1;
                 Ok(GroupScan::new(approx.clone(), n, SearchStats::default()))
             };
-            let pairs = range_on_codes(scan, &seeds, window_max, beta, score, every).unwrap();
+            let pairs = range_on_codes(scan, &seeds, window_max, beta, &mut Unrefined, score, every).unwrap();
             (pairs, asked.borrow().clone())
         };
         let (range, scored) = run(RangeScan::Every(QueryScores::plain(&approx)));
@@ -457,6 +594,52 @@ mod tests {
         let (high, again) = run(RangeScan::Above(Some(&kept(100.0))));
         assert_eq!((high, &again[again.len() - scored.len()..]), (range, &scored[..]));
         assert_eq!(*rescans.borrow(), 2);
+    }
+
+    #[test]
+    fn a_refined_range_scores_fewer_keys_and_finds_the_same_range() {
+        use crate::search::SEED_STRIDE;
+        let mut rng = crate::synth::Rng::new(11);
+        let n = 9_600;
+        let exact: Vec<f32> = (0..n).map(|_| rng.normal() * 3.0).collect();
+        // The codes err by 1 (root mean square), the codes with their residual codes by 0.2.
+        let approx: Vec<f32> = exact.iter().map(|&s| s + rng.normal()).collect();
+        let fine: Vec<f32> = exact.iter().map(|&s| s + rng.normal() * 0.2).collect();
+        let seeds: Vec<f32> = exact.iter().step_by(SEED_STRIDE as usize).copied().collect();
+        let (known, beta) = (known_max(&seeds, f32::NEG_INFINITY), 5.0);
+        let margin = seed_margin(&seeds, &approx, SEED_STRIDE);
+        // The range and the ids scored exactly, refined by a refiner whose margin is measured
+        // on `seeds` (`None`: the codes alone).
+        let run = |seeds: Option<&[f32]>| {
+            let scored = RefCell::new(Vec::new());
+            let score = |ids: &[u32]| -> Result<Vec<f32>, ()> {
+                scored.borrow_mut().extend_from_slice(ids);
+                Ok(ids.iter().map(|&t| exact[t as usize]).collect())
+            };
+            let scan = QueryScores::plain(&approx);
+            let pairs = match seeds {
+                None => in_range(&scan, known, beta, margin, &mut Unrefined, score),
+                Some(seeds) => {
+                    let tables = || -> Result<Option<()>, ()> { Ok(Some(())) };
+                    let refine = |_: &(), ids: &[u32], s: &mut [f32]| -> Result<(), ()> {
+                        for (s, &t) in s.iter_mut().zip(ids) {
+                            *s += fine[t as usize] - approx[t as usize];
+                        }
+                        Ok(())
+                    };
+                    in_range(&scan, known, beta, margin, &mut ResidualRefine::new(seeds, tables, refine), score)
+                }
+            };
+            (pairs.unwrap().unwrap(), scored.into_inner())
+        };
+        let (range, scored) = run(None);
+        let best = exact.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let truth = exact.iter().filter(|&&s| s >= best - beta).count();
+        assert!(range.len() > 20 && range.len() * 100 >= truth * 95, "{} of {truth}", range.len());
+        // Refined: as much of the range, from fewer keys scored exactly.
+        let (refined, fewer) = run(Some(&seeds));
+        assert!(refined.len() >= range.len() && refined.iter().all(|p| p.1 >= best - beta), "{refined:?}");
+        assert!(fewer.len() * 10 < scored.len() * 7, "{} keys scored against {}", fewer.len(), scored.len());
     }
 
     #[test]

@@ -60,7 +60,7 @@ fn smollm2_prose() -> Vec<Head> {
         .collect()
 }
 
-/// DIPRS on the codes, as sessions run it: the seeds scored exactly, the codes' margin on
+/// DIPRS on the codes, as sessions with the keys in memory run it: the seeds scored exactly, the codes' margin on
 /// them, then the range's candidates scored exactly. `approx`: every key's approximate score.
 fn on_codes(keys: &MemKeys, q: &[f32], scored: QueryScores<'_>, beta: f32) -> SearchStats {
     let mut stats = SearchStats::default();
@@ -68,7 +68,8 @@ fn on_codes(keys: &MemKeys, q: &[f32], scored: QueryScores<'_>, beta: f32) -> Se
     keys.score_strided(SEED_STRIDE, keys.len(), q, &mut seeds, &mut stats).unwrap();
     let margin = approx::seed_margin(&seeds, scored.scores, SEED_STRIDE);
     let known = seeds.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    approx::in_range(&scored, known, beta, margin, |ids| {
+    // Keys in memory: the candidates are not refined first (`approx::RangeRefine`).
+    approx::in_range(&scored, known, beta, margin, &mut approx::Unrefined, |ids| {
         let mut scores = vec![0.0; ids.len()];
         keys.score(ids, q, &mut scores, &mut stats).map(|()| scores)
     })

@@ -739,7 +739,10 @@ fn run_group(
                     (None, None) => unreachable!("every score where nothing was kept"),
                 };
                 let rescan = || Ok(ix.codes.token_scores_many(q, prefix)?);
-                let pairs = approx::range_on_codes(given, &seeds[i], win_max[i], beta, score, rescan)?;
+                // The keys are in memory: refining candidates by the residual codes would cost
+                // about what scoring them does (`approx::RangeRefine`).
+                let unrefined = &mut approx::Unrefined;
+                let pairs = approx::range_on_codes(given, &seeds[i], win_max[i], beta, unrefined, score, rescan)?;
                 out.push(Selection {
                     ids: SearchResult::from_pairs(pairs, SearchStats::default()).ids,
                     keys_scored: stats.keys_scored,

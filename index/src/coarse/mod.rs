@@ -107,9 +107,12 @@ impl Records for MemRecords<'_> {
         _stats: &mut SearchStats,
         f: &mut RecordVisitor<'_>,
     ) -> Result<(), BufferError> {
+        let record = |t: u32| self.bytes.get(t as usize * self.size..(t as usize + 1) * self.size);
         for (i, &t) in ids.iter().enumerate() {
-            let record = self.bytes.get(t as usize * self.size..(t as usize + 1) * self.size);
-            f(i, record.ok_or_else(|| invalid(format!("record {t} beyond the records in memory")))?)
+            if let Some(ahead) = ids.get(i + PREFETCH_RECORDS_AHEAD).and_then(|&a| record(a)) {
+                ctxfs_kernels::prefetch(ahead);
+            }
+            f(i, record(t).ok_or_else(|| invalid(format!("record {t} beyond the records in memory")))?)
                 .map_err(invalid)?;
         }
         Ok(())
