@@ -546,7 +546,14 @@ fn run_group(
         })
         .collect();
     let win_max: Vec<f32> = win_z.iter().map(|z| z.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
-    let win_lse: Vec<f32> = win_z.iter().map(|z| attend(&window.ids, z, &ix.values, d, scale).lse()).collect();
+    // The log-sum-exp alone: the window's values are attended with the answer, not here.
+    let win_lse: Vec<f32> = win_z
+        .iter()
+        .map(|z| {
+            let mut zs: Vec<f32> = z.iter().map(|x| x * scale).collect();
+            Partial::unsummed(ctxfs_kernels::active(), &mut zs, d).lse()
+        })
+        .collect();
     let mass_target =
         |target: Option<f32>, i: usize| target.map(|share| MassTarget { share, scale, window_lse: win_lse[i] });
     // A target row's answer is checked against its error estimate and, when that misses the
