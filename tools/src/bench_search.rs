@@ -402,8 +402,9 @@ fn flat_prefix_row(percent: usize) -> String {
 /// Tokens of the warm-up head. After the caches are flushed, each row's method first runs
 /// once on this small head, as a decode step runs it on every head and layer in turn: the
 /// timed search then finds its code, and the allocator's, in the caches (as it would after
-/// another head's search) and this head's keys and graph evicted. Flushed code alone cost
-/// DIPRS 12–13 µs of 90–98 at 131,072 tokens (this bench's all-cold row against β = 5√d).
+/// another head's search) and this head's keys and graph evicted. Flushed code alone costs
+/// graph DIPRS about 1% at 131,072 tokens (the median group step of this bench's all-cold row
+/// against β = 5√d's: 306 µs against 303 over 12 heads, docs/benchmarks.md).
 const WARM_UP_TOKENS: usize = 4096;
 
 /// Key rows of the scattered-read probe: uniformly random rows of the head, scored from cold
