@@ -18,7 +18,7 @@ use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
 use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
-use ctxfs_index::approx::{self, RangeScan, ResidualRefine};
+use ctxfs_index::approx::{self, LazyRefine, RangeScan};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ResidualTable};
 use ctxfs_index::coarse::quest::PagedQuest;
@@ -1266,7 +1266,7 @@ impl Session {
             }
         };
         // The codes read beyond the scan: every score again (a range), or the residual codes
-        // (their tables and the refinements of a range apart, as separate closures make them).
+        // (a range's tables and refinements apart, as separate closures make them).
         let mut codes_work = SearchStats::default();
         let (mut tables_work, mut refine_work) = (SearchStats::default(), SearchStats::default());
         let mut score = |ids: &[u32]| -> Result<Vec<f32>> {
@@ -1298,17 +1298,20 @@ impl Session {
                 };
                 // The residual codes' refinement of the candidates, where their keys are read
                 // from disk: a compact context's.
-                let tables = || -> Result<Option<(PagedPq<'_>, ResidualTable)>> {
+                let make = |samples: &[f32]| -> Result<Option<(Refiner<'_>, f32)>> {
                     if !self.compact {
                         return Ok(None);
                     }
-                    let pq = self.open_pq(r)?;
-                    Ok(pq.residual_table(q, &mut tables_work)?.map(|t| (pq, t)))
+                    let refiner = self.refiner(r, q, (&seeds, samples), &mut tables_work)?;
+                    Ok(refiner.map(|f| {
+                        let margin = f.margin;
+                        (f, margin)
+                    }))
                 };
-                let refine = |(pq, table): &(PagedPq<'_>, ResidualTable), ids: &[u32], scores: &mut [f32]| {
-                    Ok(pq.refine(table, ids, scores, &mut refine_work)?)
+                let refine = |f: &Refiner<'_>, ids: &[u32], scores: &mut [f32]| {
+                    Ok(f.pq.refine(&f.table, ids, scores, &mut refine_work)?)
                 };
-                let mut refiner = ResidualRefine::new(&seeds, tables, refine);
+                let mut refiner = LazyRefine::new(make, refine);
                 approx::range_on_codes(given, &seeds, best, beta, &mut refiner, &mut score, every)?
             }
             CodesChoice::Best { want, budget, negligible } => {

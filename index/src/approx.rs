@@ -222,47 +222,40 @@ impl<E> RangeRefine<E> for Unrefined {
     }
 }
 
-/// [`RangeRefine`] by residual codes, its margin measured on the seeds' exact scores
-/// `seeds`: `tables` makes the query's tables (`None` without residual codes), and `refine`
-/// adds, with them, the refinement of the ascending ids' scores. The tables and the margin
-/// are made once, however often a range starts.
-pub struct ResidualRefine<'s, T, M, R> {
-    seeds: &'s [f32],
-    tables: Option<M>,
-    /// The tables and the margin, once made (`None` inside: no residual codes).
-    made: Option<Option<(T, f32)>>,
+/// [`RangeRefine`] made when a range first starts it: `make` gives, from the codes' scores
+/// of the seeds' tokens, the query's tables and the refined scores' margin (`None` without
+/// residual codes; [`refined_margin`] measures it), and `refine` adds, with the tables, the
+/// refinement of the ascending ids' scores. It is made once, however often a range starts.
+pub struct LazyRefine<T, M, R> {
+    /// Until the first start.
+    make: Option<M>,
+    /// The tables and the margin, once made with residual codes.
+    made: Option<(T, f32)>,
     refine: R,
 }
 
-impl<'s, T, M, R> ResidualRefine<'s, T, M, R> {
-    pub fn new(seeds: &'s [f32], tables: M, refine: R) -> Self {
-        ResidualRefine { seeds, tables: Some(tables), made: None, refine }
+impl<T, M, R> LazyRefine<T, M, R> {
+    pub fn new(make: M, refine: R) -> Self {
+        LazyRefine { make: Some(make), made: None, refine }
     }
 }
 
-impl<E, T, M, R> RangeRefine<E> for ResidualRefine<'_, T, M, R>
+impl<E, T, M, R> RangeRefine<E> for LazyRefine<T, M, R>
 where
-    M: FnOnce() -> Result<Option<T>, E>,
+    M: FnOnce(&[f32]) -> Result<Option<(T, f32)>, E>,
     R: FnMut(&T, &[u32], &mut [f32]) -> Result<(), E>,
 {
     fn start(&mut self, samples: &[f32]) -> Result<Option<f32>, E> {
-        if let (None, Some(tables)) = (&self.made, self.tables.take()) {
-            let made = match tables()? {
-                Some(t) => {
-                    let margin = refined_margin(self.seeds, samples, |ids, s| (self.refine)(&t, ids, s))?;
-                    Some((t, margin))
-                }
-                None => None,
-            };
-            self.made = Some(made);
+        if let Some(make) = self.make.take() {
+            self.made = make(samples)?;
         }
-        Ok(self.made.as_ref().and_then(|m| m.as_ref().map(|m| m.1)))
+        Ok(self.made.as_ref().map(|m| m.1))
     }
 
     fn refine(&mut self, ids: &[u32], scores: &mut [f32]) -> Result<(), E> {
         match &self.made {
-            Some(Some((t, _))) => (self.refine)(t, ids, scores),
-            _ => Ok(()),
+            Some((t, _)) => (self.refine)(t, ids, scores),
+            None => Ok(()),
         }
     }
 }
@@ -620,14 +613,15 @@ mod tests {
             let pairs = match seeds {
                 None => in_range(&scan, known, beta, margin, &mut Unrefined, score),
                 Some(seeds) => {
-                    let tables = || -> Result<Option<()>, ()> { Ok(Some(())) };
-                    let refine = |_: &(), ids: &[u32], s: &mut [f32]| -> Result<(), ()> {
+                    let refine = |ids: &[u32], s: &mut [f32]| -> Result<(), ()> {
                         for (s, &t) in s.iter_mut().zip(ids) {
                             *s += fine[t as usize] - approx[t as usize];
                         }
                         Ok(())
                     };
-                    in_range(&scan, known, beta, margin, &mut ResidualRefine::new(seeds, tables, refine), score)
+                    let make = |samples: &[f32]| Ok(Some(((), refined_margin(seeds, samples, refine)?)));
+                    let mut refiner = LazyRefine::new(make, |_: &(), ids: &[u32], s: &mut [f32]| refine(ids, s));
+                    in_range(&scan, known, beta, margin, &mut refiner, score)
                 }
             };
             (pairs.unwrap().unwrap(), scored.into_inner())
