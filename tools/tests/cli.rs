@@ -733,6 +733,10 @@ fn bench_search_reports_every_method_against_exact_attention() {
     );
     assert!(scan > 0.0 && scan < step, "scan {scan} µs of a {step} µs step");
     assert!(row("flat")["scan_median_us"].is_null(), "the flat plan scans no codes");
+    // The seeds and the scan are part of every step: they bound how fast DIPRS can be.
+    let bound = v["ratios"]["diprs_scan_bound_speedup"].as_f64().unwrap();
+    let diprs = v["ratios"]["diprs_vs_flat_speedup"].as_f64().unwrap();
+    assert!(bound > diprs, "the scan alone {bound}× the flat plan, DIPRS {diprs}×");
     let heads = v["per_head"].as_array().unwrap();
     assert_eq!(heads.len(), 2, "one head per seed");
     assert_eq!((heads[0]["tuning_seed"].as_bool(), heads[1]["tuning_seed"].as_bool()), (Some(true), Some(false)));
