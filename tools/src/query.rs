@@ -68,7 +68,7 @@ pub struct Args {
     /// Ask for an output error at most E (relative to exact attention's) instead of a fixed
     /// --beta: the range is cut per query where the mass it leaves out meets E, the answer's
     /// error is estimated (`estimated_error` in --json) and the range widened while the
-    /// estimate misses (at most 3 times). `--mode auto` serves it with the flat scan.
+    /// estimate misses (at most 6 times). `--mode auto` serves it with the flat scan.
     #[arg(long, value_name = "E")]
     target_error: Option<f32>,
     /// Buffer pool budget.
