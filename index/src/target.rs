@@ -26,8 +26,8 @@ use ctxfs_kernels::Partial;
 /// three the estimate was still above a 1% target after the last on 9 of the codes' 20
 /// misses (94.8% of 384 queries met) and 4 of the scan's 16 (95.8%); with six, 96.9% and
 /// 96.6% were met, retrieving as many tokens (1.01× the oracle's over all queries). Halving
-/// the share from the second widening on met it as often but retrieved 1.12× the oracle's
-/// tokens there and up to 1.38× on SmolLM2's sets.
+/// the share from the second widening on met it as often but retrieved 1.08–1.12× the
+/// oracle's tokens there and up to 1.38× on SmolLM2's sets.
 pub const REFINEMENTS: usize = 6;
 
 /// A bound on the softmax mass a range may leave out, and what it is measured against.
