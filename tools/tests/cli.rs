@@ -742,6 +742,15 @@ fn bench_search_reports_every_method_against_exact_attention() {
     assert_eq!((heads[0]["tuning_seed"].as_bool(), heads[1]["tuning_seed"].as_bool()), (Some(true), Some(false)));
     let head_sum: f64 = heads.iter().map(|h| h["flat_us"].as_f64().unwrap()).sum();
     assert!((head_sum - total("flat")).abs() <= 1e-6 * head_sum, "the heads' sums add up to the row's");
+    // Each head's DIPR ranges outside the window are what the flat plan selects beyond it.
+    let share = heads.iter().map(|h| h["dipr_range_share"].as_f64().unwrap()).sum::<f64>() / heads.len() as f64;
+    let (range, flat_selected) = (share * 4000.0, row("flat")["selected_tokens"].as_f64().unwrap());
+    assert!(range > 0.0, "the ranges hold tokens beyond the window");
+    assert!((range + 640.0 - flat_selected).abs() <= 1e-6 * flat_selected, "{range} + 640 ≠ {flat_selected}");
+    let range_cost: f64 =
+        heads.iter().map(|h| h["flat_us"].as_f64().unwrap() * h["dipr_range_share"].as_f64().unwrap()).sum();
+    let range_bound = v["ratios"]["dipr_range_bound_speedup"].as_f64().unwrap();
+    assert!((range_bound - total("flat") / range_cost).abs() <= 1e-6 * range_bound, "{range_bound}");
     for k in [
         "graph_diprs_warm_vs_flat_speedup",
         "graph_diprs_all_cold_vs_flat_speedup",
