@@ -85,6 +85,15 @@ pub struct Rules {
     /// fewer need retrieving, and graph DIPRS narrows a diffuse range to about this many instead
     /// of exploring what the cap would drop (docs/architecture.md, "The tail estimate").
     pub dipr_tail_budget: usize,
+    /// Candidates the codes' best (a compact context's plan beyond `scan_context`) scores
+    /// exactly beyond the window; every other token of their key blocks is attended with them,
+    /// since reading a candidate's key and value blocks brings those tokens' too. On SmolLM2's
+    /// decode queries over its 32K texts, 768 with the blocks' tokens gives an output error
+    /// 45–52% below 1,024 candidates alone (reading 4–5% more blocks), and on `ctxfs bench
+    /// decode --resident-budget 0.125` DIPR recall 0.961 against 0.943, output error 0.043
+    /// against 0.050 and a 15% shorter step; 512 halves the step but not the generator's
+    /// error (docs/benchmarks.md, "Whole key blocks").
+    pub codes_budget: usize,
     /// Reused prefixes of at most this many tokens are served by the flat scan with the
     /// error target `error_target`: the scan knows every score, so it cuts each query's range
     /// where the target asks, and on real attention it is within a small factor of DIPRS's
@@ -106,6 +115,7 @@ impl Default for Rules {
             short_context: 4096,
             dipr_budget: 4096,
             dipr_tail_budget: 1024,
+            codes_budget: 768,
             scan_context: 32768,
             error_target: 0.02,
         }

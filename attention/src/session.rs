@@ -1088,12 +1088,18 @@ impl Session {
 
     /// The tokens a retrieval takes beyond the window: the caller's budget, else, for a plan the
     /// optimizer chose without a `target` (flat, graph and codes DIPR), the rules' (the smaller
-    /// where the tail is estimated), else none.
+    /// where the tail is estimated; the codes' best: its candidates, `Rules::codes_budget`),
+    /// else none.
     fn retrieval_budget(&self, choice: Choice, opts: &AttentionOptions, target: bool) -> Option<usize> {
         let auto_dipr = !choice.forced && !target && matches!(choice.plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
         let rules = &self.db.config().rules;
         let tail = estimates_tail(choice, opts) || target;
-        opts.budget.or(auto_dipr.then_some(if tail { rules.dipr_tail_budget } else { rules.dipr_budget }))
+        let auto_budget = match choice.plan {
+            Plan::Pq => rules.codes_budget,
+            _ if tail => rules.dipr_tail_budget,
+            _ => rules.dipr_budget,
+        };
+        opts.budget.or(auto_dipr.then_some(auto_budget))
     }
 
     /// The tokens a selection from `seg` asks for: `budget` beyond the window
@@ -1343,6 +1349,8 @@ impl Session {
                         candidates.iter().filter(|c| c.1 >= cut).map(|c| c.0).collect()
                     }
                 };
+                let in_window = |t: u32| window.contains(prefix, seg.base + t);
+                let ids = whole_blocks(&ids, index.layout().rows_per_block, seg.usable, in_window);
                 let scores = score(&ids)?;
                 ids.into_iter().zip(scores).collect()
             }
@@ -1494,6 +1502,9 @@ impl Session {
         let cap = match plan {
             Plan::Topk => Some(budget.map_or(opts.k, |b| b.min(opts.k))),
             Plan::Pq if target.is_some() => budget,
+            // The codes' best chose its candidates within the budget (`codes_select`); the
+            // other tokens of their blocks came with them.
+            Plan::Pq if codes_best(choice) => None,
             Plan::Quest | Plan::Infllm | Plan::Pq => Some(budget.unwrap_or(COARSE_BUDGET)),
             _ => budget,
         };
@@ -1757,6 +1768,27 @@ fn nth_best(scores: &[f32], n: usize) -> f32 {
     *order.select_nth_unstable_by(n - 1, |a, b| b.total_cmp(a)).1
 }
 
+/// Every token of the key blocks that hold `ids` (ascending), ascending: the blocks a
+/// candidate's exact score reads, `rows_per_block` tokens each, and a token's value lies in
+/// the data block of the same number (docs/format.md, "Key blocks", "Value blocks"). Reading
+/// a candidate's key and value brings its block's other tokens with them, so attending them
+/// too costs no read, and their mass no longer falls to the tail estimate. Tokens from
+/// `usable` on and those `in_window` (attended from the session) are left out.
+fn whole_blocks(ids: &[u32], rows_per_block: u32, usable: u32, in_window: impl Fn(u32) -> bool) -> Vec<u32> {
+    let w = rows_per_block.max(1);
+    let mut out = Vec::with_capacity(ids.len() * 2);
+    let mut last_block = None;
+    for &t in ids {
+        let b = t / w;
+        if last_block == Some(b) {
+            continue;
+        }
+        last_block = Some(b);
+        out.extend((b * w..((b + 1) * w).min(usable)).filter(|&u| !in_window(u)));
+    }
+    out
+}
+
 /// The share of a q head's attention that the codes' best within a budget may leave out.
 /// Candidates that even the codes' error would not lift out of it are not scored
 /// ([`approx::cut_among`]); of those scored, the least attended that together hold it are
@@ -1896,6 +1928,17 @@ fn best_found(found: &[(usize, u32, f32)], readers: &[SegmentReader<'_>]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_blocks_takes_every_token_of_each_candidates_block_once() {
+        // Blocks of 4 tokens: candidates 1 and 2 share block 0, 9 is in block 2, 13 in the last
+        // (partial: 14 tokens usable). Tokens 8 and 10 are in the window.
+        let window = |t: u32| t == 8 || t == 10;
+        assert_eq!(whole_blocks(&[1, 2, 9, 13], 4, 14, window), vec![0, 1, 2, 3, 9, 11, 12, 13]);
+        assert_eq!(whole_blocks(&[], 4, 14, window), Vec::<u32>::new());
+        // One row per block: the candidates themselves.
+        assert_eq!(whole_blocks(&[3, 7], 1, 14, |_| false), vec![3, 7]);
+    }
 
     #[test]
     fn negligible_tokens_are_dropped_least_attended_first_within_the_share() {

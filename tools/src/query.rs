@@ -55,7 +55,8 @@ pub struct Args {
     #[arg(long, default_value = "128,512", value_parser = parse_window)]
     window: (u32, u32),
     /// At most this many retrieved tokens (the best by score), beyond the window; the token
-    /// budget of the coarse modes (default 2048).
+    /// budget of the coarse modes (default 2048). A compact context's codes' best takes this
+    /// many candidates, each with the other tokens of its key block.
     #[arg(long)]
     budget: Option<usize>,
     /// Softmax scale (default 1/sqrt(head_dim)).
@@ -80,6 +81,11 @@ pub struct Args {
     /// (plan `pq`). A context that does not fit even so is refused.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
+    /// The longest context `--mode auto` serves with an error target (the flat scan, or a
+    /// compact context's codes); beyond it, graph DIPRS or the codes' best within their budget
+    /// (`Rules::scan_context`; 0 serves every context as a long one).
+    #[arg(long, value_name = "TOKENS", default_value_t = ctxfs_attention::Rules::default().scan_context)]
+    scan_context: u32,
     /// Read each layer's `layers.{l}.decode_q` instead of `layers.{l}.q`: the decode steps'
     /// queries of a capture file (`python -m ctxfs.capture`), answered in order.
     #[arg(long)]
@@ -109,6 +115,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         pool_bytes: args.pool,
         window: Window { init: args.window.0, recent: args.window.1 },
         resident_budget: args.resident_budget,
+        rules: ctxfs_attention::Rules { scan_context: args.scan_context, ..Default::default() },
         ..Default::default()
     };
     let db = Db::open_read_only(&args.store, choice, config)?;
