@@ -116,8 +116,24 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             let auto = auto.unwrap();
             assert_eq!((auto.choice.label(), auto.choice.error_target), ("flat".into(), Some(0.02)));
             assert!(auto.heads.iter().all(|h| h.estimated_error.is_some()));
-            let lean = lean.attention(layer, &q).unwrap();
+            let window = lean.window_tokens().to_vec();
+            let lean =
+                lean.attention_with(layer, &q, &AttentionOptions { detail: true, ..Default::default() }).unwrap();
             assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "graph-diprs" });
+            if layer > 0 {
+                // The walk's tokens come with the other tokens of their value blocks.
+                let rows = ctxfs_vfs::max_payload(4096) as u32 / (2 * d as u32);
+                for r in &lean.heads {
+                    let found: Vec<u32> =
+                        r.selected.iter().copied().filter(|t| !window.contains(t) && !r.tail.contains(t)).collect();
+                    let whole = found.iter().all(|t| {
+                        let b = t / rows;
+                        (b * rows..((b + 1) * rows).min(N as u32))
+                            .all(|u| window.contains(&u) || found.binary_search(&u).is_ok())
+                    });
+                    assert!(whole, "a block of the walk's tokens was attended in part");
+                }
+            }
             let auto = session.attention_with(layer, &q, &opts(Plan::Diprs, beta)).unwrap();
             for (qh, r) in auto.heads.iter().enumerate() {
                 recall += dipr_recall(&b, layer, qh, &q, beta, &r.selected);
