@@ -89,7 +89,7 @@ pub struct Rules {
     /// exactly beyond the window; every other token of their key blocks is attended with them,
     /// since reading a candidate's key and value blocks brings those tokens' too. On SmolLM2's
     /// decode queries over its 32K texts, 768 with the blocks' tokens gives an output error
-    /// 45–52% below 1,024 candidates alone (reading 4–5% more blocks), and on `ctxfs bench
+    /// 46–55% below 1,024 candidates alone (reading 4–5% fewer blocks), and on `ctxfs bench
     /// decode --resident-budget 0.125` DIPR recall 0.961 against 0.943, output error 0.043
     /// against 0.050 and a 15% shorter step; 512 halves the step but not the generator's
     /// error (docs/benchmarks.md, "Whole key blocks").
