@@ -122,14 +122,12 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "graph-diprs" });
             if layer > 0 {
                 // The walk's tokens come with the other tokens of their value blocks.
-                let rows = ctxfs_vfs::max_payload(4096) as u32 / (2 * d as u32);
+                let rows = key_rows_per_block(d as u32);
                 for r in &lean.heads {
                     let found: Vec<u32> =
                         r.selected.iter().copied().filter(|t| !window.contains(t) && !r.tail.contains(t)).collect();
                     let whole = found.iter().all(|t| {
-                        let b = t / rows;
-                        (b * rows..((b + 1) * rows).min(N as u32))
-                            .all(|u| window.contains(&u) || found.binary_search(&u).is_ok())
+                        block_tokens(t / rows, rows, N as u32, &window).all(|u| found.binary_search(&u).is_ok())
                     });
                     assert!(whole, "a block of the walk's tokens was attended in part");
                 }
@@ -623,8 +621,7 @@ fn an_error_target_is_met_on_real_attention() {
         retrieved_share(&src, &best) * 100.0,
     );
     assert!(mean <= 0.02, "mean output error {mean}");
-    let blocks =
-        block_fill(&session, &src, ctxfs_vfs::max_payload(4096) as u32 / (2 * u32::from(session.shape().head_dim)));
+    let blocks = block_fill(&session, &src);
     println!(
         "compact: at most {} key blocks an answer; the tokens of its blocks it left out hold at most {:.5} of its attention",
         blocks.most, blocks.left_out_share
@@ -803,8 +800,8 @@ fn layer0_answers(session: &Session, src: &SafetensorsKv, opts: &AttentionOption
     answered
 }
 
-/// The key blocks that the first 2 decode steps' answers of layer 0 retrieve from (`rows`
-/// tokens a block): the most one answer touched, and the largest share of an answer's exact
+/// The key blocks that the first 2 decode steps' answers of layer 0 retrieve from: the most
+/// one answer touched, and the largest share of an answer's exact
 /// attention that the tokens of its blocks left out hold (outside the window, not
 /// retrieved).
 #[derive(Debug)]
@@ -813,44 +810,54 @@ struct BlockFill {
     left_out_share: f64,
 }
 
-fn block_fill(session: &Session, src: &SafetensorsKv, rows: u32) -> BlockFill {
+fn block_fill(session: &Session, src: &SafetensorsKv) -> BlockFill {
     let shape = session.shape();
     let (d, group) = (shape.head_dim as usize, (shape.q_heads / shape.kv_heads) as usize);
-    let n = src.token_count() as u32;
+    let (n, rows) = (src.token_count() as u32, key_rows_per_block(shape.head_dim.into()));
+    let all: Vec<u32> = (0..n).collect();
     let window = session.window_tokens().to_vec();
     let keys: Vec<Vec<f32>> =
         (0..shape.kv_heads as usize).map(|h| widen(&to_halves(&src.keys(0, h).unwrap()))).collect();
+    let values: Vec<Vec<f32>> =
+        (0..shape.kv_heads as usize).map(|h| widen(&to_halves(&src.values(0, h).unwrap()))).collect();
     let decode: Vec<Vec<Vec<f32>>> =
         (0..shape.kv_heads as usize).map(|h| src.decode_queries(0, h).unwrap().unwrap()).collect();
-    let opts = AttentionOptions { detail: true, ..Default::default() };
+    let (opts, scale) = (AttentionOptions { detail: true, ..Default::default() }, 1.0 / (d as f32).sqrt());
     let (mut most, mut left_out_share) = (0, 0.0f64);
     for step in 0..2 {
         let q: Vec<f32> = decode.iter().flatten().flat_map(|g| g[step * d..(step + 1) * d].to_vec()).collect();
         let a = session.attention_with(0, &q, &opts).unwrap();
         for (qh, r) in a.heads.iter().enumerate() {
-            let (k, q) = (&keys[qh / group], &q[qh * d..(qh + 1) * d]);
-            let z: Vec<f64> = (0..n as usize)
-                .map(|t| {
-                    k[t * d..(t + 1) * d].iter().zip(q).map(|(a, b)| a * b).sum::<f32>() as f64 / (d as f64).sqrt()
-                })
-                .collect();
-            let top = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let total: f64 = z.iter().map(|z| (z - top).exp()).sum();
             let retrieved: Vec<u32> =
                 r.selected.iter().copied().filter(|t| !window.contains(t) && !r.tail.contains(t)).collect();
             let mut blocks: Vec<u32> = retrieved.iter().map(|t| t / rows).collect();
             blocks.dedup();
             most = most.max(blocks.len());
-            let left_out: f64 = blocks
+            let left_out: Vec<u32> = blocks
                 .iter()
-                .flat_map(|&b| b * rows..((b + 1) * rows).min(n))
-                .filter(|t| !window.contains(t) && retrieved.binary_search(t).is_err())
-                .map(|t| (z[t as usize] - top).exp() / total)
-                .sum();
-            left_out_share = left_out_share.max(left_out);
+                .flat_map(|&b| block_tokens(b, rows, n, &window))
+                .filter(|t| retrieved.binary_search(t).is_err())
+                .collect();
+            if !left_out.is_empty() {
+                // Their share of the exact attention: exp(their log-sum-exp − everyone's).
+                let (k, v, q) = (&keys[qh / group], &values[qh / group], &q[qh * d..(qh + 1) * d]);
+                let lse = |ids: &[u32]| exact(k, v, d, ids, q, scale).1 as f64;
+                left_out_share = left_out_share.max((lse(&left_out) - lse(&all)).exp());
+            }
         }
     }
     BlockFill { most, left_out_share }
+}
+
+/// Key rows per 4 KiB block at head dimension `d`, as the index lays them out (and the values
+/// alike: docs/format.md, "Key blocks", "Value blocks").
+fn key_rows_per_block(d: u32) -> u32 {
+    ctxfs_index::paged::Layout::new(0, d, 1, 0, DType::F16, ctxfs_vfs::max_payload(4096)).rows_per_block
+}
+
+/// The tokens of block `b` (`rows` a block, `n` in all) outside `window`.
+fn block_tokens(b: u32, rows: u32, n: u32, window: &[u32]) -> impl Iterator<Item = u32> + '_ {
+    (b * rows..((b + 1) * rows).min(n)).filter(move |t| !window.contains(t))
 }
 
 fn to_halves(x: &[f32]) -> Vec<f16> {
