@@ -1838,21 +1838,41 @@ const NEGLIGIBLE_SHARE: f32 = 1e-3;
 /// hold at most [`NEGLIGIBLE_SHARE`] of the attention over `found` and the rest (whose
 /// log-sum-exp is `rest_lse`: the window, own tokens and tail). Their values are then never
 /// read. `found` keeps its order.
+///
+/// Only tokens of at most the share each can be left out. Of those, the least attended that
+/// fit are found by selection, halving the tokens in question each round, not by sorting
+/// them: a q head of the codes' best has thousands.
 fn drop_negligible(found: &mut Vec<(usize, u32, f32)>, scale: f32, rest_lse: f32) {
     let scores: Vec<f32> = found.iter().map(|f| f.2).collect();
     let total = log_add(lse_of(&scores, scale), rest_lse);
     if !total.is_finite() {
         return;
     }
-    let mut order: Vec<usize> = (0..found.len()).collect();
-    order.sort_unstable_by(|&a, &b| best_first(&found[b], &found[a]));
-    let (mut share, mut dropped) = (0.0f32, vec![false; found.len()]);
-    for i in order {
-        share += (found[i].2 * scale - total).exp();
-        if share > NEGLIGIBLE_SHARE {
-            break;
+    // (q·k, token, position in `found`, share), least attended first by [`best_first`]'s
+    // order reversed.
+    let least_first = |a: &(f32, u32, usize, f32), b: &(f32, u32, usize, f32)| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1));
+    let mut small: Vec<(f32, u32, usize, f32)> = found
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.2, f.1, i, (f.2 * scale - total).exp()))
+        .filter(|c| c.3 <= NEGLIGIBLE_SHARE)
+        .collect();
+    // `small[..lo]` are the least attended, and fit the share that `room` has left of it.
+    let (mut lo, mut hi, mut room) = (0, small.len(), NEGLIGIBLE_SHARE);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        small[lo..hi].select_nth_unstable_by(mid - lo, least_first);
+        let share: f32 = small[lo..=mid].iter().map(|c| c.3).sum();
+        if share <= room {
+            room -= share;
+            lo = mid + 1;
+        } else {
+            hi = mid;
         }
-        dropped[i] = true;
+    }
+    let mut dropped = vec![false; found.len()];
+    for c in &small[..lo] {
+        dropped[c.2] = true;
     }
     let mut at = 0;
     found.retain(|_| {
@@ -2000,6 +2020,42 @@ mod tests {
         let mut none = vec![(0, 0, f32::NAN)];
         drop_negligible(&mut none, 1.0, f32::NEG_INFINITY);
         assert_eq!(none.len(), 1);
+    }
+
+    #[test]
+    fn negligible_tokens_are_those_a_sort_would_leave_out() {
+        // Thousands of tokens of tied and spread scores, against the least attended taken one
+        // by one in sorted order until the next would exceed the share.
+        let mut rng = ctxfs_vfs::SplitMix64::new(7);
+        for case in 0..40 {
+            let n = 1 + rng.below(5000) as usize;
+            let found: Vec<(usize, u32, f32)> =
+                (0..n as u32).map(|t| (0, t * 3, rng.below(400) as f32 / 40.0 - (case % 7) as f32)).collect();
+            let rest = (case % 5) as f32 * 2.0 - 4.0;
+            let mut got = found.clone();
+            drop_negligible(&mut got, 0.7, rest);
+            let scores: Vec<f32> = found.iter().map(|f| f.2).collect();
+            let total = log_add(lse_of(&scores, 0.7), rest);
+            let mut order = found.clone();
+            order.sort_unstable_by(|a, b| best_first(b, a));
+            let (mut share, mut left_out) = (0.0f64, 0);
+            for f in &order {
+                let p = ((f.2 * 0.7 - total) as f64).exp();
+                if share + p > NEGLIGIBLE_SHARE as f64 * (1.0 + 1e-4) {
+                    break;
+                }
+                share += p;
+                left_out += 1;
+            }
+            let mut kept = order[left_out..].to_vec();
+            kept.sort_unstable_by_key(|f| f.1);
+            // Sums in another order may round the last one across the share: one token apart.
+            let apart = kept.len().abs_diff(got.len());
+            assert!(apart <= 1, "case {case}: kept {} against {}", got.len(), kept.len());
+            if apart == 0 {
+                assert_eq!(got, kept, "case {case}");
+            }
+        }
     }
 
     #[test]

@@ -59,7 +59,8 @@ pub struct Args {
     block_size: usize,
     /// Serve under a resident budget (`DbConfig::resident_budget`, e.g. 0.125): the context
     /// is served compact from its PQ codes, and the pool holds the budget plus the data cache's
-    /// share of the key blocks and of the value blocks, read on demand.
+    /// share of the index streams (where the key blocks read on demand are cached) and of the
+    /// value blocks.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
     /// Time the decode steps and the first output only, without the baselines (exact
