@@ -2027,6 +2027,7 @@ mod tests {
         // Thousands of tokens of tied and spread scores, against the least attended taken one
         // by one in sorted order until the next would exceed the share.
         let mut rng = ctxfs_vfs::SplitMix64::new(7);
+        let mut rounded = 0;
         for case in 0..40 {
             let n = 1 + rng.below(5000) as usize;
             let found: Vec<(usize, u32, f32)> =
@@ -2041,7 +2042,7 @@ mod tests {
             let (mut share, mut left_out) = (0.0f64, 0);
             for f in &order {
                 let p = ((f.2 * 0.7 - total) as f64).exp();
-                if share + p > NEGLIGIBLE_SHARE as f64 * (1.0 + 1e-4) {
+                if share + p > NEGLIGIBLE_SHARE as f64 {
                     break;
                 }
                 share += p;
@@ -2049,13 +2050,17 @@ mod tests {
             }
             let mut kept = order[left_out..].to_vec();
             kept.sort_unstable_by_key(|f| f.1);
-            // Sums in another order may round the last one across the share: one token apart.
+            // Sums in f32 and in another order may round the last one across the share: one
+            // token apart, rarely.
             let apart = kept.len().abs_diff(got.len());
             assert!(apart <= 1, "case {case}: kept {} against {}", got.len(), kept.len());
             if apart == 0 {
                 assert_eq!(got, kept, "case {case}");
+            } else {
+                rounded += 1;
             }
         }
+        assert!(rounded <= 2, "{rounded} of 40 cases a token apart");
     }
 
     #[test]
