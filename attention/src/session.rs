@@ -1241,7 +1241,8 @@ impl Session {
     /// candidates, the cut lowered by the codes' error on the seed table's exact scores
     /// (`ctxfs_index::approx`); without one, the best `want` of them, less those that even
     /// the codes' error would not lift out of the `negligible` share. They are scored
-    /// exactly from their key blocks; the seeds' scores come back for the tail estimate.
+    /// exactly from their key blocks; the seeds' scores come back for the tail estimate. The
+    /// tokens come by id ([`SearchResult::by_id`]), as attention takes them.
     fn codes_select(
         &self,
         r: &SegmentReader<'_>,
@@ -1357,7 +1358,7 @@ impl Session {
         };
         // The codes' approximate scores are not inner products with keys: keys scored counts
         // the exact ones (the seeds' and the candidates').
-        let mut found = SearchResult::from_pairs(pairs, SearchStats { keys_scored: 0, ..scan.stats });
+        let mut found = SearchResult::by_id(pairs, SearchStats { keys_scored: 0, ..scan.stats });
         codes_work += tables_work;
         codes_work += refine_work;
         found.stats += SearchStats { keys_scored: 0, ..codes_work };
@@ -1468,9 +1469,8 @@ impl Session {
                 }
             };
             *stats += r.stats;
-            if let Some(&top) = r.scores.first() {
-                best = best.max(top);
-            }
+            // Best first, or by token (the codes' choices): the best is the greatest either way.
+            best = r.scores.iter().copied().fold(best, f32::max);
             beta = match (target, r.chosen_beta) {
                 (Some(_), Some(cut)) => beta.max(cut),
                 // The codes cut a target's range on their own scores: no β bounds it.
