@@ -69,7 +69,8 @@ fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
 }
 
 /// Refuses a write the store cannot hold before anything is written. Extent and record
-/// blocks add about 1% (one 4-byte CRC per block mapped); 2% is reserved.
+/// blocks add under 1% (a 4-byte CRC per block mapped, and a 16-byte run for each key and
+/// value block, which lie side by side); 2% is reserved.
 fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Result<u64> {
     let payload = max_payload(db.store().device().block_size());
     let degree = build.degree + build.extra_degree + usize::from(build.sequence_edges) * 2;
@@ -144,7 +145,7 @@ fn write_head(
         }
     }
     let mut t = Instant::now();
-    let (_, mut index) = index_payloads_of(key_rows, value_rows, h.dim, &graph, payload);
+    let (layout, mut index) = index_payloads_of(key_rows, value_rows, h.dim, &graph, payload);
     r.write += t.elapsed();
     if dtype == DType::F16 {
         // The coarse indexes follow the graph index in the index stream (docs/format.md §19).
@@ -161,12 +162,19 @@ fn write_head(
         }
     }
     t = Instant::now();
-    for b in &index {
+    let data = row_payloads(value_rows, h.dim, payload);
+    // Key block j and value block j hold the same tokens' rows: side by side on the device,
+    // one read returns a candidate's key and value (docs/format.md §19).
+    let keys_from = 1 + layout.adjacency_blocks() as usize;
+    assert_eq!(layout.key_blocks() as usize, data.len(), "a key block per value block");
+    for b in &index[..keys_from] {
         txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
-    let data = row_payloads(value_rows, h.dim, payload);
-    for b in &data {
-        txn.append_block(name, l, hd, FileStream::Data, b)?;
+    for (k, v) in index[keys_from..].iter().zip(&data) {
+        txn.append_block_pair(name, l, hd, k, v)?;
+    }
+    for b in &index[keys_from + data.len()..] {
+        txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
     r.write += t.elapsed();
     r.blocks += (index.len() + data.len()) as u64;

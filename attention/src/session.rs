@@ -656,7 +656,9 @@ impl Session {
 
     fn open_index<'a>(&'a self, file: &'a FileBlocks, seg: &Segment, layer: usize, h: usize) -> Result<PagedIndex<'a>> {
         let corrupt = |e: String| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context));
-        let mut index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints).map_err(corrupt)?;
+        let mut index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints)
+            .map_err(corrupt)?
+            .with_values(&file.data);
         if let Some(held) = file.resident.get() {
             index = index.with_resident(held).map_err(corrupt)?;
         }

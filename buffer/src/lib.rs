@@ -10,8 +10,8 @@
 //! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.
 //! * A [`Prefetcher`] thread reads blocks a caller will need soon (a search's value blocks)
 //!   while the caller goes on computing.
-//! * Batched reads: the misses of a request go to the device as one submission, adjacent
-//!   blocks coalesced; concurrent requests for one block share one read; an I/O error or a
+//! * Batched reads: the misses of a request go to the device as one submission, blocks at
+//!   most [`RUN_GAP`] apart coalesced; concurrent requests for one block share one read; an I/O error or a
 //!   checksum failure reaches every waiter and is not cached.
 //!
 //! Memory: frame buffers are slots of one allocation of the budget, mapped as frames are
@@ -41,5 +41,5 @@ pub use pool::{BufferPool, PoolConfig};
 pub use prefetcher::{Prefetched, Prefetcher};
 pub use request::{BlockClass, BlockRequest, BufferError};
 pub use resident::ResidentBlocks;
-pub use source::{BlockSource, DeviceSource, RUN_BLOCKS, STAGING_BUFFERS, STAGING_BUFFER_BYTES};
+pub use source::{BlockSource, DeviceSource, RUN_BLOCKS, RUN_GAP, STAGING_BUFFERS, STAGING_BUFFER_BYTES};
 pub use stats::{ClassStats, PoolStats};

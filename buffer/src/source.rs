@@ -1,5 +1,6 @@
 //! Where frames are filled from. The pool asks for a whole batch at once; the device source
-//! sends it to the device as one submission, coalescing runs of adjacent blocks.
+//! sends it to the device as one submission, coalescing runs of blocks at most [`RUN_GAP`]
+//! apart.
 
 use crate::request::{BlockRequest, BufferError};
 use crate::sync::{lock, Mutex};
@@ -27,6 +28,10 @@ pub const STAGING_BUFFERS: usize = 4;
 pub const STAGING_BUFFER_BYTES: usize = 4 << 20;
 /// Longest coalesced read, in blocks.
 pub const RUN_BLOCKS: usize = 64;
+/// Blocks nobody asked for that a coalesced read may span between two that were: reading
+/// one more block costs a disk bound by its count of random reads about nothing, and a
+/// vector file's key blocks lie every other block, beside their values (`Txn::append_block_pair`).
+pub const RUN_GAP: u64 = 1;
 
 pub struct DeviceSource {
     dev: Arc<dyn BlockDevice>,
@@ -65,28 +70,32 @@ pub(crate) fn io_error(block: u64, e: &std::io::Error) -> BufferError {
     BufferError::Block(Arc::new(Error::BlockIo { block, source: std::io::Error::new(e.kind(), e.to_string()) }))
 }
 
-/// A coalesced read: the requests at `positions` of the block order, which name the
-/// adjacent device blocks from `first` on, staged from block `at` of the batch's staging
-/// buffer.
+/// A coalesced read: the requests at `positions` of the block order, which name device
+/// blocks from `first` to `last` (with at most [`RUN_GAP`] unasked blocks between two),
+/// staged from block `at` of the batch's staging buffer.
 struct Run {
     positions: Range<usize>,
     first: u64,
+    last: u64,
     at: usize,
 }
 
 impl Run {
+    /// Device blocks the read spans.
     fn span(&self) -> usize {
-        self.positions.len()
+        (self.last - self.first + 1) as usize
     }
 }
 
-/// Splits the sorted blocks into runs of adjacent blocks, at most [`RUN_BLOCKS`] long, as
-/// ranges of positions.
+/// Splits the sorted blocks into runs whose neighbours are at most [`RUN_GAP`] blocks
+/// apart, each spanning at most [`RUN_BLOCKS`] device blocks, as ranges of positions.
 fn runs_of(sorted: &[u64]) -> Vec<Range<usize>> {
     let mut runs: Vec<Range<usize>> = Vec::new();
     for (pos, &block) in sorted.iter().enumerate() {
         match runs.last_mut() {
-            Some(r) if sorted[r.end - 1] + 1 == block && r.len() < RUN_BLOCKS => r.end = pos + 1,
+            Some(r) if block - sorted[r.end - 1] <= RUN_GAP + 1 && block - sorted[r.start] < RUN_BLOCKS as u64 => {
+                r.end = pos + 1
+            }
             _ => runs.push(pos..pos + 1),
         }
     }
@@ -116,8 +125,9 @@ impl BlockSource for DeviceSource {
         if stage.is_some() {
             let mut at = 0;
             for positions in runs {
-                if at + positions.len() <= stage_blocks {
-                    let run = Run { first: sorted[positions.start], positions, at };
+                let (first, last) = (sorted[positions.start], sorted[positions.end - 1]);
+                if at + (last - first + 1) as usize <= stage_blocks {
+                    let run = Run { first, last, positions, at };
                     at += run.span();
                     coalesced.push(run);
                 }
@@ -161,7 +171,7 @@ impl BlockSource for DeviceSource {
                 (Ok(()), Some(stage)) => {
                     for pos in run.positions.clone() {
                         let i = order[pos];
-                        let k = run.at + pos - run.positions.start;
+                        let k = run.at + (sorted[pos] - run.first) as usize;
                         bufs[i].copy_from_slice(&stage[k * bs..(k + 1) * bs]);
                         out[i] = Some(check(&reqs[i], bufs[i]));
                     }

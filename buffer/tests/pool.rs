@@ -81,12 +81,30 @@ fn real_store(dir: &tempfile::TempDir, mib: u64, contexts: u32, tokens: usize) -
     (dev, store)
 }
 
+/// A block's request and what it holds: (context, head, stream, first token).
+type Located = (BlockRequest, (u32, u16, u8, usize));
+
+/// One data stream of `blocks` blocks written alone (context 1, layer 0, head 0): past its
+/// first 16 blocks, its blocks are adjacent on the device. Its requests, in logical order.
+fn lone_data_stream(store: &Store, blocks: usize) -> Vec<Located> {
+    let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
+    let mut txn = store.begin().unwrap();
+    txn.create_context("ctx1", shape, &[]).unwrap();
+    for first in (0..blocks * PER_BLOCK).step_by(PER_BLOCK) {
+        txn.append_block("ctx1", 0, 0, FileStream::Data, &block_payload(1, 0, 1, first, PER_BLOCK)).unwrap();
+    }
+    txn.commit().unwrap();
+    let all = requests(store, 1, 0, FileStream::Data);
+    assert!(all[16..].windows(2).all(|w| w[0].0.block + 1 == w[1].0.block), "the blocks are adjacent");
+    all
+}
+
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
 /// Every block request of one stream, with (context, head, stream) to know its contents.
-fn requests(store: &Store, ctx: u32, head: u16, which: FileStream) -> Vec<(BlockRequest, (u32, u16, u8, usize))> {
+fn requests(store: &Store, ctx: u32, head: u16, which: FileStream) -> Vec<Located> {
     let snap = store.snapshot();
     let c = snap.context(&format!("ctx{ctx}")).unwrap();
     let s = c.stream(0, head, which).unwrap();
@@ -254,19 +272,9 @@ fn long_runs_are_split_and_runs_past_the_staging_buffer_are_read_block_by_block(
     let dir = tmp();
     let blocks = STAGING_BLOCKS + 276;
     let (dev, store) = real_store(&dir, 64, 0, 0);
-    // One data stream written alone: past its first few blocks, the rest are adjacent on
-    // the device.
-    let shape = ModelShape { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 128, dtype: DType::F16 };
-    let mut txn = store.begin().unwrap();
-    txn.create_context("ctx1", shape, &[]).unwrap();
     let written = blocks + 16;
-    for first in (0..written * PER_BLOCK).step_by(PER_BLOCK) {
-        txn.append_block("ctx1", 0, 0, FileStream::Data, &block_payload(1, 0, 1, first, PER_BLOCK)).unwrap();
-    }
-    txn.commit().unwrap();
-    let all = requests(&store, 1, 0, FileStream::Data);
+    let all = lone_data_stream(&store, written);
     let data = &all[written - blocks..];
-    assert!(data.windows(2).all(|w| w[0].0.block + 1 == w[1].0.block), "the blocks requested are adjacent");
     let pool = pool(dev.clone(), (4 * blocks * BS) as u64, 0.5);
     let o0 = dev.ops.load(Ordering::Relaxed);
     let reqs: Vec<BlockRequest> = data.iter().rev().map(|r| r.0).collect();
@@ -276,6 +284,46 @@ fn long_runs_are_split_and_runs_past_the_staging_buffer_are_read_block_by_block(
     // Runs of RUN_BLOCKS fill the staging buffer; the blocks after it are read one by one.
     let staged = STAGING_BLOCKS / RUN_BLOCKS;
     assert_eq!(dev.ops.load(Ordering::Relaxed) - o0, (staged + blocks - staged * RUN_BLOCKS) as u64);
+}
+
+/// Blocks one apart (a vector file's key blocks, each beside its value block) are read as
+/// one span, the blocks between them included; blocks two apart are not.
+#[test]
+fn blocks_one_apart_are_read_in_one_span_and_a_bad_block_between_fails_nothing() {
+    use ctxfs_buffer::{RUN_BLOCKS, RUN_GAP};
+    assert_eq!(RUN_GAP, 1);
+    let dir = tmp();
+    let (dev, store) = real_store(&dir, 64, 0, 0);
+    let written = 400;
+    let all = lone_data_stream(&store, written);
+    let data = &all[16..];
+    let pool = pool(dev.clone(), (4 * written * BS) as u64, 0.5);
+    let check = |picked: &[&Located]| {
+        let reqs: Vec<BlockRequest> = picked.iter().map(|r| r.0).collect();
+        let o0 = dev.ops.load(Ordering::Relaxed);
+        for (g, r) in pool.get_many(&reqs).iter().zip(picked) {
+            assert_eq!(g.as_ref().unwrap().as_f16(), &expected(r.1, PER_BLOCK * written)[..]);
+        }
+        dev.ops.load(Ordering::Relaxed) - o0
+    };
+    // Every other block: 96 blocks over 191, read in spans of at most RUN_BLOCKS blocks.
+    let every_other: Vec<_> = data.iter().step_by(2).take(96).collect();
+    let per_span = RUN_BLOCKS.div_ceil(2);
+    assert_eq!(check(&every_other), 96usize.div_ceil(per_span) as u64);
+    // Every third block, beyond those: one read each.
+    let every_third: Vec<_> = data[200..].iter().step_by(3).take(20).collect();
+    assert_eq!(check(&every_third), 20);
+    assert_eq!(pool.stats().data.misses, 116, "the blocks between were read, not cached");
+
+    // A block between two asked for that cannot be read: the span fails and its blocks are
+    // read one by one, so the two load and nothing names the bad block.
+    let mem = Arc::new(MemDevice::new(BS, 2048));
+    let data = lone_data_stream(&ctxfs_vfs::format(mem.clone()).unwrap(), 40);
+    let pool = self::pool(mem.clone(), (64 * BS) as u64, 0.5);
+    mem.set_faults(FaultPlan { bad_read_blocks: [data[21].0.block].into(), ..Default::default() });
+    let results = pool.get_many(&[data[20].0, data[22].0]);
+    assert_eq!(results[0].as_ref().unwrap().as_f16(), &expected(data[20].1, PER_BLOCK * 40)[..]);
+    assert_eq!(results[1].as_ref().unwrap().as_f16(), &expected(data[22].1, PER_BLOCK * 40)[..]);
 }
 
 /// A block read again after its eviction is a miss but not a first read: first reads count

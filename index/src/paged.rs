@@ -302,6 +302,9 @@ pub struct PagedIndex<'p> {
     hints: &'p [FrameHint],
     /// The stream's blocks, held resident, in logical order.
     resident: Option<&'p ResidentBlocks>,
+    /// Where each value block of the file's data stream is, when its reads may ride along
+    /// with the key blocks' ([`with_values`](Self::with_values)).
+    values: &'p [BlockRequest],
     pins: RefCell<Pins<'p>>,
 }
 
@@ -426,7 +429,15 @@ impl<'p> PagedIndex<'p> {
         let blocks = &blocks[..layout.index_blocks() as usize];
         let cap = pool.pinnable(BlockClass::Index) / PIN_SHARE;
         let pins = Pins { slot: vec![0; blocks.len()], guards: Vec::new(), cap };
-        Ok(PagedIndex { pool, layout, blocks, hints: &hints[..blocks.len()], resident: None, pins: RefCell::new(pins) })
+        Ok(PagedIndex {
+            pool,
+            layout,
+            blocks,
+            hints: &hints[..blocks.len()],
+            resident: None,
+            values: &[],
+            pins: RefCell::new(pins),
+        })
     }
 
     /// Reads the index from `resident`, the stream's blocks held resident in logical order
@@ -437,6 +448,16 @@ impl<'p> PagedIndex<'p> {
         }
         self.resident = Some(resident);
         Ok(self)
+    }
+
+    /// Reads value block `j` (of `values`, the file's data stream in logical order) with key
+    /// block `j` when the pool lacks both and they lie side by side on the device: the read
+    /// of two adjacent blocks costs about one (a disk's random reads are bound by their
+    /// count, not their bytes), and a candidate whose key is read is mostly one whose value
+    /// is read next.
+    pub fn with_values(mut self, values: &'p [BlockRequest]) -> PagedIndex<'p> {
+        self.values = values;
+        self
     }
 
     /// Calls `f` with a lookup from logical block to payload for the blocks `wanted()`
@@ -543,9 +564,21 @@ impl<'p> PagedIndex<'p> {
     fn read_ahead(&self, ids: &[u32], first: u32, stats: &mut SearchStats) {
         let wanted = blocks_holding(&self.layout, ids, first);
         if wanted.len() <= self.pool.frames(BlockClass::Index) / 16 {
-            let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
+            let mut reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
+            if first == 1 + self.layout.adjacency_blocks() && wanted.len() <= self.pool.frames(BlockClass::Data) / 16 {
+                reqs.extend(wanted.iter().filter_map(|&b| self.value_beside(b - first)));
+            }
             stats.blocks_read += self.pool.prefetch(&reqs).len() as u64;
         }
+    }
+
+    /// Value block `j` when it lies right after key block `j` on the device and the pool
+    /// holds neither.
+    fn value_beside(&self, j: u32) -> Option<BlockRequest> {
+        let key = self.blocks[(1 + self.layout.adjacency_blocks() + j) as usize];
+        let value = *self.values.get(j as usize)?;
+        (value.block == key.block + 1 && !self.pool.will_use(key.block) && !self.pool.will_use(value.block))
+            .then_some(value)
     }
 
     /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.

@@ -306,3 +306,83 @@ fn rows_read_in_runs_are_the_rows_asked_for_in_order() {
         assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} against {b}");
     }
 }
+
+/// Key block `j` written beside value block `j` (as `ctxfs import` places them); the
+/// other index blocks apart. Returns the index and data streams' requests.
+fn store_side_by_side(
+    dev: Arc<dyn BlockDevice>,
+    index: &[Vec<u8>],
+    values: &[Vec<u8>],
+    keys_from: usize,
+    paired: bool,
+) -> (Store, Vec<BlockRequest>, Vec<BlockRequest>) {
+    let store = ctxfs_vfs::format(dev).unwrap();
+    let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: 64, dtype: DType::F16 };
+    let mut txn = store.begin().unwrap();
+    txn.create_context("c", shape, &[]).unwrap();
+    let keys = keys_from..keys_from + values.len();
+    for b in &index[..keys.start] {
+        txn.append_block("c", 0, 0, FileStream::Index, b).unwrap();
+    }
+    for (k, v) in index[keys.clone()].iter().zip(values) {
+        if paired {
+            txn.append_block_pair("c", 0, 0, k, v).unwrap();
+        } else {
+            txn.append_block("c", 0, 0, FileStream::Index, k).unwrap();
+        }
+    }
+    for b in &index[keys.end..] {
+        txn.append_block("c", 0, 0, FileStream::Index, b).unwrap();
+    }
+    for v in values.iter().filter(|_| !paired) {
+        txn.append_block("c", 0, 0, FileStream::Data, v).unwrap();
+    }
+    txn.commit().unwrap();
+    let snap = store.snapshot();
+    let ctx = snap.context("c").unwrap();
+    let reqs = |which| {
+        let s = ctx.stream(0, 0, which).unwrap();
+        (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect::<Vec<_>>()
+    };
+    let (i, d) = (reqs(FileStream::Index), reqs(FileStream::Data));
+    drop(snap);
+    (store, i, d)
+}
+
+#[test]
+fn a_key_block_read_brings_the_value_block_beside_it_and_nothing_else() {
+    let (keys, graph, queries, values) = data();
+    let (layout, index) = index_payloads(&keys, &values, &graph, max_payload(4096));
+    let value_blocks = row_payloads(Rows::F16(&values), 64, max_payload(4096));
+    let keys_from = 1 + layout.adjacency_blocks() as usize;
+    // 300 scattered candidates (more than a batch of pins), in 150 key blocks.
+    let ids: Vec<u32> = (0..300).map(|i| i * 10).collect();
+    let blocks = ids.iter().map(|&t| t / layout.rows_per_block).collect::<std::collections::BTreeSet<_>>().len() as u64;
+    for (paired, with_values, values_read) in [(true, true, blocks), (true, false, 0), (false, true, 0)] {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let path = dir.path().join("pairs.img");
+        std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
+        let dev: Arc<dyn BlockDevice> =
+            Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
+        let (store, reqs, data) = store_side_by_side(dev, &index, &value_blocks, keys_from, paired);
+        let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+        let hints = hints_for(&reqs);
+        let mut paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+        if with_values {
+            paged = paged.with_values(&data);
+        }
+        let case = format!("paired {paired}, with values {with_values}");
+        let (mut got, mut want) = (vec![0.0; ids.len()], vec![0.0; ids.len()]);
+        let mut stats = Default::default();
+        paged.score(&ids, &queries[..64], &mut got, &mut stats).unwrap();
+        keys.score(&ids, &queries[..64], &mut want, &mut stats).unwrap();
+        assert_eq!(got, want, "{case}");
+        let st = pool.stats();
+        assert_eq!(st.data.misses, values_read, "{case}: value blocks read with the keys");
+        // The values of every candidate, summed next: read with their keys, they are hits.
+        let mut rows = 0;
+        for_row_runs(&pool, &data, &layout, &ids, |_, r| rows += r.len() / 64).unwrap();
+        assert_eq!(rows, ids.len());
+        assert_eq!(pool.stats().data.misses, blocks, "{case}: each value block read once");
+    }
+}

@@ -98,8 +98,11 @@ impl Serving {
     }
 
     /// A pool for a context served compact under `budget` (per KV byte of its `kv_bytes`):
-    /// the budget's bytes held, then caches of `data_share` of the index blocks (the keys
-    /// its candidates read) and of the data blocks.
+    /// the budget's bytes held, then a cache of `data_share` of the index and data streams'
+    /// bytes, half for key blocks (the keys its candidates read, in the index area) and
+    /// half for value blocks. A key block and its value block are read together (they lie
+    /// side by side on the device), so each cache holds as many of them: a value evicted
+    /// before its key would cost a read of its own.
     pub fn compact(
         path: &std::path::Path,
         choice: ctxfs_vfs::DeviceChoice,
@@ -108,8 +111,8 @@ impl Serving {
         kv_bytes: u64,
     ) -> Result<Serving> {
         let (index_bytes, data_bytes) = stream_bytes(path, choice)?;
-        let index_area = (budget * kv_bytes as f64) as u64 + (index_bytes as f64 * data_share) as u64;
-        Ok(Serving::of(index_area, (data_bytes as f64 * data_share) as u64, Some(budget)))
+        let half = ((index_bytes + data_bytes) as f64 * data_share / 2.0) as u64;
+        Ok(Serving::of((budget * kv_bytes as f64) as u64 + half, half, Some(budget)))
     }
 
     /// A serving pool of `index_bytes` for index blocks and `cache_bytes` for data blocks.

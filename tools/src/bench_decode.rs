@@ -59,8 +59,8 @@ pub struct Args {
     block_size: usize,
     /// Serve under a resident budget (`DbConfig::resident_budget`, e.g. 0.125): the context
     /// is served compact from its PQ codes, and the pool holds the budget plus the data cache's
-    /// share of the index streams (where the key blocks read on demand are cached) and of the
-    /// value blocks.
+    /// share of the index and data streams, half of it caching the key blocks read on demand
+    /// and half the value blocks.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
     /// Time the decode steps and the first output only, without the baselines (exact
@@ -320,12 +320,15 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         format!("{layers} of {MODEL_LAYERS} layers built, the rest extrapolated")
     };
     println!("bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {built}");
+    let share = match args.resident_budget {
+        None => format!("{:.0}% of the data blocks", args.data_cache * 100.0),
+        Some(_) => format!("as much again caches key blocks: {:.0}% of both streams", args.data_cache * 100.0),
+    };
     println!(
-        "buffer pool {} MiB: index {} MiB + data cache {} MiB ({:.0}% of the data blocks)",
+        "buffer pool {} MiB: index {} MiB + data cache {} MiB ({share})",
         pool_bytes >> 20,
         index_bytes >> 20,
-        cache >> 20,
-        args.data_cache * 100.0
+        cache >> 20
     );
     if let Some((r, peak)) = &import {
         println!(

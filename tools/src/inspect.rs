@@ -150,7 +150,7 @@ fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> 
         let runs: Vec<Value> = s
             .map()
             .runs()
-            .map(|(logical, start, len)| json!({"logical": logical, "block": start, "blocks": len}))
+            .map(|(logical, start, len, step)| json!({"logical": logical, "block": start, "blocks": len, "step": step}))
             .collect();
         parts.push((which, s.blocks(), s.bytes(), runs));
     }
@@ -168,11 +168,13 @@ fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> 
     for (which, blocks, bytes, runs) in parts {
         println!("  {:?} stream: {blocks} blocks, {} in {} extents", which, human_bytes(bytes), runs.len());
         for r in runs.iter().take(20) {
+            let (start, len, step) = (r["block"].as_u64(), r["blocks"].as_u64(), r["step"].as_u64());
+            let (start, len, step) = (start.unwrap_or(0), len.unwrap_or(0), step.unwrap_or(1));
+            let every = if step > 1 { format!(", every {step}") } else { String::new() };
             println!(
-                "    logical {:>8} → blocks {}..{}",
+                "    logical {:>8} → blocks {start}..{}{every}",
                 r["logical"],
-                r["block"],
-                r["block"].as_u64().unwrap_or(0) + r["blocks"].as_u64().unwrap_or(0)
+                start + len.saturating_sub(1) * step + 1
             );
         }
         if runs.len() > 20 {

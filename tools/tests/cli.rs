@@ -103,6 +103,14 @@ fn inspect_shows_contexts_files_and_every_live_block() {
     assert!(index > 1 + rows && index == files[3]["index"]["blocks"], "{index}");
     let extents: u64 = one["data"]["extents"].as_array().unwrap().iter().map(|e| e["blocks"].as_u64().unwrap()).sum();
     assert_eq!(extents, rows);
+    // Each key block lies just before the value block of the same tokens: the data stream
+    // is one run of every other block, and the index stream has its twin one block earlier.
+    let data = &one["data"]["extents"][0];
+    assert_eq!((data["step"].as_u64(), data["blocks"].as_u64()), (Some(2), Some(rows)), "{}", one["data"]);
+    let twin = data["block"].as_u64().unwrap() - 1;
+    let keys = one["index"]["extents"].as_array().unwrap().iter().find(|e| e["block"] == twin);
+    let keys = keys.map(|e| (e["step"].as_u64(), e["blocks"].as_u64()));
+    assert_eq!(keys, Some((Some(2), Some(rows))), "{}", one["index"]);
 
     let blocks = json(&["inspect", p(&store), "--blocks", "--json"]);
     let blocks = blocks.as_array().unwrap();

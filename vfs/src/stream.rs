@@ -41,12 +41,26 @@ impl StreamId {
     }
 }
 
+/// Logical blocks `logical ..` at device blocks `start, start + step, …` (`len` of them). A
+/// step of 2 keeps a stream written side by side with another (a vector file's key and value
+/// blocks, [`crate::Txn::append_block_pair`]) one run in memory; on disk each of its blocks is
+/// a run of its own (docs/format.md §10).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct MapRun {
     logical: u64,
     start: u64,
     len: u64,
+    step: u64,
 }
+
+impl MapRun {
+    fn block(&self, i: u64) -> u64 {
+        self.start + i * self.step
+    }
+}
+
+/// Largest device-block step one in-memory run takes: 1 (consecutive) or 2 (side by side).
+const MAX_RUN_STEP: u64 = 2;
 
 /// Logical block → (device block, CRC) for one stream.
 #[derive(Debug, Clone, Default)]
@@ -69,24 +83,30 @@ impl StreamMap {
     pub fn locate(&self, logical: u64) -> Option<BlockRef> {
         let i = self.runs.partition_point(|r| r.logical + r.len <= logical);
         let run = self.runs.get(i).filter(|r| r.logical <= logical)?;
-        Some(BlockRef { block: run.start + (logical - run.logical), crc: self.crcs[logical as usize] })
+        Some(BlockRef { block: run.block(logical - run.logical), crc: self.crcs[logical as usize] })
     }
 
     /// Device blocks holding the stream's content, in logical order.
     pub fn device_blocks(&self) -> impl Iterator<Item = u64> + '_ {
-        self.runs.iter().flat_map(|r| r.start..r.start + r.len)
+        self.runs.iter().flat_map(|r| (0..r.len).map(|i| r.block(i)))
     }
 
-    /// Runs of consecutive device blocks as (first logical, first device block, length).
-    pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.runs.iter().map(|r| (r.logical, r.start, r.len))
+    /// Runs of evenly spaced device blocks as (first logical, first device block, length,
+    /// step between device blocks: 1 for consecutive ones).
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64, u64)> + '_ {
+        self.runs.iter().map(|r| (r.logical, r.start, r.len, r.step))
     }
 
     fn push(&mut self, block: u64, crc: u32) {
         let logical = self.len();
         match self.runs.last_mut() {
-            Some(r) if r.start + r.len == block => r.len += 1,
-            _ => self.runs.push(MapRun { logical, start: block, len: 1 }),
+            Some(r) if r.len > 1 && r.block(r.len) == block => r.len += 1,
+            // A run of one block takes its step from the block that follows it.
+            Some(r) if r.len == 1 && block > r.start && block - r.start <= MAX_RUN_STEP => {
+                r.step = block - r.start;
+                r.len = 2;
+            }
+            _ => self.runs.push(MapRun { logical, start: block, len: 1, step: 1 }),
         }
         self.crcs.push(crc);
     }
@@ -95,8 +115,10 @@ impl StreamMap {
         self.crcs.pop()?;
         let r = self.runs.last_mut().expect("runs cover crcs");
         r.len -= 1;
-        let block = r.start + r.len;
-        if r.len == 0 {
+        let block = r.block(r.len);
+        if r.len == 1 {
+            r.step = 1; // as a run of one block is made: the next push sets its step
+        } else if r.len == 0 {
             self.runs.pop();
         }
         Some(block)
@@ -163,6 +185,18 @@ impl StreamMap {
         }
         out
     }
+}
+
+/// Refuses a payload larger than a block holds, before any block is taken for it.
+pub(crate) fn check_payload(dev: &dyn BlockDevice, data: &[u8]) -> Result<()> {
+    if data.len() > max_payload(dev.block_size()) {
+        return Err(Error::InvalidArgument(format!(
+            "block payload of {} bytes exceeds the {} bytes a block holds",
+            data.len(),
+            max_payload(dev.block_size())
+        )));
+    }
+    Ok(())
 }
 
 /// Blocks a stream reserves at a time, doubling from the first to the last, so that small
@@ -237,14 +271,22 @@ impl StreamDraft {
         generation: u64,
         data: &[u8],
     ) -> Result<u64> {
-        if data.len() > max_payload(dev.block_size()) {
-            return Err(Error::InvalidArgument(format!(
-                "block payload of {} bytes exceeds the {} bytes a block holds",
-                data.len(),
-                max_payload(dev.block_size())
-            )));
-        }
+        check_payload(dev, data)?;
         let block = self.take_block(alloc)?;
+        self.push_to(block, queue, dev, generation, data)
+    }
+
+    /// Queues `data`, which [`check_payload`] passed, as the next logical block, at device
+    /// `block` (allocated by the caller), and returns its index.
+    pub fn push_to(
+        &mut self,
+        block: u64,
+        queue: &mut WriteQueue,
+        dev: &dyn BlockDevice,
+        generation: u64,
+        data: &[u8],
+    ) -> Result<u64> {
+        debug_assert!(check_payload(dev, data).is_ok(), "payloads are checked before their blocks are taken");
         let logical = self.map.len();
         let header = BlockHeader {
             kind: self.id.kind(),
@@ -321,5 +363,42 @@ impl StreamDraft {
         for r in &root.extents {
             alloc.free(r.block);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_take_steps_of_one_and_two_and_unwind_exactly() {
+        let blocks = [10u64, 12, 14, 15, 16, 17, 20, 21, 30, 32, 33];
+        let mut map = StreamMap::default();
+        let mut runs_after = Vec::new();
+        for (i, &b) in blocks.iter().enumerate() {
+            map.push(b, 1000 + i as u32);
+            runs_after.push(map.runs.clone());
+        }
+        let runs: Vec<(u64, u64, u64, u64)> = map.runs().collect();
+        // 10,12,14 step 2; 15..=17 step 1; 20,21 step 1; 30,32 step 2; 33 alone.
+        assert_eq!(runs, [(0, 10, 3, 2), (3, 15, 3, 1), (6, 20, 2, 1), (8, 30, 2, 2), (10, 33, 1, 1)]);
+        assert_eq!(map.device_blocks().collect::<Vec<_>>(), blocks);
+        for (l, &b) in blocks.iter().enumerate() {
+            assert_eq!(map.locate(l as u64), Some(BlockRef { block: b, crc: 1000 + l as u32 }));
+        }
+        assert_eq!(map.locate(blocks.len() as u64), None);
+        // On disk every block of a step-2 run is a run of its own.
+        let packed = map.pack(0, 4096);
+        assert_eq!(packed.len(), 1);
+        let disk: Vec<(u64, u32)> = packed[0].runs.iter().map(|r| (r.start, r.len)).collect();
+        assert_eq!(disk, [(10, 1), (12, 1), (14, 4), (20, 2), (30, 1), (32, 2)]);
+        // Popping returns the blocks in reverse and leaves the runs as they were.
+        for i in (0..blocks.len()).rev() {
+            if i > 0 {
+                assert_eq!(map.runs, runs_after[i]);
+            }
+            assert_eq!(map.pop(), Some(blocks[i]));
+        }
+        assert!(map.runs.is_empty() && map.is_empty());
     }
 }

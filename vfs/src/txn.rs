@@ -17,7 +17,7 @@ use crate::store::{
     chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
     ALLOC_CHAIN, CATALOG_CHAIN,
 };
-use crate::stream::{StreamDraft, StreamId, StreamMap};
+use crate::stream::{check_payload, StreamDraft, StreamId, StreamMap};
 use std::collections::BTreeMap;
 use std::sync::{Arc, MutexGuard};
 
@@ -282,21 +282,53 @@ impl<'s> Txn<'s> {
         which: FileStream,
         payload: &[u8],
     ) -> Result<u64> {
+        self.in_file(name, layer, head, |streams, alloc, queue, dev, generation| {
+            streams[which as usize].push(alloc, queue, dev, generation, payload)
+        })
+    }
+
+    /// Appends one block to each of the index and data streams of vector file (layer, kv
+    /// head), on adjacent device blocks where the allocator has two free side by side (the
+    /// index block first), so that one read of two blocks returns both. Returns the blocks'
+    /// logical indexes in their streams. A store without two adjacent free blocks gets the
+    /// pair apart: the same contents, read as two.
+    pub fn append_block_pair(
+        &mut self,
+        name: &str,
+        layer: u16,
+        head: u16,
+        index_payload: &[u8],
+        data_payload: &[u8],
+    ) -> Result<(u64, u64)> {
+        self.in_file(name, layer, head, |[index, data], alloc, queue, dev, generation| {
+            check_payload(dev, index_payload)?;
+            check_payload(dev, data_payload)?;
+            let hint = index.map.device_blocks().last().max(data.map.device_blocks().last()).map_or(2, |b| b + 1);
+            let (first, got) = alloc.alloc_run(hint, 2).ok_or_else(|| alloc.full(2))?;
+            let second = if got == 2 { first + 1 } else { alloc.alloc(first + 1).ok_or_else(|| alloc.full(1))? };
+            let i = index.push_to(first, queue, dev, generation, index_payload)?;
+            let d = data.push_to(second, queue, dev, generation, data_payload)?;
+            Ok((i, d))
+        })
+    }
+
+    /// Runs `f` on the index and data streams of vector file (layer, kv head) of context
+    /// `name`, with the transaction's allocator, write queue, device and generation.
+    fn in_file<R>(
+        &mut self,
+        name: &str,
+        layer: u16,
+        head: u16,
+        f: impl FnOnce(&mut [StreamDraft; 2], &mut Allocator, &mut WriteQueue, &dyn BlockDevice, u64) -> Result<R>,
+    ) -> Result<R> {
         self.check()?;
         let dev = self.dev();
         let generation = self.generation;
         let base_generation = self.base.generation();
         let r = (|| {
             let d = draft_in(&mut self.contexts, dev, base_generation, name)?;
-            let shape = d.record.shape;
-            if layer >= shape.layers || head >= shape.kv_heads {
-                return Err(Error::InvalidArgument(format!(
-                    "context {name:?} has {} layers and {} kv heads; no layer {layer} head {head}",
-                    shape.layers, shape.kv_heads
-                )));
-            }
-            let stream = &mut d.files[layer as usize * shape.kv_heads as usize + head as usize][which as usize];
-            stream.push(&mut self.w.alloc, &mut self.queue, dev, generation, payload)
+            let file = file_of(d.record.shape, name, layer, head)?;
+            f(&mut d.files[file], &mut self.w.alloc, &mut self.queue, dev, generation)
         })();
         self.guard(r)
     }
@@ -603,6 +635,17 @@ fn draft_in<'a>(
         Slot::Draft(d) => Ok(d),
         Slot::Clean(_) => unreachable!("converted above"),
     }
+}
+
+/// The position of vector file (layer, kv head) in a context's files.
+fn file_of(shape: ModelShape, name: &str, layer: u16, head: u16) -> Result<usize> {
+    if layer >= shape.layers || head >= shape.kv_heads {
+        return Err(Error::InvalidArgument(format!(
+            "context {name:?} has {} layers and {} kv heads; no layer {layer} head {head}",
+            shape.layers, shape.kv_heads
+        )));
+    }
+    Ok(layer as usize * shape.kv_heads as usize + head as usize)
 }
 
 fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {

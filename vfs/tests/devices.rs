@@ -111,3 +111,55 @@ fn fsck_reports_progress_up_to_every_allocated_block() {
     assert_eq!(*seen.last().unwrap(), (report.blocks_checked, allocated));
     assert_eq!(report.blocks_checked, allocated, "a clean store: every allocated block is checked once");
 }
+
+#[test]
+fn block_pairs_lie_side_by_side_and_stay_one_run_in_memory() {
+    let dir = tmpdir();
+    let path = dir.path().join("pairs.img");
+    let store = file_store(&path, 16 << 20, DeviceChoice::Uring);
+    let mut rng = ctxfs_vfs::SplitMix64::new(5);
+    let mut txn = store.begin().unwrap();
+    txn.create_context("c", shape(1, 1), &[1, 2, 3]).unwrap();
+    let meta = payload(&mut rng);
+    txn.append_block("c", 0, 0, FileStream::Index, &meta).unwrap();
+    let pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..300).map(|_| (payload(&mut rng), payload(&mut rng))).collect();
+    for (i, (index, data)) in pairs.iter().enumerate() {
+        assert_eq!(txn.append_block_pair("c", 0, 0, index, data).unwrap(), (1 + i as u64, i as u64));
+    }
+    // Refused pairs take no block: the commit below leaves nothing unreachable (fsck).
+    let too_large = vec![0; BS];
+    assert!(txn.append_block_pair("c", 0, 0, &too_large, &[1]).is_err());
+    assert!(txn.append_block_pair("c", 0, 0, &[1], &too_large).is_err());
+    assert!(txn.append_block_pair("c", 1, 0, &[1], &[1]).is_err(), "layer out of range");
+    let tail = payload(&mut rng);
+    txn.append_block("c", 0, 0, FileStream::Index, &tail).unwrap();
+    txn.commit().unwrap();
+    drop(store);
+
+    let store = Store::open_path(&path, DeviceChoice::Uring).unwrap();
+    let snap = store.snapshot();
+    let ctx = snap.context("c").unwrap();
+    let (index, data) = (ctx.stream(0, 0, FileStream::Index).unwrap(), ctx.stream(0, 0, FileStream::Data).unwrap());
+    for j in 0..pairs.len() as u64 {
+        let (k, v) = (index.locate(1 + j).unwrap().0, data.locate(j).unwrap().0);
+        assert_eq!(v, k + 1, "pair {j}: index block at {k}, data block at {v}");
+    }
+    // The pairs' 300 blocks of each stream are one run of step 2 in memory (on disk, one
+    // run each: docs/format.md §10).
+    let steps: Vec<u64> = data.map().runs().map(|r| r.3).collect();
+    assert_eq!(steps, [2], "data runs {:?}", data.map().runs().collect::<Vec<_>>());
+    assert!(index.map().runs().count() <= 3, "index runs {:?}", index.map().runs().collect::<Vec<_>>());
+    let mut want_index = vec![meta];
+    want_index.extend(pairs.iter().map(|p| p.0.clone()));
+    want_index.push(tail);
+    let logicals: Vec<u64> = (0..index.blocks()).collect();
+    for (got, want) in index.read_many(&logicals).into_iter().zip(&want_index) {
+        assert_eq!(got.unwrap().payload(), &want[..]);
+    }
+    let logicals: Vec<u64> = (0..data.blocks()).collect();
+    for (got, want) in data.read_many(&logicals).into_iter().zip(&pairs) {
+        assert_eq!(got.unwrap().payload(), &want.1[..]);
+    }
+    let report = fsck::check(store.device().as_ref()).unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
+}

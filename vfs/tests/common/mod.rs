@@ -104,6 +104,16 @@ pub fn append(
     ctx.tokens.extend(&toks);
     for layer in 0..ctx.shape.layers {
         for head in 0..ctx.shape.kv_heads {
+            // Every other file gets its blocks as index/data pairs, side by side on the device.
+            if rng.below(2) == 0 {
+                for _ in 0..blocks {
+                    let (i, d) = (payload(rng), payload(rng));
+                    txn.append_block_pair(name, layer, head, &i, &d)?;
+                    ctx.streams.entry((layer, head, 0)).or_default().push(i);
+                    ctx.streams.entry((layer, head, 1)).or_default().push(d);
+                }
+                continue;
+            }
             for s in 0..2u8 {
                 for _ in 0..blocks {
                     let p = payload(rng);
