@@ -91,6 +91,12 @@ impl StreamMap {
         self.runs.iter().flat_map(|r| (0..r.len).map(|i| r.block(i)))
     }
 
+    /// The device block after the stream's last one (block 2 for an empty stream): where
+    /// its next block would best go.
+    pub fn next_block(&self) -> u64 {
+        self.runs.last().map_or(2, |r| r.block(r.len - 1) + 1)
+    }
+
     /// Runs of evenly spaced device blocks as (first logical, first device block, length,
     /// step between device blocks: 1 for consecutive ones).
     pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64, u64)> + '_ {
@@ -244,7 +250,7 @@ impl StreamDraft {
     /// Takes the next reserved block, reserving more when none is left.
     fn take_block(&mut self, alloc: &mut Allocator) -> Result<u64> {
         if self.reserved.is_empty() {
-            let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
+            let hint = self.map.next_block();
             let (first, n) = alloc.alloc_run(hint, self.next_reservation).ok_or_else(|| alloc.full(1))?;
             self.reserved = first..first + n;
             self.next_reservation = (self.next_reservation * 2).min(MAX_RESERVATION);
@@ -333,7 +339,7 @@ impl StreamDraft {
             alloc.free(r.block);
         }
         self.map.extent_first.truncate(keep);
-        let hint = self.map.device_blocks().last().map_or(2, |b| b + 1);
+        let hint = self.map.next_block();
         for (i, eb) in self.map.pack(start, dev.block_size()).into_iter().enumerate() {
             let block = alloc.alloc(hint).ok_or_else(|| alloc.full(1))?;
             let payload = eb.encode();
@@ -383,6 +389,8 @@ mod tests {
         // 10,12,14 step 2; 15..=17 step 1; 20,21 step 1; 30,32 step 2; 33 alone.
         assert_eq!(runs, [(0, 10, 3, 2), (3, 15, 3, 1), (6, 20, 2, 1), (8, 30, 2, 2), (10, 33, 1, 1)]);
         assert_eq!(map.device_blocks().collect::<Vec<_>>(), blocks);
+        assert_eq!(map.next_block(), 34);
+        assert_eq!(StreamMap::default().next_block(), 2);
         for (l, &b) in blocks.iter().enumerate() {
             assert_eq!(map.locate(l as u64), Some(BlockRef { block: b, crc: 1000 + l as u32 }));
         }

@@ -303,7 +303,7 @@ impl<'s> Txn<'s> {
         self.in_file(name, layer, head, |[index, data], alloc, queue, dev, generation| {
             check_payload(dev, index_payload)?;
             check_payload(dev, data_payload)?;
-            let hint = index.map.device_blocks().last().max(data.map.device_blocks().last()).map_or(2, |b| b + 1);
+            let hint = index.map.next_block().max(data.map.next_block());
             let (first, got) = alloc.alloc_run(hint, 2).ok_or_else(|| alloc.full(2))?;
             let second = if got == 2 { first + 1 } else { alloc.alloc(first + 1).ok_or_else(|| alloc.full(1))? };
             let i = index.push_to(first, queue, dev, generation, index_payload)?;
