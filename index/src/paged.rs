@@ -201,6 +201,13 @@ impl Rows<'_> {
             Rows::Bf16(r) => ctxfs_kernels::dot(r, q),
         }
     }
+    /// `out[i] = q · row i` for each row, in one kernel call (each score `dot`'s to the bit).
+    pub fn scores(&self, q: &[f32], out: &mut [f32]) {
+        match self {
+            Rows::F16(r) => ctxfs_kernels::scores(r, q, 1.0, out),
+            Rows::Bf16(r) => ctxfs_kernels::scores(r, q, 1.0, out),
+        }
+    }
     /// Starts loading the row into the CPU caches (see [`ctxfs_kernels::prefetch`]).
     fn prefetch(&self) {
         match self {
@@ -581,9 +588,10 @@ impl<'p> PagedIndex<'p> {
             .then_some(value)
     }
 
-    /// Pins the key blocks holding `ids` (one batch) and calls `f` with each key's row.
+    /// Pins the key blocks holding `ids` (one batch) and calls `f` with each run of ids that
+    /// are consecutive rows of one block: the run's first position in `ids` and its rows.
     /// Pins at most [`PIN_BATCH`] ids' blocks at a time (none when resident).
-    fn with_rows(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
+    fn with_row_runs(&self, ids: &[u32], stats: &mut SearchStats, mut f: impl FnMut(usize, Rows<'_>)) -> SourceResult {
         self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks();
         let rows = self.layout.rows_per_block;
@@ -594,7 +602,7 @@ impl<'p> PagedIndex<'p> {
         for (c, ids) in ids.chunks(batch).enumerate() {
             let wanted = || blocks_holding(&self.layout, ids, first);
             self.with_blocks(wanted, stats, |block| {
-                visit_rows(&self.layout, ids, |t| block(first + t / rows), |i, row| f(c * batch + i, row))
+                visit_row_runs(&self.layout, ids, |t| block(first + t / rows), |i, run| f(c * batch + i, run))
                     .map_err(|(t, why)| (first + t / rows, why))
             })?;
         }
@@ -610,7 +618,10 @@ impl Keys for PagedIndex<'_> {
         self.layout.tokens
     }
     fn score(&self, ids: &[u32], q: &[f32], out: &mut [f32], stats: &mut SearchStats) -> SourceResult {
-        self.with_rows(ids, stats, |i, row| out[i] = row.dot(q))?;
+        self.with_row_runs(ids, stats, |i, run| {
+            let n = run.len() / q.len();
+            run.scores(q, &mut out[i..i + n])
+        })?;
         stats.keys_scored += ids.len() as u64;
         Ok(())
     }
@@ -840,35 +851,47 @@ pub fn for_row_runs(
 /// rows_per_block`) that hold `ids`.
 fn blocks_holding(layout: &Layout, ids: &[u32], first: u32) -> Vec<u32> {
     let mut blocks: Vec<u32> = ids.iter().map(|&t| first + t / layout.rows_per_block).collect();
-    blocks.sort_unstable();
+    // Ids in token order (a compact plan's candidates) need no sort.
+    if !blocks.is_sorted() {
+        blocks.sort_unstable();
+    }
     blocks.dedup();
     blocks
 }
 
-/// Calls `f` with each id's position and row, the block of token `t` being `block(t)`;
-/// rows a few ids ahead are prefetched, so their cache misses overlap. Stops at the first
-/// token whose block lacks its row: `Err((token, why))`.
-fn visit_rows<'g>(
+/// Calls `f` with each run of ids that are consecutive rows of one block (the block of
+/// token `t` being `block(t)`): the run's first position in `ids` and its rows, so that a
+/// kernel scores a run in one call (a candidate's block-mates are such runs). The row a few
+/// ids past each run is prefetched, so that scattered rows' cache misses overlap. Stops at
+/// the first run whose block lacks its rows: `Err((token, why))`.
+fn visit_row_runs<'g>(
     layout: &Layout,
     ids: &[u32],
     block: impl Fn(u32) -> &'g [u8],
     mut f: impl FnMut(usize, Rows<'_>),
 ) -> Result<(), Bad> {
     let (rows_per_block, dim) = (layout.rows_per_block, layout.dim as usize);
-    let row = |t: u32| {
+    let rows = |t: u32, n: usize| {
         let slot = (t % rows_per_block) as usize;
-        Rows::of(layout.dtype, block(t), slot, slot + 1, dim).map_err(|why| (t, why))
+        Rows::of(layout.dtype, block(t), slot, slot + n, dim).map_err(|why| (t, why))
     };
     for &t in &ids[..ids.len().min(PREFETCH_AHEAD)] {
-        if let Ok(r) = row(t) {
+        if let Ok(r) = rows(t, 1) {
             r.prefetch();
         }
     }
-    for (i, &t) in ids.iter().enumerate() {
-        if let Some(Ok(r)) = ids.get(i + PREFETCH_AHEAD).map(|&ahead| row(ahead)) {
+    let mut from = 0;
+    while from < ids.len() {
+        let (t, b) = (ids[from], ids[from] / rows_per_block);
+        let mut to = from + 1;
+        while to < ids.len() && ids[to] == ids[to - 1] + 1 && ids[to] / rows_per_block == b {
+            to += 1;
+        }
+        if let Some(Ok(r)) = ids.get(to + PREFETCH_AHEAD).map(|&ahead| rows(ahead, 1)) {
             r.prefetch();
         }
-        f(i, row(t)?);
+        f(from, rows(t, to - from)?);
+        from = to;
     }
     Ok(())
 }

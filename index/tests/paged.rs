@@ -355,8 +355,9 @@ fn a_key_block_read_brings_the_value_block_beside_it_and_nothing_else() {
     let (layout, index) = index_payloads(&keys, &values, &graph, max_payload(4096));
     let value_blocks = row_payloads(Rows::F16(&values), 64, max_payload(4096));
     let keys_from = 1 + layout.adjacency_blocks() as usize;
-    // 300 scattered candidates (more than a batch of pins), in 150 key blocks.
-    let ids: Vec<u32> = (0..300).map(|i| i * 10).collect();
+    // 450 candidates (more than a batch of pins) in runs of 3 neighbours, some of them
+    // across a block boundary, in 97 key blocks.
+    let ids: Vec<u32> = (0..150).flat_map(|i| [i * 20, i * 20 + 1, i * 20 + 2]).collect();
     let blocks = ids.iter().map(|&t| t / layout.rows_per_block).collect::<std::collections::BTreeSet<_>>().len() as u64;
     for (paired, with_values, values_read) in [(true, true, blocks), (true, false, 0), (false, true, 0)] {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
