@@ -1841,30 +1841,92 @@ const NEGLIGIBLE_SHARE: f32 = 1e-3;
 /// log-sum-exp is `rest_lse`: the window, own tokens and tail). Their values are then never
 /// read. `found` keeps its order.
 ///
-/// Only tokens of at most the share each can be left out. Of those, the least attended that
-/// fit are found by selection, halving the tokens in question each round, not by sorting
-/// them: a q head of the codes' best has thousands.
+/// Only tokens of at most the share each can be left out; which of those are the least
+/// attended that fit is found without sorting them ([`least_that_fit`]): a q head of the
+/// codes' best has thousands.
 fn drop_negligible(found: &mut Vec<(usize, u32, f32)>, scale: f32, rest_lse: f32) {
     let scores: Vec<f32> = found.iter().map(|f| f.2).collect();
     let total = log_add(lse_of(&scores, scale), rest_lse);
     if !total.is_finite() {
         return;
     }
-    // (q·k, token, position in `found`, share), least attended first by [`best_first`]'s
-    // order reversed.
-    let least_first = |a: &(f32, u32, usize, f32), b: &(f32, u32, usize, f32)| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1));
-    let mut small: Vec<(f32, u32, usize, f32)> = found
+    let small: Vec<Share> = found
         .iter()
         .enumerate()
-        .map(|(i, f)| (f.2, f.1, i, (f.2 * scale - total).exp()))
-        .filter(|c| c.3 <= NEGLIGIBLE_SHARE)
+        .map(|(i, f)| Share { score: f.2, token: f.1, at: i, share: (f.2 * scale - total).exp() })
+        .filter(|c| c.share <= NEGLIGIBLE_SHARE)
         .collect();
-    // `small[..lo]` are the least attended, and fit the share that `room` has left of it.
-    let (mut lo, mut hi, mut room) = (0, small.len(), NEGLIGIBLE_SHARE);
+    let mut dropped = vec![false; found.len()];
+    least_that_fit(&small, NEGLIGIBLE_SHARE as f64, |c| dropped[c.at] = true);
+    let mut at = 0;
+    found.retain(|_| {
+        at += 1;
+        !dropped[at - 1]
+    });
+}
+
+/// A candidate of [`drop_negligible`]: its q·k, token, position in `found` and share of the
+/// attention.
+#[derive(Clone, Copy)]
+struct Share {
+    score: f32,
+    token: u32,
+    at: usize,
+    share: f32,
+}
+
+/// Least attended first: the lower score, then the higher token ([`best_first`] reversed).
+fn least_first(a: &Share, b: &Share) -> std::cmp::Ordering {
+    a.score.total_cmp(&b.score).then(b.token.cmp(&a.token))
+}
+
+/// Buckets of equal width in q·k that [`least_that_fit`] sums shares in.
+const SHARE_BUCKETS: usize = 64;
+
+/// Calls `drop` with each of the least attended of `c` ([`least_first`]) that together hold
+/// at most `room`. The shares are summed per bucket of q·k in one pass: every bucket below
+/// the one where they pass `room` fits whole, and only that bucket's tokens are ordered, by
+/// selection, halving them each round.
+fn least_that_fit(c: &[Share], room: f64, mut drop: impl FnMut(&Share)) {
+    let (min, max) =
+        c.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), x| (lo.min(x.score), hi.max(x.score)));
+    // Scores times `per` from `min` number the buckets, in the order of the scores.
+    let per = SHARE_BUCKETS as f32 / (max - min);
+    let mut crossing: Vec<Share> = Vec::new();
+    let room = if per.is_finite() && per > 0.0 {
+        let bucket = |x: &Share| (((x.score - min) * per) as usize).min(SHARE_BUCKETS - 1);
+        let mut sums = [0f64; SHARE_BUCKETS];
+        for x in c {
+            sums[bucket(x)] += x.share as f64;
+        }
+        let (mut b, mut room) = (0, room);
+        while b < SHARE_BUCKETS && sums[b] <= room {
+            room -= sums[b];
+            b += 1;
+        }
+        for x in c {
+            match bucket(x).cmp(&b) {
+                std::cmp::Ordering::Less => drop(x),
+                std::cmp::Ordering::Equal => crossing.push(*x),
+                std::cmp::Ordering::Greater => {}
+            }
+        }
+        room
+    } else {
+        crossing.extend_from_slice(c);
+        room
+    };
+    let n = least_that_fit_in(&mut crossing, room);
+    crossing[..n].iter().for_each(drop);
+}
+
+/// [`least_that_fit`] by selection alone.
+fn least_that_fit_in(c: &mut [Share], mut room: f64) -> usize {
+    let (mut lo, mut hi) = (0, c.len());
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
-        small[lo..hi].select_nth_unstable_by(mid - lo, least_first);
-        let share: f32 = small[lo..=mid].iter().map(|c| c.3).sum();
+        c[lo..hi].select_nth_unstable_by(mid - lo, least_first);
+        let share: f64 = c[lo..=mid].iter().map(|x| x.share as f64).sum();
         if share <= room {
             room -= share;
             lo = mid + 1;
@@ -1872,15 +1934,7 @@ fn drop_negligible(found: &mut Vec<(usize, u32, f32)>, scale: f32, rest_lse: f32
             hi = mid;
         }
     }
-    let mut dropped = vec![false; found.len()];
-    for c in &small[..lo] {
-        dropped[c.2] = true;
-    }
-    let mut at = 0;
-    found.retain(|_| {
-        at += 1;
-        !dropped[at - 1]
-    });
+    lo
 }
 
 /// The tokens of `wider` (segment, token, score; by token, then segment) that `narrower`
