@@ -1883,11 +1883,11 @@ fn least_first(a: &Share, b: &Share) -> std::cmp::Ordering {
 /// Buckets of equal width in q·k that [`least_that_fit`] sums shares in.
 const SHARE_BUCKETS: usize = 64;
 
-/// Calls `drop` with each of the least attended of `c` ([`least_first`]) that together hold
-/// at most `room`. The shares are summed per bucket of q·k in one pass: every bucket below
-/// the one where they pass `room` fits whole, and only that bucket's tokens are ordered, by
-/// selection, halving them each round.
-fn least_that_fit(c: &[Share], room: f64, mut drop: impl FnMut(&Share)) {
+/// Calls `leave_out` with each of the least attended of `c` ([`least_first`]) that together
+/// hold at most `room`. The shares are summed per bucket of q·k in one pass: every bucket
+/// below the one where they pass `room` fits whole, and only that bucket's tokens are
+/// ordered, by selection, halving them each round.
+fn least_that_fit(c: &[Share], room: f64, mut leave_out: impl FnMut(&Share)) {
     let (min, max) =
         c.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), x| (lo.min(x.score), hi.max(x.score)));
     // Scores times `per` from `min` number the buckets, in the order of the scores.
@@ -1906,7 +1906,7 @@ fn least_that_fit(c: &[Share], room: f64, mut drop: impl FnMut(&Share)) {
         }
         for x in c {
             match bucket(x).cmp(&b) {
-                std::cmp::Ordering::Less => drop(x),
+                std::cmp::Ordering::Less => leave_out(x),
                 std::cmp::Ordering::Equal => crossing.push(*x),
                 std::cmp::Ordering::Greater => {}
             }
@@ -1917,7 +1917,7 @@ fn least_that_fit(c: &[Share], room: f64, mut drop: impl FnMut(&Share)) {
         room
     };
     let n = least_that_fit_in(&mut crossing, room);
-    crossing[..n].iter().for_each(drop);
+    crossing[..n].iter().for_each(leave_out);
 }
 
 /// [`least_that_fit`] by selection alone.

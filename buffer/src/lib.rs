@@ -11,8 +11,8 @@
 //! * A [`Prefetcher`] thread reads blocks a caller will need soon (a search's value blocks)
 //!   while the caller goes on computing.
 //! * Batched reads: the misses of a request go to the device as one submission, blocks at
-//!   most [`RUN_GAP`] apart coalesced; concurrent requests for one block share one read; an I/O error or a
-//!   checksum failure reaches every waiter and is not cached.
+//!   most [`RUN_GAP`] apart coalesced; concurrent requests for one block share one read; an
+//!   I/O error or a checksum failure reaches every waiter and is not cached.
 //!
 //! Memory: frame buffers are slots of one allocation of the budget, mapped as frames are
 //! first used (or all at once, [`PoolConfig::populate`]), so they never exceed it; beyond it
