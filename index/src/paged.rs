@@ -563,26 +563,27 @@ impl<'p> PagedIndex<'p> {
         }))
     }
 
-    /// Reads the blocks of packed rows (row `t` in logical block `first + t /
-    /// rows_per_block`) that hold `ids` and that the pool lacks, in one submission, so that
-    /// rows pinned batch by batch next do not wait for one batch's reads before the next's
-    /// are asked for (a thousand candidates' key blocks: one round trip to the device, not
-    /// sixteen). Not when the blocks would take more than a sixteenth of the index area.
+    /// Reads the key blocks (logical blocks from `first`) that hold `ids` and that the pool
+    /// lacks, in one submission, so that rows pinned batch by batch next do not wait for one
+    /// batch's reads before the next's are asked for (a thousand candidates' key blocks: one
+    /// round trip to the device, not sixteen), each with the value block beside it
+    /// ([`with_values`](Self::with_values)). Not when the blocks would take more than a
+    /// sixteenth of the index area (the values: of the data area).
     fn read_ahead(&self, ids: &[u32], first: u32, stats: &mut SearchStats) {
         let wanted = blocks_holding(&self.layout, ids, first);
         if wanted.len() <= self.pool.frames(BlockClass::Index) / 16 {
             let mut reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
-            if first == 1 + self.layout.adjacency_blocks() && wanted.len() <= self.pool.frames(BlockClass::Data) / 16 {
-                reqs.extend(wanted.iter().filter_map(|&b| self.value_beside(b - first)));
+            if wanted.len() <= self.pool.frames(BlockClass::Data) / 16 {
+                reqs.extend(wanted.iter().filter_map(|&b| self.value_beside(b, b - first)));
             }
             stats.blocks_read += self.pool.prefetch(&reqs).len() as u64;
         }
     }
 
-    /// Value block `j` when it lies right after key block `j` on the device and the pool
-    /// holds neither.
-    fn value_beside(&self, j: u32) -> Option<BlockRequest> {
-        let key = self.blocks[(1 + self.layout.adjacency_blocks() + j) as usize];
+    /// Value block `j`, the one beside key block `key` (the index stream's logical block),
+    /// when it lies right after it on the device and the pool holds neither.
+    fn value_beside(&self, key: u32, j: u32) -> Option<BlockRequest> {
+        let key = self.blocks[key as usize];
         let value = *self.values.get(j as usize)?;
         (value.block == key.block + 1 && !self.pool.will_use(key.block) && !self.pool.will_use(value.block))
             .then_some(value)
@@ -813,7 +814,7 @@ pub fn for_row_runs(
     blocks: &[BlockRequest],
     layout: &Layout,
     ids: &[u32],
-    mut f: impl FnMut(usize, Rows<'_>),
+    f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
     let rows_per_block = layout.rows_per_block;
     let wanted = blocks_holding(layout, ids, 0);
@@ -823,27 +824,11 @@ pub fn for_row_runs(
     }
     let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
-    let payload = |b: u32| guards[wanted.binary_search(&b).expect("fetched above")].payload();
-    let mut from = 0;
-    while from < ids.len() {
-        let (t, b) = (ids[from], ids[from] / rows_per_block);
-        let mut to = from + 1;
-        while to < ids.len() && ids[to] == ids[to - 1] + 1 && ids[to] / rows_per_block == b {
-            to += 1;
-        }
-        if let Some(&ahead) = ids.get(to + PREFETCH_AHEAD) {
-            let slot = (ahead % rows_per_block) as usize;
-            if let Ok(r) = Rows::of(layout.dtype, payload(ahead / rows_per_block), slot, slot + 1, layout.dim as usize)
-            {
-                r.prefetch();
-            }
-        }
-        let slot = (t % rows_per_block) as usize;
-        let run = Rows::of(layout.dtype, payload(b), slot, slot + (to - from), layout.dim as usize)
-            .map_err(|why| malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}")))?;
-        f(from, run);
-        from = to;
-    }
+    let payload = |t: u32| guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")].payload();
+    visit_row_runs(layout, ids, payload, f).map_err(|(t, why)| {
+        let b = t / rows_per_block;
+        malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}"))
+    })?;
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
 
