@@ -340,7 +340,9 @@ fn eight_concurrent_sessions_match_serial_runs_before_and_after_warming() {
     let f = db.footprint("book").unwrap();
     let full = db.warm("book").unwrap();
     assert_eq!(f.resident_bytes(), full.resident_bytes, "{f:?} {full:?}");
-    assert_eq!(full.resident_bytes, full.held * 4096);
+    // The frames held, and the block maps beside them.
+    assert!(f.maps > 0 && f.maps < f.meta + f.graph, "{f:?}");
+    assert_eq!(full.resident_bytes, full.held * 4096 + f.maps);
     assert_eq!(f.kv_bytes, full.kv_bytes);
     let shape = b.shape;
     assert_eq!(f.kv_bytes, N as u64 * shape.layers as u64 * shape.kv_heads as u64 * shape.head_dim as u64 * 2 * 2);
@@ -584,17 +586,18 @@ fn an_error_target_is_met_on_real_attention() {
     assert!(err.to_string().contains("error target"), "{err}");
     drop((session, db));
 
-    // Under a resident budget of an eighth of the KV, the context is served compact: only its
-    // meta blocks, seed tables and PQ codes are held, and the optimizer answers from the
-    // codes with the same target, reading its candidates' keys on demand.
+    // Under a resident budget of about an eighth of the KV, the context is served compact: only
+    // its meta blocks, seed tables and PQ codes are held, and the optimizer answers from the
+    // codes with the same target, reading its candidates' keys on demand. (At 4,096 tokens
+    // and d = 64 the codes alone are an eighth, their block maps 0.4% more: `PROSE_BUDGET`.)
     let rules = Rules { short_context: 0, scan_context: 0, ..Default::default() };
-    let budget = DbConfig { resident_budget: Some(0.125), rules, ..Default::default() };
+    let budget = DbConfig { resident_budget: Some(PROSE_BUDGET), rules, ..Default::default() };
     let compact = Db::open_read_only(&store, DeviceChoice::Auto, budget).unwrap();
     let warm = compact.warm("prose").unwrap();
     let f = compact.footprint("prose").unwrap();
-    assert!(warm.compact && warm.resident_over_kv() <= 0.125, "{warm:?}");
+    assert!(warm.compact && warm.resident_over_kv() <= PROSE_BUDGET, "{warm:?}");
     assert_eq!(warm.resident_bytes, f.compact_bytes(), "{f:?}");
-    assert!(f.ratio() > 0.125, "the whole index would not fit: {f:?}");
+    assert!(f.ratio() > PROSE_BUDGET, "the whole index would not fit: {f:?}");
     let session = compact.open_session("prose", None).unwrap();
     assert!(session.is_compact());
     let choice = session.choice(3, Request { forced: None, error_target: Some(0.01) });
@@ -651,7 +654,7 @@ fn the_codes_scanned_on_the_gpu_select_what_the_cpu_selects() {
     let compact = Db::open_read_only(
         &store,
         DeviceChoice::Auto,
-        DbConfig { resident_budget: Some(0.125), rules, ..Default::default() },
+        DbConfig { resident_budget: Some(PROSE_BUDGET), rules, ..Default::default() },
     )
     .unwrap();
     compact.warm("prose").unwrap();
@@ -687,6 +690,10 @@ fn the_codes_scanned_on_the_gpu_select_what_the_cpu_selects() {
         None => eprintln!("skipped the GPU half: {}", compact.gpu_status()),
     }
 }
+
+/// A resident budget that serves "prose" compact: its PQ codes, seed tables and meta blocks
+/// are an eighth of its KV, and their block maps beside them 0.4% of it.
+const PROSE_BUDGET: f64 = 0.13;
 
 /// The real attention of tests/data (SmolLM2-135M, layer 15, 4,096 tokens of prose)
 /// imported as "prose" into a fresh store under `dir`: the store, its DB and the source.

@@ -42,6 +42,13 @@ impl Window {
         (0..head).chain(p.saturating_sub(self.recent).max(head)..p).collect()
     }
 
+    /// How many tokens the window over a prefix of `p` tokens holds: [`Window::tokens`]'
+    /// length.
+    pub fn len(&self, p: u32) -> u32 {
+        let head = self.init.min(p);
+        head + (p - p.saturating_sub(self.recent).max(head))
+    }
+
     /// Whether token `t` of a prefix of `p` tokens is in the window.
     pub fn contains(&self, p: u32, t: u32) -> bool {
         t < self.init.min(p) || t >= p.saturating_sub(self.recent)
@@ -199,7 +206,8 @@ pub struct WarmReport {
     /// Of those, the blocks held resident: all of them unless the index area ran out of
     /// room, in which case the rest are searched through pins.
     pub held: u64,
-    /// The bytes of pool frames the held blocks take.
+    /// The bytes of pool frames the held blocks take, and of the vector files' block maps
+    /// and frame hints beside them (`Footprint::maps`).
     pub resident_bytes: u64,
     /// The context's KV cache: keys and values of every token, layer and kv head.
     pub kv_bytes: u64,
@@ -364,7 +372,7 @@ impl Db {
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
         let planned = Planned::of(&snap, name)?;
-        let (kv_bytes, whole) = (planned.kv_bytes, planned.whole);
+        let (kv_bytes, whole, beside) = (planned.kv_bytes, planned.whole, planned.beside);
         let budget = self.inner.config.resident_budget;
         let compact = planned.compact(budget);
         let files = self.inner.files_of(&snap, name)?;
@@ -382,10 +390,11 @@ impl Db {
                 files
                     .iter()
                     .zip(&parts)
-                    .map(|((file, _), p)| p.compact(file, residual).ok_or_else(|| over(whole)))
+                    .map(|((file, _), p)| p.compact(file, residual).ok_or_else(|| over(whole + beside)))
                     .collect()
             };
-            let bytes = |h: &[Vec<BlockRequest>]| h.iter().map(|b| b.len() as u64 * bs).sum::<u64>();
+            // The held frames, and what is held beside them.
+            let bytes = |h: &[Vec<BlockRequest>]| h.iter().map(|b| b.len() as u64 * bs).sum::<u64>() + beside;
             let fits = |h: &[Vec<BlockRequest>]| bytes(h) as f64 <= budget * kv_bytes as f64;
             let mut holds = compact_holds(true)?;
             if !fits(&holds) {
@@ -404,17 +413,17 @@ impl Db {
             }
         } else {
             for (file, _) in &files {
-                hold(pool, &file.index, &file.resident, &mut report)?;
+                hold(pool, &file.index().to_vec(), &file.resident, &mut report)?;
             }
         }
-        report.resident_bytes = report.held * bs;
+        report.resident_bytes = report.held * bs + beside;
         Ok(report)
     }
 
     /// What serving `name` holds resident, part by part, against its KV bytes (reads each
     /// vector file's index meta block).
     pub fn footprint(&self, name: &str) -> Result<Footprint> {
-        footprint::measure(&self.inner.pool, &self.inner.store.snapshot(), name)
+        footprint::measure(&self.inner.pool, &self.inner.store.snapshot(), name, &self.inner.config.window)
     }
 
     /// Deletes a context by name. Contexts stored on top of it keep its blocks alive.

@@ -10,7 +10,7 @@
 //! so a held copy never goes stale.
 
 use crate::poison::lock;
-use ctxfs_buffer::{BlockRequest, BufferError};
+use ctxfs_buffer::{Blocks, BufferError};
 use ctxfs_index::coarse::pq::{KeepCodes, KeptGroup, PagedPq};
 use ctxfs_index::flat::GroupScan;
 use ctxfs_kernels::gpu::{Gpu, GpuCodes, GpuError, PqScanner, MAX_GPU_SUBSPACES};
@@ -106,7 +106,7 @@ impl DeviceCodes {
     pub fn scan(
         &self,
         pq: &PagedPq<'_>,
-        run: &[BlockRequest],
+        run: Blocks<'_>,
         queries: &[f32],
         prefix: Option<u32>,
     ) -> Result<DeviceScan<GroupScan>, BufferError> {
@@ -125,7 +125,7 @@ impl DeviceCodes {
     pub fn scan_kept(
         &self,
         pq: &PagedPq<'_>,
-        run: &[BlockRequest],
+        run: Blocks<'_>,
         queries: &[f32],
         prefix: Option<u32>,
         (k, stride): (usize, u32),
@@ -141,7 +141,7 @@ impl DeviceCodes {
 
     /// The device's copy of the codes of `run` (`pq` opened on it), made on first use; `None`
     /// where they cannot be held.
-    fn codes_of(&self, pq: &PagedPq<'_>, run: &[BlockRequest]) -> Result<Option<Arc<GpuCodes>>, BufferError> {
+    fn codes_of(&self, pq: &PagedPq<'_>, run: Blocks<'_>) -> Result<Option<Arc<GpuCodes>>, BufferError> {
         let Some(meta_block) = run.first() else { return Ok(None) };
         let key = (meta_block.expect.owner, meta_block.block);
         if let Some(codes) = self.held(key) {

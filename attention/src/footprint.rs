@@ -4,7 +4,11 @@
 //! A served context holds its index streams in the pool's index area (`Db::warm`); each
 //! block costs one frame of the device's block size. The KV bytes are what a server that
 //! kept the cache in memory would hold: keys and values of every token, layer and kv head,
-//! in the context's element type.
+//! in the context's element type. Beside the frames, serving keeps each vector file's block
+//! maps (a CRC per block and its runs of device blocks) and frame hints: they count too.
+//! A session keeps the window's keys and values (a fixed number of tokens, as its own
+//! tokens are, more than an eighth of the KV of a context of a few thousand): they are
+//! reported beside the budget, not in it.
 //!
 //! A context whose whole index exceeds the budget is served **compact**: only each vector
 //! file's meta block, seed table (keys and values) and PQ codes (with the residual codes
@@ -12,8 +16,9 @@
 //! answers from the codes, scoring its candidates' keys from blocks read on demand
 //! (`ctxfs_index::approx`).
 
+use crate::db::Window;
 use crate::error::{Error, Result};
-use crate::layout::{files_of, FileBlocks};
+use crate::layout::{files_of, map_bytes, FileBlocks};
 use ctxfs_buffer::{BlockRequest, BufferPool};
 use ctxfs_index::coarse::pq::PqMeta;
 use ctxfs_index::coarse::{run_of, CoarseKind};
@@ -22,7 +27,8 @@ use ctxfs_vfs::{ModelShape, Snapshot};
 use serde_json::{json, Value};
 use std::ops::Range;
 
-/// A context's resident index by part, and its KV bytes. Parts are in bytes of pool frames.
+/// A context's resident index by part, and its KV bytes. Parts are in bytes of pool frames,
+/// but for `maps` and `window` (which is not resident index: a session's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Footprint {
     /// Tokens of the context (its prefix segments included).
@@ -45,16 +51,23 @@ pub struct Footprint {
     pub infllm: u64,
     /// The PQ codes and centroids, the residual codes' included.
     pub pq: u64,
+    /// The vector files' block maps and frame hints ([`FileBlocks::map_bytes`]).
+    pub maps: u64,
+    /// A session's window: its keys and values as f32, per (layer, kv head)
+    /// ([`window_bytes`]). Not in the resident bytes.
+    pub window: u64,
 }
 
 impl Footprint {
+    /// The resident index: every part but a session's window.
     pub fn resident_bytes(&self) -> u64 {
         self.compact_bytes() + self.graph + self.keys + self.quest + self.infllm
     }
 
-    /// What a compact context holds: meta blocks, seeds and PQ codes.
+    /// What a compact context holds: meta blocks, seeds and PQ codes, and beside them the
+    /// block maps.
     pub fn compact_bytes(&self) -> u64 {
-        self.meta + self.seeds + self.pq
+        self.meta + self.seeds + self.pq + self.maps
     }
 
     /// Resident bytes per KV byte.
@@ -78,8 +91,9 @@ impl Footprint {
             "tokens": self.tokens, "heads": self.heads, "kv_bytes": self.kv_bytes,
             "resident_bytes": self.resident_bytes(), "resident_over_kv": self.ratio(),
             "compact_bytes": self.compact_bytes(), "compact_over_kv": self.compact_ratio(),
+            "compact_and_window_over_kv": ratio(self.compact_bytes() + self.window, self.kv_bytes),
             "parts": {"meta": self.meta, "graph": self.graph, "keys": self.keys, "seeds": self.seeds,
-                "quest": self.quest, "infllm": self.infllm, "pq": self.pq},
+                "quest": self.quest, "infllm": self.infllm, "pq": self.pq, "maps": self.maps, "window": self.window},
         })
     }
 }
@@ -92,30 +106,48 @@ pub(crate) fn ratio(resident: u64, kv: u64) -> f64 {
     }
 }
 
-/// What serving a context would hold, known with no block read.
+/// What serving a context would hold, known without reading an index block.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Planned {
     /// Its KV bytes (all its tokens).
     pub kv_bytes: u64,
     /// The bytes of its whole index.
     pub whole: u64,
+    /// What is held beside the pool's frames however it is served: the block maps and
+    /// frame hints.
+    pub beside: u64,
 }
 
 impl Planned {
     pub fn of(snap: &Snapshot, name: &str) -> Result<Planned> {
         let ctx = snap.context(name)?;
-        let mut blocks = 0u64;
+        let (mut blocks, mut maps) = (0u64, 0u64);
         for f in files_of(snap, name)? {
-            blocks += snap.context_by_id(f.context)?.stream(f.layer, f.head, ctxfs_vfs::FileStream::Index)?.blocks();
+            let c = snap.context_by_id(f.context)?;
+            let index = c.stream(f.layer, f.head, ctxfs_vfs::FileStream::Index)?.refs();
+            blocks += index.len();
+            maps += map_bytes(&index, &c.stream(f.layer, f.head, ctxfs_vfs::FileStream::Data)?.refs());
         }
-        let shape = ctx.record().shape;
-        Ok(Planned { kv_bytes: kv_bytes(&shape, ctx.token_count()), whole: blocks * snap.block_size() as u64 })
+        Ok(Planned {
+            kv_bytes: kv_bytes(&ctx.record().shape, ctx.token_count()),
+            whole: blocks * snap.block_size() as u64,
+            beside: maps,
+        })
     }
 
-    /// Whether it is served compact under `budget`: its whole index exceeds it.
+    /// Whether it is served compact under `budget`: its whole index, with what is held
+    /// beside it, exceeds it.
     pub fn compact(&self, budget: Option<f64>) -> bool {
-        budget.is_some_and(|b| self.whole as f64 > b * self.kv_bytes as f64)
+        budget.is_some_and(|b| (self.whole + self.beside) as f64 > b * self.kv_bytes as f64)
     }
+}
+
+/// The bytes a session holds for the window of a context of `tokens` tokens: its keys and
+/// values as f32, for every (layer, kv head).
+pub fn window_bytes(shape: &ModelShape, tokens: u64, window: &Window) -> u64 {
+    let rows = u64::from(window.len(u32::try_from(tokens).unwrap_or(u32::MAX)));
+    let files = u64::from(shape.layers) * u64::from(shape.kv_heads);
+    rows * 2 * u64::from(shape.head_dim) * std::mem::size_of::<f32>() as u64 * files
 }
 
 fn kv_bytes(shape: &ModelShape, tokens: u64) -> u64 {
@@ -139,20 +171,21 @@ impl IndexParts {
     /// `what` names the file in errors.
     pub fn read(pool: &BufferPool, file: &FileBlocks, what: &str) -> Result<IndexParts> {
         let corrupt = |e: String| Error::Corrupt(format!("{what}: {e}"));
-        let first = file.index.first().ok_or_else(|| corrupt("an empty index stream".into()))?;
+        let index = file.index();
+        let first = index.first().ok_or_else(|| corrupt("an empty index stream".into()))?;
         let layout =
-            Layout::decode(pool.get(first)?.payload()).map_err(|e| corrupt(format!("index meta block: {e}")))?;
+            Layout::decode(pool.get(&first)?.payload()).map_err(|e| corrupt(format!("index meta block: {e}")))?;
         let graph_end = layout.index_blocks() as usize;
-        if graph_end > file.index.len() {
-            return Err(corrupt(format!("{} index blocks for a graph index of {graph_end}", file.index.len())));
+        if graph_end > index.len() {
+            return Err(corrupt(format!("{} index blocks for a graph index of {graph_end}", index.len())));
         }
         let seeds_from = graph_end - (layout.seed_blocks() + layout.seed_value_blocks()) as usize;
         let (mut runs, mut at, mut residual) = (Vec::new(), graph_end, 0);
-        while at < file.index.len() {
-            let meta = pool.get(&file.index[at])?;
+        while at < index.len() {
+            let meta = pool.get(&index.at(at))?;
             let run_error = |e: String| corrupt(format!("the coarse run at index block {at}: {e}"));
             let (kind, blocks) = run_of(meta.payload()).map_err(run_error)?;
-            if blocks == 0 || at + blocks > file.index.len() {
+            if blocks == 0 || at + blocks > index.len() {
                 return Err(corrupt(format!("a coarse run of {blocks} blocks at block {at} overruns the stream")));
             }
             if kind == CoarseKind::Pq {
@@ -174,10 +207,11 @@ impl IndexParts {
     pub fn compact(&self, file: &FileBlocks, residual: bool) -> Option<Vec<BlockRequest>> {
         let (pq, held_at) = self.compact_pq()?;
         let end = if residual { pq.end } else { pq.end - self.residual };
-        let mut blocks = vec![file.index[0]];
-        blocks.extend_from_slice(&file.index[self.seeds.clone()]);
+        let index = file.index();
+        let mut blocks = vec![index.at(0)];
+        blocks.extend(index.range(self.seeds.clone()).iter());
         debug_assert_eq!(blocks.len(), held_at);
-        blocks.extend_from_slice(&file.index[pq.start..end]);
+        blocks.extend(index.range(pq.start..end).iter());
         Some(blocks)
     }
 
@@ -187,21 +221,29 @@ impl IndexParts {
     }
 }
 
-/// Measures `name`'s footprint, reading each vector file's meta blocks through `pool`.
-pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str) -> Result<Footprint> {
+/// Measures `name`'s footprint, reading each vector file's meta blocks through `pool`, a
+/// session's window being `window`.
+pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str, window: &Window) -> Result<Footprint> {
     let ctx = snap.context(name)?;
     let shape = ctx.record().shape;
     let tokens = ctx.token_count();
     let bs = snap.block_size() as u64;
     let heads = u64::from(shape.layers) * u64::from(shape.kv_heads);
-    let mut f = Footprint { tokens, heads, kv_bytes: kv_bytes(&shape, tokens), ..Footprint::default() };
+    let mut f = Footprint {
+        tokens,
+        heads,
+        kv_bytes: kv_bytes(&shape, tokens),
+        window: window_bytes(&shape, tokens, window),
+        ..Footprint::default()
+    };
     for id in files_of(snap, name)? {
         let file = FileBlocks::locate(snap, id.context, id.layer, id.head)?;
-        if file.index.is_empty() {
+        if file.index().is_empty() {
             continue;
         }
         let p = IndexParts::read(pool, &file, &id.name())?;
         let blocks = |n: u32| u64::from(n) * bs;
+        f.maps += file.map_bytes();
         f.meta += bs;
         f.graph += blocks(p.layout.adjacency_blocks());
         f.keys += blocks(p.layout.key_blocks());

@@ -3,8 +3,8 @@
 //! sequence resolves to a chain of *segments*, one per stored context, oldest first.
 
 use crate::error::{Error, Result};
-use ctxfs_buffer::{BlockRequest, FrameHint, ResidentBlocks};
-use ctxfs_vfs::{FileStream, Snapshot};
+use ctxfs_buffer::{Blocks, FrameHint, ResidentBlocks};
+use ctxfs_vfs::{FileStream, Snapshot, StreamRefs};
 use std::sync::OnceLock;
 
 /// Longest parent chain followed; a longer one is treated as corrupt (a cycle).
@@ -81,11 +81,14 @@ pub fn files_of(snap: &Snapshot, name: &str) -> Result<Vec<FileId>> {
     Ok(out)
 }
 
-/// The block locations of one vector file (layer, kv head) of one stored context.
+/// The block locations of one vector file (layer, kv head) of one stored context: its
+/// index and data streams' maps, from which each block's request is made when it is read
+/// (a request per block kept for as long as the file is served would take 40 bytes; the
+/// map, kept by the snapshot anyway, 4 and its runs).
 #[derive(Debug)]
 pub struct FileBlocks {
-    pub index: Vec<BlockRequest>,
-    pub data: Vec<BlockRequest>,
+    index: StreamRefs,
+    data: StreamRefs,
     /// Where each index block was last found in the pool: searches skip the page table.
     pub index_hints: Box<[FrameHint]>,
     /// The index blocks held resident, once the context is warmed ([`crate::Db::warm`]).
@@ -99,21 +102,27 @@ pub struct FileBlocks {
     pub compact_pq: OnceLock<(usize, usize)>,
 }
 
+/// [`FileBlocks::map_bytes`] of a file whose streams are `index` and `data`.
+pub(crate) fn map_bytes(index: &StreamRefs, data: &StreamRefs) -> u64 {
+    let hints = index.len() as usize * std::mem::size_of::<FrameHint>();
+    (index.memory_bytes() + data.memory_bytes() + hints) as u64
+}
+
 impl FileBlocks {
     pub fn locate(snap: &Snapshot, context: u32, layer: u16, head: u16) -> Result<FileBlocks> {
         let ctx = snap.context_by_id(context)?;
-        let all = |which| -> Result<Vec<BlockRequest>> {
-            let s = ctx.stream(layer, head, which)?;
-            (0..s.blocks())
-                .map(|b| {
-                    s.locate(b).map(BlockRequest::new).ok_or_else(|| {
-                        Error::Corrupt(format!("context {context} layer {layer} head {head}: block {b} unmapped"))
-                    })
-                })
-                .collect()
+        let all = |which| -> Result<StreamRefs> {
+            let refs = ctx.stream(layer, head, which)?.refs();
+            // A map read whole covers every block; the last one's place proves it.
+            match refs.len().checked_sub(1) {
+                Some(last) if refs.locate(last).is_none() => {
+                    Err(Error::Corrupt(format!("context {context} layer {layer} head {head}: block {last} unmapped")))
+                }
+                _ => Ok(refs),
+            }
         };
         let index = all(FileStream::Index)?;
-        let index_hints = index.iter().map(|_| FrameHint::default()).collect();
+        let index_hints = (0..index.len()).map(|_| FrameHint::default()).collect();
         Ok(FileBlocks {
             index,
             data: all(FileStream::Data)?,
@@ -122,5 +131,20 @@ impl FileBlocks {
             compact: OnceLock::new(),
             compact_pq: OnceLock::new(),
         })
+    }
+
+    /// The index stream's blocks.
+    pub fn index(&self) -> Blocks<'_> {
+        Blocks::of(&self.index)
+    }
+
+    /// The data stream's blocks.
+    pub fn data(&self) -> Blocks<'_> {
+        Blocks::of(&self.data)
+    }
+
+    /// Bytes of memory the file's block maps and frame hints take while it is served.
+    pub fn map_bytes(&self) -> u64 {
+        map_bytes(&self.index, &self.data)
     }
 }

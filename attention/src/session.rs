@@ -17,7 +17,7 @@ use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
-use ctxfs_buffer::{BlockClass, BlockRequest, Prefetched};
+use ctxfs_buffer::{BlockClass, Blocks, Prefetched};
 use ctxfs_index::approx::{self, LazyRefine, RangeScan};
 use ctxfs_index::coarse::infllm::PagedInfllm;
 use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, ResidualTable};
@@ -643,7 +643,7 @@ impl Session {
             }
             let index = self.open_index(file, seg, layer, h)?;
             let (k, kio) = index.gather_keys(&local)?;
-            let (v, vio) = gather_rows(&self.db.inner.pool, &file.data, index.layout(), &local)?;
+            let (v, vio) = gather_rows(&self.db.inner.pool, file.data(), index.layout(), &local)?;
             kio.add_to(&mut io);
             vio.add_to(&mut io);
             keys.extend_from_slice(&k);
@@ -656,9 +656,9 @@ impl Session {
 
     fn open_index<'a>(&'a self, file: &'a FileBlocks, seg: &Segment, layer: usize, h: usize) -> Result<PagedIndex<'a>> {
         let corrupt = |e: String| Error::Corrupt(format!("context {} layer {layer} head {h}: {e}", seg.context));
-        let mut index = PagedIndex::open(&self.db.inner.pool, &file.index, &file.index_hints)
+        let mut index = PagedIndex::open(&self.db.inner.pool, file.index(), &file.index_hints)
             .map_err(corrupt)?
-            .with_values(&file.data);
+            .with_values(file.data());
         if let Some(held) = file.resident.get() {
             index = index.with_resident(held).map_err(corrupt)?;
         }
@@ -979,7 +979,7 @@ impl Session {
                         to += 1;
                     }
                     let batch = &w[from..to];
-                    let io = for_row_runs(&self.db.inner.pool, &file.data, layout, &local[from..to], |i, rows| {
+                    let io = for_row_runs(&self.db.inner.pool, file.data(), layout, &local[from..to], |i, rows| {
                         rows.accumulate_rows(o, &batch[i..i + rows.len() / layout.dim as usize])
                     })?;
                     io.add_to(stats);
@@ -1017,7 +1017,7 @@ impl Session {
             let mut blocks: Vec<u32> = found.iter().filter(|f| f.0 == si).map(|f| (f.1 - r.seg.base) / rows).collect();
             blocks.dedup();
             reqs.extend(
-                blocks.iter().filter_map(|&b| r.file.data.get(b as usize)).filter(|req| !pool.will_use(req.block)),
+                blocks.iter().filter_map(|&b| r.file.data().get(b as usize)).filter(|req| !pool.will_use(req.block)),
             );
         }
         (!reqs.is_empty() && reqs.len() <= pool.frames(BlockClass::Data) / 16)
@@ -1044,7 +1044,7 @@ impl Session {
 
     /// The run of a segment's coarse index of `kind`, which follows the graph index in the
     /// index stream (each run self-describing).
-    fn coarse_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<&'r [BlockRequest]> {
+    fn coarse_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<Blocks<'r>> {
         match self.stored_run(r, kind, plan)? {
             Some(run) => Ok(run),
             None => input(format!(
@@ -1056,27 +1056,22 @@ impl Session {
     }
 
     /// A segment's coarse run of `kind`, if it was stored with one.
-    fn stored_run<'r>(
-        &self,
-        r: &SegmentReader<'r>,
-        kind: CoarseKind,
-        plan: Plan,
-    ) -> Result<Option<&'r [BlockRequest]>> {
+    fn stored_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<Option<Blocks<'r>>> {
         let (file, seg) = (r.file, &r.seg);
         let pool = &self.db.inner.pool;
         let mut at = r.index.layout().index_blocks() as usize;
         loop {
-            if at >= file.index.len() {
+            if at >= file.index().len() {
                 return Ok(None);
             }
-            let meta = pool.get(&file.index[at])?;
+            let meta = pool.get(&file.index().at(at))?;
             let (k, blocks) = run_of(meta.payload()).map_err(|e| coarse_corrupt(seg, plan, e))?;
-            if at + blocks > file.index.len() {
+            if at + blocks > file.index().len() {
                 let e = format!("a run of {blocks} blocks at block {at} overruns the stream");
                 return Err(coarse_corrupt(seg, plan, e));
             }
             if k == kind {
-                return Ok(Some(&file.index[at..at + blocks]));
+                return Ok(Some(file.index().range(at..at + blocks)));
             }
             at += blocks;
         }
@@ -1118,10 +1113,10 @@ impl Session {
     }
 
     /// The PQ codes of `run`, a segment's PQ run.
-    fn pq_of<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>, run: &'a [BlockRequest]) -> Result<PagedPq<'a>> {
+    fn pq_of<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>, run: Blocks<'a>) -> Result<PagedPq<'a>> {
         // A compact context's held PQ run: read from its frames, without pins.
         let held = match (r.file.compact.get(), r.file.compact_pq.get()) {
-            (Some(held), Some(&(at, from))) if run.first() == r.file.index.get(at) => Some((held, from)),
+            (Some(held), Some(&(at, from))) if run.first() == r.file.index().get(at) => Some((held, from)),
             _ => None,
         };
         PagedPq::open_held(&self.db.inner.pool, run, held).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))

@@ -7,6 +7,8 @@
 //!   lock. A reader can keep a [`FrameHint`] per block it reads often and skip the table.
 //! * [`ResidentBlocks`] hold a served context's index blocks in their frames, read without
 //!   latches (a pin per block costs more than the search's work on it).
+//! * [`Blocks`]: the requests of a stream's blocks by position, listed or made on demand
+//!   from the stream's map (a served file keeps 4 bytes per block, not a 40-byte request).
 //! * [`PageGuard`]s pin a block and give zero-copy `&[u32]`, `&[f16]`, `&[bf16]` views.
 //! * A [`Prefetcher`] thread reads blocks a caller will need soon (a search's value blocks)
 //!   while the caller goes on computing.
@@ -22,6 +24,7 @@
 //! Where the pool sits in a decode query's path: `docs/architecture.md` in the repository.
 
 mod arena;
+mod blocks;
 mod frame;
 mod guard;
 mod hint;
@@ -35,6 +38,7 @@ mod stats;
 mod sync;
 mod table;
 
+pub use blocks::Blocks;
 pub use guard::PageGuard;
 pub use hint::FrameHint;
 pub use pool::{BufferPool, PoolConfig};

@@ -2,7 +2,8 @@
 //! are injected).
 
 use ctxfs_buffer::{
-    BlockClass, BlockRequest, BufferError, BufferPool, DeviceSource, FrameHint, PoolConfig, Prefetcher, ResidentBlocks,
+    BlockClass, BlockRequest, Blocks, BufferError, BufferPool, DeviceSource, FrameHint, PoolConfig, Prefetcher,
+    ResidentBlocks,
 };
 use ctxfs_vfs::device::{self, FaultPlan, IoOp, MemDevice};
 use ctxfs_vfs::{BlockDevice, DType, DeviceChoice, DeviceInfo, FileStream, ModelShape, SplitMix64, Store};
@@ -112,6 +113,37 @@ fn requests(store: &Store, ctx: u32, head: u16, which: FileStream) -> Vec<Locate
     (0..s.blocks())
         .map(|l| (BlockRequest::new(s.locate(l).unwrap()), (ctx, head, tag, l as usize * PER_BLOCK)))
         .collect()
+}
+
+/// A stream's blocks made from its map on demand are the requests the stream lists, block
+/// for block, narrowed as slices narrow, and read through the pool to the same contents;
+/// the map takes a fraction of the bytes the listed requests do.
+#[test]
+fn blocks_made_from_a_stream_map_are_the_requests_it_lists() {
+    let dir = tmp();
+    let tokens = 40 * PER_BLOCK + 7;
+    let (dev, store) = real_store(&dir, 64, 2, tokens);
+    let pool = pool(dev, 8 << 20, 0.5);
+    let snap = store.snapshot();
+    for (ctx, head, which) in [(1, 0, FileStream::Index), (2, 1, FileStream::Data)] {
+        let listed = requests(&store, ctx, head, which);
+        let refs = snap.context(&format!("ctx{ctx}")).unwrap().stream(0, head, which).unwrap().refs();
+        let blocks = Blocks::of(&refs);
+        assert_eq!(blocks.len(), listed.len());
+        assert_eq!(blocks.to_vec(), listed.iter().map(|l| l.0).collect::<Vec<_>>());
+        assert_eq!(blocks.get(listed.len()), None, "past the end");
+        let part = blocks.range(5..17);
+        assert_eq!((part.len(), part.first(), part.at(11)), (12, Some(listed[5].0), listed[16].0));
+        assert_eq!(part.skip(10).to_vec(), vec![listed[15].0, listed[16].0]);
+        // Even written block by block, interleaved with three other streams (an import writes
+        // long runs), the map takes under half of what the listed requests do.
+        let listed_bytes = listed.len() * std::mem::size_of::<BlockRequest>();
+        assert!(refs.memory_bytes() < listed_bytes / 2, "{} bytes against {listed_bytes}", refs.memory_bytes());
+        let reqs = part.to_vec();
+        for (g, (_, key)) in pool.get_many(&reqs).into_iter().zip(&listed[5..17]) {
+            assert_eq!(g.unwrap().as_f16(), expected(*key, tokens).as_slice());
+        }
+    }
 }
 
 fn expected(key: (u32, u16, u8, usize), tokens: usize) -> Vec<f16> {

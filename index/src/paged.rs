@@ -16,7 +16,7 @@ use crate::mem::{MemGraph, MemKeys, PREFETCH_AHEAD};
 use crate::search::SEED_STRIDE;
 use crate::source::{score_strided_rows, Graph, Keys, SourceResult};
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockClass, BlockRequest, BufferError, BufferPool, FrameHint, PageGuard, ResidentBlocks};
+use ctxfs_buffer::{BlockClass, BlockRequest, Blocks, BufferError, BufferPool, FrameHint, PageGuard, ResidentBlocks};
 use ctxfs_vfs::{BlockFault, DType};
 use half::{bf16, f16};
 use std::cell::RefCell;
@@ -304,14 +304,14 @@ pub struct PagedIndex<'p> {
     pool: &'p BufferPool,
     layout: Layout,
     /// Where each logical block of the index stream is.
-    blocks: &'p [BlockRequest],
+    blocks: Blocks<'p>,
     /// Per logical block, the frame it was last found in (shared by every search of it).
     hints: &'p [FrameHint],
     /// The stream's blocks, held resident, in logical order.
     resident: Option<&'p ResidentBlocks>,
     /// Where each value block of the file's data stream is, when its reads may ride along
     /// with the key blocks' ([`with_values`](Self::with_values)).
-    values: &'p [BlockRequest],
+    values: Blocks<'p>,
     pins: RefCell<Pins<'p>>,
 }
 
@@ -351,7 +351,7 @@ impl<'p> Pins<'p> {
     fn pin(
         &mut self,
         pool: &'p BufferPool,
-        (blocks, hints): (&[BlockRequest], &[FrameHint]),
+        (blocks, hints): (Blocks<'_>, &[FrameHint]),
         wanted: &[u32],
         stats: &mut SearchStats,
     ) -> Result<Vec<(u32, PageGuard<'p>)>, BufferError> {
@@ -362,7 +362,7 @@ impl<'p> Pins<'p> {
             if self.slot[b as usize] != 0 {
                 continue;
             }
-            match pool.get_at_hint(&blocks[b as usize], &hints[b as usize]) {
+            match pool.get_at_hint(&blocks.at(b as usize), &hints[b as usize]) {
                 Some(g) => self.keep(b, g, &mut spill),
                 None => missing.push(b),
             }
@@ -370,7 +370,7 @@ impl<'p> Pins<'p> {
         if missing.is_empty() {
             return Ok(spill);
         }
-        let reqs: Vec<BlockRequest> = missing.iter().map(|&b| blocks[b as usize]).collect();
+        let reqs: Vec<BlockRequest> = missing.iter().map(|&b| blocks.at(b as usize)).collect();
         for (b, g) in missing.into_iter().zip(pool.get_many(&reqs)) {
             let g = g?;
             stats.blocks_read += u64::from(g.read_here());
@@ -415,13 +415,14 @@ impl<'p> PagedIndex<'p> {
     /// hint for each (kept by the caller across opens: see [`FrameHint`]).
     pub fn open(
         pool: &'p BufferPool,
-        blocks: &'p [BlockRequest],
+        blocks: impl Into<Blocks<'p>>,
         hints: &'p [FrameHint],
     ) -> Result<PagedIndex<'p>, String> {
+        let blocks = blocks.into();
         if hints.len() < blocks.len() {
             return Err(format!("{} frame hints for {} index blocks", hints.len(), blocks.len()));
         }
-        let meta = pool.get(blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
+        let meta = pool.get(&blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
         let layout = Layout::decode(meta.payload())?;
         drop(meta);
         layout.check_fits(ctxfs_vfs::max_payload(pool.block_size()))?;
@@ -433,7 +434,7 @@ impl<'p> PagedIndex<'p> {
                 layout.index_blocks()
             ));
         }
-        let blocks = &blocks[..layout.index_blocks() as usize];
+        let blocks = blocks.range(0..layout.index_blocks() as usize);
         let cap = pool.pinnable(BlockClass::Index) / PIN_SHARE;
         let pins = Pins { slot: vec![0; blocks.len()], guards: Vec::new(), cap };
         Ok(PagedIndex {
@@ -442,7 +443,7 @@ impl<'p> PagedIndex<'p> {
             blocks,
             hints: &hints[..blocks.len()],
             resident: None,
-            values: &[],
+            values: Blocks::Listed(&[]),
             pins: RefCell::new(pins),
         })
     }
@@ -462,8 +463,8 @@ impl<'p> PagedIndex<'p> {
     /// of two adjacent blocks costs about one (a disk's random reads are bound by their
     /// count, not their bytes), and a candidate whose key is read is mostly one whose value
     /// is read next.
-    pub fn with_values(mut self, values: &'p [BlockRequest]) -> PagedIndex<'p> {
-        self.values = values;
+    pub fn with_values(mut self, values: impl Into<Blocks<'p>>) -> PagedIndex<'p> {
+        self.values = values.into();
         self
     }
 
@@ -477,7 +478,7 @@ impl<'p> PagedIndex<'p> {
         stats: &mut SearchStats,
         f: impl for<'a> FnOnce(&'a dyn Fn(u32) -> &'a [u8]) -> Result<R, Bad>,
     ) -> Result<R, BufferError> {
-        let named = |(b, why): Bad| malformed(&self.blocks[b as usize], format!("index block {b}: {why}"));
+        let named = |(b, why): Bad| malformed(&self.blocks.at(b as usize), format!("index block {b}: {why}"));
         if let Some(resident) = self.resident {
             return f(&|b| resident.payload(b as usize)).map_err(named);
         }
@@ -509,7 +510,7 @@ impl<'p> PagedIndex<'p> {
     pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f32>, BatchIo), BufferError> {
         self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks() as usize;
-        gather_rows(self.pool, &self.blocks[first..], &self.layout, ids)
+        gather_rows(self.pool, self.blocks.range(first..self.blocks.len()), &self.layout, ids)
     }
 
     /// Where `node`'s adjacency record is: its logical block, and its bytes in the payload.
@@ -572,7 +573,7 @@ impl<'p> PagedIndex<'p> {
     fn read_ahead(&self, ids: &[u32], first: u32, stats: &mut SearchStats) {
         let wanted = blocks_holding(&self.layout, ids, first);
         if wanted.len() <= self.pool.frames(BlockClass::Index) / 16 {
-            let mut reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks[b as usize]).collect();
+            let mut reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks.at(b as usize)).collect();
             if wanted.len() <= self.pool.frames(BlockClass::Data) / 16 {
                 reqs.extend(wanted.iter().filter_map(|&b| self.value_beside(b, b - first)));
             }
@@ -583,8 +584,8 @@ impl<'p> PagedIndex<'p> {
     /// Value block `j`, the one beside key block `key` (the index stream's logical block),
     /// when it lies right after it on the device and the pool holds neither.
     fn value_beside(&self, key: u32, j: u32) -> Option<BlockRequest> {
-        let key = self.blocks[key as usize];
-        let value = *self.values.get(j as usize)?;
+        let key = self.blocks.at(key as usize);
+        let value = self.values.get(j as usize)?;
         (value.block == key.block + 1 && !self.pool.will_use(key.block) && !self.pool.will_use(value.block))
             .then_some(value)
     }
@@ -809,25 +810,26 @@ impl BatchIo {
 /// `blocks`) that hold `ids`, and calls `f` once per run of ids that are consecutive rows
 /// of one block: with the run's first position in `ids` and its rows. A
 /// kernel then sums a run's rows in one call rather than one call per row.
-pub fn for_row_runs(
+pub fn for_row_runs<'b>(
     pool: &BufferPool,
-    blocks: &[BlockRequest],
+    blocks: impl Into<Blocks<'b>>,
     layout: &Layout,
     ids: &[u32],
     f: impl FnMut(usize, Rows<'_>),
 ) -> Result<BatchIo, BufferError> {
+    let blocks = blocks.into();
     let rows_per_block = layout.rows_per_block;
     let wanted = blocks_holding(layout, ids, 0);
     if let Some(&last) = wanted.last().filter(|&&b| b as usize >= blocks.len()) {
         let t = ids.iter().max().copied().unwrap_or(0);
         return Err(invalid(format!("token {t} lies in block {last} of a stream of {} blocks", blocks.len())));
     }
-    let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks[b as usize]).collect();
+    let reqs: Vec<BlockRequest> = wanted.iter().map(|&b| blocks.at(b as usize)).collect();
     let guards: Vec<PageGuard<'_>> = pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
     let payload = |t: u32| guards[wanted.binary_search(&(t / rows_per_block)).expect("fetched above")].payload();
     visit_row_runs(layout, ids, payload, f).map_err(|(t, why)| {
         let b = t / rows_per_block;
-        malformed(&blocks[b as usize], format!("block {b} of packed rows: {why}"))
+        malformed(&blocks.at(b as usize), format!("block {b} of packed rows: {why}"))
     })?;
     Ok(BatchIo { pinned: guards.len(), read: guards.iter().filter(|g| g.read_here()).count() })
 }
@@ -884,9 +886,9 @@ fn visit_row_runs<'g>(
 /// The rows of `ids` from a stream of packed rows laid out as `layout` says (the data
 /// stream's values), read through the pool in one batch. Returns them as f32 in the order of
 /// `ids`, and the batch's I/O.
-pub fn gather_rows(
+pub fn gather_rows<'b>(
     pool: &BufferPool,
-    blocks: &[BlockRequest],
+    blocks: impl Into<Blocks<'b>>,
     layout: &Layout,
     ids: &[u32],
 ) -> Result<(Vec<f32>, BatchIo), BufferError> {

@@ -681,7 +681,7 @@ fn damaged_runs_are_errors_never_panics() {
     assert_eq!(e.block(), Some(reqs[2].last().unwrap().block), "{e}");
     // Runs of the wrong length, the wrong method, and queries of the wrong dimension.
     assert!(PagedQuest::open(&pool, &reqs[3][..reqs[3].len() - 1]).is_err());
-    assert!(PagedQuest::open(&pool, &[]).is_err());
+    assert!(PagedQuest::open(&pool, &[][..]).is_err());
     assert!(PagedPq::open(&pool, &reqs[3]).is_err());
     assert!(PagedInfllm::open(&pool, &reqs[4]).is_err());
     assert!(PagedQuest::open(&pool, &reqs[3]).unwrap().select(&[0.0; 32], 10, None).is_err());

@@ -288,7 +288,9 @@ class Store:
     def footprint(self, name: str) -> dict:
         """What serving a context holds resident against its KV cache: tokens, kv_bytes,
         resident_bytes, resident_over_kv, compact_bytes and compact_over_kv (what it holds
-        served compact), and parts (meta, graph, keys, seeds, quest, infllm, pq: bytes)."""
+        served compact), compact_and_window_over_kv (with a session's window), and parts
+        (meta, graph, keys, seeds, quest, infllm, pq, maps: the block maps; window: a
+        session's window, not in the resident bytes; all in bytes)."""
         return self._native.footprint(name)
 
     def pool_stats(self) -> dict:

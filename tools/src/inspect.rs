@@ -215,7 +215,7 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
     use crate::units::human_bytes;
     let per_token = |b: u64| f.per_token_and_head(b);
     println!(
-        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2})",
+        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2}, block maps {:.2}, window {:.2})",
         human_bytes(f.resident_bytes()),
         human_bytes(f.kv_bytes),
         f.ratio(),
@@ -227,12 +227,15 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
         per_token(f.infllm),
         per_token(f.pq),
         per_token(f.meta),
+        per_token(f.maps),
+        per_token(f.window),
     );
     println!(
-        "  served compact (meta, seeds and PQ codes): {} = {:.3} of the KV ({:.1} B per token and kv head)",
+        "  served compact (meta, seeds, PQ codes and block maps): {} = {:.3} of the KV ({:.1} B per token and kv head); with a session's window {:.3}",
         human_bytes(f.compact_bytes()),
         f.compact_ratio(),
-        per_token(f.compact_bytes())
+        per_token(f.compact_bytes()),
+        (f.compact_bytes() + f.window) as f64 / f.kv_bytes.max(1) as f64,
     );
 }
 
@@ -256,7 +259,8 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     let stats = pool.stats();
     let mut footprints = Vec::new();
     for c in snap.contexts() {
-        match ctxfs_attention::footprint::measure(&pool, &snap, &c.name) {
+        // A session's window as sessions take it by default.
+        match ctxfs_attention::footprint::measure(&pool, &snap, &c.name, &ctxfs_attention::Window::default()) {
             Ok(f) => footprints.push((c.name.clone(), f)),
             Err(e) => failed.push(format!("context {:?}: {e}", c.name)),
         }

@@ -379,13 +379,24 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     let ctx = &v["contexts"][0];
     let part = |k: &str| ctx["parts"][k].as_u64().unwrap();
     let parts: u64 = ["meta", "graph", "keys", "seeds", "quest", "infllm", "pq"].into_iter().map(part).sum();
-    assert_eq!(ctx["compact_bytes"].as_u64(), Some(part("meta") + part("seeds") + part("pq")));
-    assert_eq!((ctx["resident_bytes"].as_u64(), parts), (Some(index_blocks * 4096), index_blocks * 4096));
+    assert_eq!(parts, index_blocks * 4096);
+    // Beside the frames, the block maps: a CRC per block of both streams, their runs, and a
+    // frame hint per index block, far less than a listed request's 40 bytes per block.
+    let data_blocks: u64 = files.as_array().unwrap().iter().map(|f| f["data"]["blocks"].as_u64().unwrap()).sum();
+    let maps = part("maps");
+    assert!(maps >= 4 * (index_blocks + data_blocks) && maps < 12 * (index_blocks + data_blocks), "{maps}");
+    assert_eq!(ctx["compact_bytes"].as_u64(), Some(part("meta") + part("seeds") + part("pq") + maps));
+    let resident = index_blocks * 4096 + maps;
+    assert_eq!(ctx["resident_bytes"].as_u64(), Some(resident));
     // 4096 tokens × 2 layers × 2 kv heads × d = 128, K and V, 2 bytes each.
     let kv = 4096 * 2 * 2 * 128 * 2 * 2;
     assert_eq!(ctx["kv_bytes"], kv);
     let ratio = ctx["resident_over_kv"].as_f64().unwrap();
-    assert!((ratio - (index_blocks * 4096) as f64 / kv as f64).abs() < 1e-9, "{ratio}");
+    assert!((ratio - resident as f64 / kv as f64).abs() < 1e-9, "{ratio}");
+    // A session's window, beside the budget: 640 tokens' keys and values as f32 per file.
+    assert_eq!(part("window"), 640 * 128 * 4 * 2 * 4);
+    let with_window = ctx["compact_and_window_over_kv"].as_f64().unwrap();
+    assert!((with_window - (ctx["compact_bytes"].as_u64().unwrap() + part("window")) as f64 / kv as f64).abs() < 1e-9);
     let small = json(&["inspect", p(&store), "--buffer", "--budget", "2M", "--json"]);
     assert_eq!(small["index_resident"], false);
     assert!(small["stats"]["index"]["evictions"].as_u64().unwrap() > 0);

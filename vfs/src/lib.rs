@@ -56,6 +56,8 @@ pub use error::{BlockFault, Error, Result};
 pub use format::records::{ContextRecord, DType, ModelShape, ParentLink};
 pub use lock::{Access, StoreLock};
 pub use rng::SplitMix64;
-pub use store::{probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store, StreamReader};
+pub use store::{
+    probe_block_size, Context, FileStream, RangeReader, SlotStatus, Snapshot, Space, Store, StreamReader, StreamRefs,
+};
 pub use stream::{StreamId, StreamMap};
 pub use txn::{format, format_locked, Txn, MIN_STORE_BLOCKS};

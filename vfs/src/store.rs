@@ -191,7 +191,8 @@ impl LazyStream {
     pub fn new(id: StreamId, root: StreamRoot) -> Self {
         LazyStream { id, root, map: OnceLock::new() }
     }
-    pub fn with_map(id: StreamId, root: StreamRoot, map: StreamMap) -> Self {
+    pub fn with_map(id: StreamId, root: StreamRoot, mut map: StreamMap) -> Self {
+        map.shrink();
         let s = Self::new(id, root);
         let _ = s.map.set(Arc::new(map));
         s
@@ -408,6 +409,38 @@ impl<'a> Context<'a> {
     }
 }
 
+/// One stream's blocks as [`StreamReader::locate`] gives them, with no borrow of the
+/// snapshot: its map (a CRC per block and the runs of device blocks), its identity and the
+/// generation it was reached from.
+#[derive(Debug, Clone)]
+pub struct StreamRefs {
+    map: Arc<StreamMap>,
+    id: StreamId,
+    generation: u64,
+}
+
+impl StreamRefs {
+    /// Blocks in the stream.
+    pub fn len(&self) -> u64 {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Where logical block `logical` is, and what reading it must find.
+    pub fn locate(&self, logical: u64) -> Option<(u64, Expect)> {
+        let r = self.map.locate(logical)?;
+        Some((r.block, self.id.expect(logical, r.crc, self.generation)))
+    }
+
+    /// Bytes the map takes in memory ([`StreamMap::memory_bytes`]).
+    pub fn memory_bytes(&self) -> usize {
+        self.map.memory_bytes()
+    }
+}
+
 /// Reads one stream's blocks; every block is verified against the CRC its extent recorded.
 pub struct StreamReader<'a> {
     dev: &'a dyn BlockDevice,
@@ -431,8 +464,14 @@ impl StreamReader<'_> {
     }
     /// Where logical block `logical` is, and what reading it must find.
     pub fn locate(&self, logical: u64) -> Option<(u64, Expect)> {
-        let r = self.map.locate(logical)?;
-        Some((r.block, self.lazy.id.expect(logical, r.crc, self.generation)))
+        self.refs().locate(logical)
+    }
+
+    /// Every block's place and expectations, made on demand from the stream's map, which
+    /// the snapshot keeps: a reader that holds them for as long as it serves the stream
+    /// holds no copy per block.
+    pub fn refs(&self) -> StreamRefs {
+        StreamRefs { map: self.map.clone(), id: self.lazy.id, generation: self.generation }
     }
 
     fn request(&self, logical: u64) -> Result<(u64, Expect)> {

@@ -80,6 +80,22 @@ impl StreamMap {
         self.crcs.is_empty()
     }
 
+    /// Drops the room the map kept to grow: a snapshot keeps it, and readers serve from it,
+    /// for as long as the stream is read.
+    pub(crate) fn shrink(&mut self) {
+        self.runs.shrink_to_fit();
+        self.crcs.shrink_to_fit();
+        self.extent_first.shrink_to_fit();
+    }
+
+    /// Bytes the map takes in memory: a CRC per block, its runs and its extent blocks' firsts.
+    pub fn memory_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+            + self.crcs.capacity() * std::mem::size_of::<u32>()
+            + self.runs.capacity() * std::mem::size_of::<MapRun>()
+            + self.extent_first.capacity() * std::mem::size_of::<u64>()
+    }
+
     pub fn locate(&self, logical: u64) -> Option<BlockRef> {
         let i = self.runs.partition_point(|r| r.logical + r.len <= logical);
         let run = self.runs.get(i).filter(|r| r.logical <= logical)?;
@@ -163,6 +179,7 @@ impl StreamMap {
                 BlockFault::Malformed(format!("extents map {} blocks, the record says {}", map.len(), root.blocks)),
             ));
         }
+        map.shrink();
         Ok(map)
     }
 

@@ -47,7 +47,7 @@ use super::{run_blocks, Coarse, CoarseResult, MemRecords, PagedRecords, Records,
 use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_buffer::{Blocks, BufferError, BufferPool};
 use half::f16;
 
 pub(super) const MAGIC: &[u8; 4] = b"CXIL";
@@ -262,11 +262,12 @@ pub struct PagedInfllm<'p> {
 
 impl<'p> PagedInfllm<'p> {
     /// Opens an InfLLM index from the block requests of its run (meta block first).
-    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedInfllm<'p>, String> {
+    pub fn open(pool: &'p BufferPool, blocks: impl Into<Blocks<'p>>) -> Result<PagedInfllm<'p>, String> {
+        let blocks = blocks.into();
         let meta = InfllmMeta::decode(&read_meta(pool, blocks, "infllm index")?)?;
         let [s] = meta.sections();
         check_run(pool, blocks.len(), &[s], "infllm index")?;
-        Ok(PagedInfllm { meta, records: PagedRecords::new(pool, &blocks[1..], s.size, s.per_block) })
+        Ok(PagedInfllm { meta, records: PagedRecords::new(pool, blocks.skip(1), s.size, s.per_block) })
     }
 
     pub fn meta(&self) -> &InfllmMeta {

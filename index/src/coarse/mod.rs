@@ -29,7 +29,7 @@ mod residual;
 
 use crate::flat::QueryScores;
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, PageGuard, ResidentBlocks};
+use ctxfs_buffer::{BlockRequest, Blocks, BufferError, BufferPool, PageGuard, ResidentBlocks};
 use ctxfs_vfs::BlockFault;
 use std::ops::Range;
 use std::sync::Arc;
@@ -153,7 +153,7 @@ const PREFETCH_RECORDS_AHEAD: usize = 8;
 /// where the run is held resident, straight from the held frames.
 struct PagedRecords<'p> {
     pool: &'p BufferPool,
-    blocks: &'p [BlockRequest],
+    blocks: Blocks<'p>,
     size: usize,
     per_block: usize,
     /// Where every block of the run is held: block `b` is the held block `from + b`.
@@ -168,7 +168,7 @@ struct Held<'p> {
 }
 
 impl<'p> PagedRecords<'p> {
-    fn new(pool: &'p BufferPool, blocks: &'p [BlockRequest], size: usize, per_block: usize) -> Self {
+    fn new(pool: &'p BufferPool, blocks: Blocks<'p>, size: usize, per_block: usize) -> Self {
         PagedRecords { pool, blocks, size, per_block, held: None }
     }
 
@@ -207,7 +207,7 @@ impl<'p> PagedRecords<'p> {
         }
         let wanted: Vec<usize> = wanted.collect();
         for batch in wanted.chunks(PIN_BATCH) {
-            let reqs: Vec<BlockRequest> = batch.iter().map(|&b| self.blocks[b]).collect();
+            let reqs: Vec<BlockRequest> = batch.iter().map(|&b| self.blocks.at(b)).collect();
             let guards: Vec<PageGuard<'_>> = self.pool.get_many(&reqs).into_iter().collect::<Result<_, _>>()?;
             stats.blocks_touched += guards.len() as u64;
             stats.blocks_read += guards.iter().filter(|g| g.read_here()).count() as u64;
@@ -227,7 +227,7 @@ impl<'p> PagedRecords<'p> {
     fn records_of<'a>(&self, b: usize, p: &'a [u8], lo: usize, hi: usize) -> Result<&'a [u8], BufferError> {
         p.get(lo * self.size..hi * self.size).ok_or_else(|| {
             malformed(
-                &self.blocks[b],
+                &self.blocks.at(b),
                 format!("coarse index block holds {} bytes, its records need {}", p.len(), hi * self.size),
             )
         })
@@ -250,7 +250,7 @@ impl Records for PagedRecords<'_> {
             let first = range.start.max(b * per);
             let last = range.end.min((b + 1) * per);
             let bytes = self.records_of(b, p, first - b * per, last - b * per)?;
-            f(first, bytes).map_err(|why| malformed(&self.blocks[b], why))
+            f(first, bytes).map_err(|why| malformed(&self.blocks.at(b), why))
         })
     }
     fn visit_records(
@@ -277,7 +277,7 @@ impl Records for PagedRecords<'_> {
                     ctxfs_kernels::prefetch(ahead);
                 }
                 let lo = t as usize - b * per;
-                f(j, self.records_of(b, p, lo, lo + 1)?).map_err(|why| malformed(&self.blocks[b], why))?;
+                f(j, self.records_of(b, p, lo, lo + 1)?).map_err(|why| malformed(&self.blocks.at(b), why))?;
             }
             i = to;
             Ok(())
@@ -323,9 +323,9 @@ fn decode_meta(b: &[u8], magic: &[u8; 4], what: &str, newest: u32, n: usize) -> 
 }
 
 /// Reads the meta block of a run of coarse-index blocks.
-fn read_meta(pool: &BufferPool, blocks: &[BlockRequest], what: &str) -> Result<Vec<u8>, String> {
+fn read_meta(pool: &BufferPool, blocks: Blocks<'_>, what: &str) -> Result<Vec<u8>, String> {
     let first = blocks.first().ok_or_else(|| format!("empty {what} block run"))?;
-    Ok(pool.get(first).map_err(|e| e.to_string())?.payload().to_vec())
+    Ok(pool.get(&first).map_err(|e| e.to_string())?.payload().to_vec())
 }
 
 /// A run of record blocks: `records` of `size` bytes, `per_block` to a block.

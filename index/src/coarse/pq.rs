@@ -69,7 +69,7 @@ use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
 use crate::synth::Rng;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, ResidentBlocks};
+use ctxfs_buffer::{Blocks, BufferError, BufferPool, ResidentBlocks};
 use ctxfs_kernels::{PqLut, Reached, SumCut};
 use half::f16;
 
@@ -550,7 +550,7 @@ pub struct PagedPq<'p> {
 
 impl<'p> PagedPq<'p> {
     /// Opens a PQ index from the block requests of its run (meta block first).
-    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedPq<'p>, String> {
+    pub fn open(pool: &'p BufferPool, blocks: impl Into<Blocks<'p>>) -> Result<PagedPq<'p>, String> {
         Self::open_held(pool, blocks, None)
     }
 
@@ -560,9 +560,10 @@ impl<'p> PagedPq<'p> {
     /// the pool.
     pub fn open_held(
         pool: &'p BufferPool,
-        blocks: &'p [BlockRequest],
+        blocks: impl Into<Blocks<'p>>,
         held: Option<(&'p ResidentBlocks, usize)>,
     ) -> Result<PagedPq<'p>, String> {
+        let blocks = blocks.into();
         let meta = PqMeta::decode(&read_meta(pool, blocks, "pq index")?)?;
         let sections = meta.sections();
         check_run(pool, blocks.len(), &sections, "pq index")?;
@@ -571,11 +572,11 @@ impl<'p> PagedPq<'p> {
         let samples_at = split + t.blocks();
         let residual_at = samples_at + samples.blocks();
         let records = |at: usize, to: usize, s: Section| {
-            PagedRecords::new(pool, &blocks[at..to], s.size, s.per_block).held_in_run(held, at)
+            PagedRecords::new(pool, blocks.range(at..to), s.size, s.per_block).held_in_run(held, at)
         };
         let residual = meta.residual_shape().map(|shape| {
             let held = held.map(|(h, from)| (h, from + residual_at));
-            PagedResidual::open(pool, &blocks[residual_at..], shape, [sections[3], sections[4]], held)
+            PagedResidual::open(pool, blocks.skip(residual_at), shape, [sections[3], sections[4]], held)
         });
         Ok(PagedPq {
             meta,

@@ -32,7 +32,7 @@ use crate::flat::GroupScan;
 use crate::mem::MemKeys;
 use crate::source::Keys;
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool};
+use ctxfs_buffer::{Blocks, BufferError, BufferPool};
 use half::f16;
 
 pub(super) const MAGIC: &[u8; 4] = b"CXQS";
@@ -165,11 +165,12 @@ pub struct PagedQuest<'p> {
 
 impl<'p> PagedQuest<'p> {
     /// Opens a Quest index from the block requests of its run (meta block first).
-    pub fn open(pool: &'p BufferPool, blocks: &'p [BlockRequest]) -> Result<PagedQuest<'p>, String> {
+    pub fn open(pool: &'p BufferPool, blocks: impl Into<Blocks<'p>>) -> Result<PagedQuest<'p>, String> {
+        let blocks = blocks.into();
         let meta = QuestMeta::decode(&read_meta(pool, blocks, "quest index")?)?;
         let [s] = meta.sections();
         check_run(pool, blocks.len(), &[s], "quest index")?;
-        Ok(PagedQuest { meta, records: PagedRecords::new(pool, &blocks[1..], s.size, s.per_block) })
+        Ok(PagedQuest { meta, records: PagedRecords::new(pool, blocks.skip(1), s.size, s.per_block) })
     }
 
     pub fn meta(&self) -> &QuestMeta {

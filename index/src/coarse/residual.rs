@@ -17,7 +17,7 @@
 use super::{check_query, invalid, MemRecords, PagedRecords, Records, Section};
 use crate::coarse::pq::{centroid_runs, PqParams};
 use crate::stats::SearchStats;
-use ctxfs_buffer::{BlockRequest, BufferError, BufferPool, ResidentBlocks};
+use ctxfs_buffer::{Blocks, BufferError, BufferPool, ResidentBlocks};
 use half::f16;
 
 /// The most the residual centroids may weigh against the residual codes, as a divisor: an
@@ -108,7 +108,7 @@ impl<'p> PagedResidual<'p> {
     /// is among them).
     pub fn open(
         pool: &'p BufferPool,
-        blocks: &'p [BlockRequest],
+        blocks: Blocks<'p>,
         shape: ResidualShape,
         [c, t]: [Section; 2],
         held: Option<(&'p ResidentBlocks, usize)>,
@@ -116,7 +116,11 @@ impl<'p> PagedResidual<'p> {
         let split = c.blocks();
         let records =
             |at: usize, blocks, s: Section| PagedRecords::new(pool, blocks, s.size, s.per_block).held_in_run(held, at);
-        PagedResidual { shape, centroids: records(0, &blocks[..split], c), codes: records(split, &blocks[split..], t) }
+        PagedResidual {
+            shape,
+            centroids: records(0, blocks.range(0..split), c),
+            codes: records(split, blocks.skip(split), t),
+        }
     }
 }
 
