@@ -1057,21 +1057,21 @@ impl Session {
 
     /// A segment's coarse run of `kind`, if it was stored with one.
     fn stored_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<Option<Blocks<'r>>> {
-        let (file, seg) = (r.file, &r.seg);
+        let (index, seg) = (r.file.index(), &r.seg);
         let pool = &self.db.inner.pool;
         let mut at = r.index.layout().index_blocks() as usize;
         loop {
-            if at >= file.index().len() {
+            if at >= index.len() {
                 return Ok(None);
             }
-            let meta = pool.get(&file.index().at(at))?;
+            let meta = pool.get(&index.at(at))?;
             let (k, blocks) = run_of(meta.payload()).map_err(|e| coarse_corrupt(seg, plan, e))?;
-            if at + blocks > file.index().len() {
+            if at + blocks > index.len() {
                 let e = format!("a run of {blocks} blocks at block {at} overruns the stream");
                 return Err(coarse_corrupt(seg, plan, e));
             }
             if k == kind {
-                return Ok(Some(file.index().range(at..at + blocks)));
+                return Ok(Some(index.range(at..at + blocks)));
             }
             at += blocks;
         }

@@ -340,7 +340,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     }
     crate::inspect::print_footprint(NAME, &footprint);
     println!(
-        "held resident: resident_bytes / kv_bytes = {:.3}{}",
+        "held resident: resident_bytes / kv_bytes = {:.3}{}, block maps included",
         warmed.resident_over_kv(),
         if warmed.compact { " (served compact: meta, seeds and PQ codes)" } else { "" }
     );
