@@ -486,6 +486,10 @@ mod tests {
         assert_eq!(w.tokens(0), Vec::<u32>::new());
         let small = Window { init: 4, recent: 8 };
         assert_eq!(small.tokens(5000), [0, 1, 2, 3, 4992, 4993, 4994, 4995, 4996, 4997, 4998, 4999]);
+        for p in [0, 3, 100, 600, 640, 641, 5000] {
+            assert_eq!(w.len(p) as usize, w.tokens(p).len(), "p {p}");
+            assert_eq!(small.len(p) as usize, small.tokens(p).len(), "p {p}");
+        }
         for p in [0, 3, 100, 5000] {
             for t in 0..p {
                 assert_eq!(small.contains(p, t), small.tokens(p).contains(&t), "p {p} t {t}");

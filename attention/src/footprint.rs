@@ -6,9 +6,9 @@
 //! kept the cache in memory would hold: keys and values of every token, layer and kv head,
 //! in the context's element type. Beside the frames, serving keeps each vector file's block
 //! maps (a CRC per block and its runs of device blocks) and frame hints: they count too.
-//! A session keeps the window's keys and values (a fixed number of tokens, as its own
-//! tokens are, more than an eighth of the KV of a context of a few thousand): they are
-//! reported beside the budget, not in it.
+//! A session keeps the window's keys and values: a fixed number of tokens per (layer, kv
+//! head), 640 by default, more than an eighth of the KV of a context of a few thousand
+//! tokens. They are reported beside the budget, not in it.
 //!
 //! A context whose whole index exceeds the budget is served **compact**: only each vector
 //! file's meta block, seed table (keys and values) and PQ codes (with the residual codes
@@ -80,6 +80,11 @@ impl Footprint {
         ratio(self.compact_bytes(), self.kv_bytes)
     }
 
+    /// Compact bytes and a session's window per KV byte.
+    pub fn compact_and_window_ratio(&self) -> f64 {
+        ratio(self.compact_bytes() + self.window, self.kv_bytes)
+    }
+
     /// `bytes` per token of one (layer, kv head): the unit of the budget's arithmetic (64 at
     /// d = 128 in f16 is an eighth of the KV).
     pub fn per_token_and_head(&self, bytes: u64) -> f64 {
@@ -91,7 +96,7 @@ impl Footprint {
             "tokens": self.tokens, "heads": self.heads, "kv_bytes": self.kv_bytes,
             "resident_bytes": self.resident_bytes(), "resident_over_kv": self.ratio(),
             "compact_bytes": self.compact_bytes(), "compact_over_kv": self.compact_ratio(),
-            "compact_and_window_over_kv": ratio(self.compact_bytes() + self.window, self.kv_bytes),
+            "compact_and_window_over_kv": self.compact_and_window_ratio(),
             "parts": {"meta": self.meta, "graph": self.graph, "keys": self.keys, "seeds": self.seeds,
                 "quest": self.quest, "infllm": self.infllm, "pq": self.pq, "maps": self.maps, "window": self.window},
         })
@@ -238,12 +243,13 @@ pub fn measure(pool: &BufferPool, snap: &Snapshot, name: &str, window: &Window) 
     };
     for id in files_of(snap, name)? {
         let file = FileBlocks::locate(snap, id.context, id.layer, id.head)?;
+        // Counted as `Db::warm` counts them: every file's, an empty one's too.
+        f.maps += file.map_bytes();
         if file.index().is_empty() {
             continue;
         }
         let p = IndexParts::read(pool, &file, &id.name())?;
         let blocks = |n: u32| u64::from(n) * bs;
-        f.maps += file.map_bytes();
         f.meta += bs;
         f.graph += blocks(p.layout.adjacency_blocks());
         f.keys += blocks(p.layout.key_blocks());

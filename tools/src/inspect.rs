@@ -215,7 +215,7 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
     use crate::units::human_bytes;
     let per_token = |b: u64| f.per_token_and_head(b);
     println!(
-        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2}, block maps {:.2}, window {:.2})",
+        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2}, block maps {:.2}; beside them a session's window {:.2})",
         human_bytes(f.resident_bytes()),
         human_bytes(f.kv_bytes),
         f.ratio(),
@@ -235,7 +235,7 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
         human_bytes(f.compact_bytes()),
         f.compact_ratio(),
         per_token(f.compact_bytes()),
-        (f.compact_bytes() + f.window) as f64 / f.kv_bytes.max(1) as f64,
+        f.compact_and_window_ratio(),
     );
 }
 
