@@ -1013,12 +1013,10 @@ impl Session {
         let pool = &self.db.inner.pool;
         let mut reqs = Vec::new();
         for (si, r) in readers.iter().enumerate() {
-            let rows = r.index.layout().rows_per_block;
+            let (rows, data) = (r.index.layout().rows_per_block, r.file.data());
             let mut blocks: Vec<u32> = found.iter().filter(|f| f.0 == si).map(|f| (f.1 - r.seg.base) / rows).collect();
             blocks.dedup();
-            reqs.extend(
-                blocks.iter().filter_map(|&b| r.file.data().get(b as usize)).filter(|req| !pool.will_use(req.block)),
-            );
+            reqs.extend(blocks.iter().filter_map(|&b| data.get(b as usize)).filter(|req| !pool.will_use(req.block)));
         }
         (!reqs.is_empty() && reqs.len() <= pool.frames(BlockClass::Data) / 16)
             .then(|| self.db.inner.prefetcher.submit(reqs))

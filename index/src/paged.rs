@@ -510,7 +510,7 @@ impl<'p> PagedIndex<'p> {
     pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f32>, BatchIo), BufferError> {
         self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks() as usize;
-        gather_rows(self.pool, self.blocks.range(first..self.blocks.len()), &self.layout, ids)
+        gather_rows(self.pool, self.blocks.skip(first), &self.layout, ids)
     }
 
     /// Where `node`'s adjacency record is: its logical block, and its bytes in the payload.
@@ -575,16 +575,17 @@ impl<'p> PagedIndex<'p> {
         if wanted.len() <= self.pool.frames(BlockClass::Index) / 16 {
             let mut reqs: Vec<BlockRequest> = wanted.iter().map(|&b| self.blocks.at(b as usize)).collect();
             if wanted.len() <= self.pool.frames(BlockClass::Data) / 16 {
-                reqs.extend(wanted.iter().filter_map(|&b| self.value_beside(b, b - first)));
+                let values: Vec<BlockRequest> =
+                    wanted.iter().zip(&reqs).filter_map(|(&b, key)| self.value_beside(key, b - first)).collect();
+                reqs.extend(values);
             }
             stats.blocks_read += self.pool.prefetch(&reqs).len() as u64;
         }
     }
 
-    /// Value block `j`, the one beside key block `key` (the index stream's logical block),
-    /// when it lies right after it on the device and the pool holds neither.
-    fn value_beside(&self, key: u32, j: u32) -> Option<BlockRequest> {
-        let key = self.blocks.at(key as usize);
+    /// Value block `j`, the one beside key block `key` (its request), when it lies right
+    /// after it on the device and the pool holds neither.
+    fn value_beside(&self, key: &BlockRequest, j: u32) -> Option<BlockRequest> {
         let value = self.values.get(j as usize)?;
         (value.block == key.block + 1 && !self.pool.will_use(key.block) && !self.pool.will_use(value.block))
             .then_some(value)

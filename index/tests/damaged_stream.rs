@@ -3,7 +3,7 @@
 //! panic: records and rows beyond a block, links beyond the index, streams shorter than the
 //! layout, and block counts that overflow.
 
-use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, FrameHint, PoolConfig};
+use ctxfs_buffer::{BlockRequest, Blocks, BufferPool, DeviceSource, FrameHint, PoolConfig};
 use ctxfs_index::paged::{gather_rows, index_payloads, row_payloads, Layout, PagedIndex, Rows};
 use ctxfs_index::search::{diprs, topk};
 use ctxfs_index::synth::{head, SynthParams};
@@ -45,10 +45,7 @@ fn store(index: &[Vec<u8>], data: &[Vec<u8>]) -> (Store, Vec<BlockRequest>, Vec<
     txn.commit().unwrap();
     let snap = store.snapshot();
     let ctx = snap.context("c").unwrap();
-    let reqs = |stream| {
-        let s = ctx.stream(0, 0, stream).unwrap();
-        (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect::<Vec<_>>()
-    };
+    let reqs = |stream| Blocks::of(&ctx.stream(0, 0, stream).unwrap().refs()).to_vec();
     let (index, data) = (reqs(FileStream::Index), reqs(FileStream::Data));
     drop(snap);
     (store, index, data)

@@ -1,7 +1,7 @@
 //! An index stored in a vfs vector file and searched directly on buffered pages gives exactly
 //! the answers of the same index in memory; storage errors come back as errors.
 
-use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, FrameHint, PoolConfig};
+use ctxfs_buffer::{BlockRequest, Blocks, BufferPool, DeviceSource, FrameHint, PoolConfig};
 use ctxfs_index::paged::{for_row_runs, gather_rows, index_payloads, row_payloads, PagedIndex, Rows};
 use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
@@ -27,8 +27,7 @@ fn store_index(dev: Arc<dyn BlockDevice>, dim: usize, blocks: &[Vec<u8>]) -> (St
     }
     txn.commit().unwrap();
     let snap = store.snapshot();
-    let s = snap.context("c").unwrap().stream(0, 0, FileStream::Index).unwrap();
-    let reqs = (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect();
+    let reqs = Blocks::of(&snap.context("c").unwrap().stream(0, 0, FileStream::Index).unwrap().refs()).to_vec();
     drop(snap);
     (store, reqs)
 }
@@ -340,10 +339,7 @@ fn store_side_by_side(
     txn.commit().unwrap();
     let snap = store.snapshot();
     let ctx = snap.context("c").unwrap();
-    let reqs = |which| {
-        let s = ctx.stream(0, 0, which).unwrap();
-        (0..s.blocks()).map(|l| BlockRequest::new(s.locate(l).unwrap())).collect::<Vec<_>>()
-    };
+    let reqs = |which| Blocks::of(&ctx.stream(0, 0, which).unwrap().refs()).to_vec();
     let (i, d) = (reqs(FileStream::Index), reqs(FileStream::Data));
     drop(snap);
     (store, i, d)
