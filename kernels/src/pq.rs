@@ -15,12 +15,19 @@ use std::ops::Range;
 /// (entries beyond it are 0 and never looked up by valid codes).
 pub const PQ_TABLE: usize = 256;
 
+/// Entries of a table that one 128-byte permute looks up ([`PqLut::narrow`]): codes of
+/// 7 bits or fewer (`PqParams::bits`).
+pub const NARROW_TABLE: usize = 128;
+
 /// A query's lookup tables, one byte per entry: entry `(j, c)` stands for
 /// `min_j + step · byte`, `min_j` the smallest entry of table `j` and `step` the widest
 /// table's range over 255 (one step for all tables, so that byte sums add up).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PqLut {
     pub(crate) bytes: Vec<u8>,
+    /// Every table has at most [`NARROW_TABLE`] entries: its upper half is zeros, so a code's
+    /// low 7 bits find its entry and a code with the top bit finds 0, as the wide lookup does.
+    pub(crate) narrow: bool,
     /// `Σ_j min_j`.
     pub(crate) bias: f32,
     pub(crate) step: f32,
@@ -55,7 +62,7 @@ impl PqLut {
             }
         }
         let bias = ranges.iter().map(|&(lo, _)| lo as f64).sum::<f64>() as f32;
-        PqLut { bytes, bias, step }
+        PqLut { bytes, narrow: k <= NARROW_TABLE, bias, step }
     }
 
     /// Subspaces (m).
@@ -228,7 +235,13 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
         Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
             // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
             // checked above.
-            unsafe { avx512vbmi::pq_scores(lut, codes, r, from, out) }
+            unsafe {
+                if lut.narrow {
+                    avx512vbmi::pq_scores::<false>(lut, codes, r, from, out)
+                } else {
+                    avx512vbmi::pq_scores::<true>(lut, codes, r, from, out)
+                }
+            }
         }
         _ => 0,
     };
@@ -291,11 +304,15 @@ pub fn pq_reaching_on(
                 // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
                 // checked above, and a chunk holds 1 to REACH_QUERIES queries, as many as `Q`.
                 unsafe {
-                    match luts.len() {
-                        1 => scan::<1>(luts, run, tokens, cuts, outs),
-                        2 => scan::<2>(luts, run, tokens, cuts, outs),
-                        3 => scan::<3>(luts, run, tokens, cuts, outs),
-                        _ => scan::<REACH_QUERIES>(luts, run, tokens, cuts, outs),
+                    match (luts.len(), luts.iter().all(|l| l.narrow)) {
+                        (1, false) => scan::<1, true>(luts, run, tokens, cuts, outs),
+                        (2, false) => scan::<2, true>(luts, run, tokens, cuts, outs),
+                        (3, false) => scan::<3, true>(luts, run, tokens, cuts, outs),
+                        (_, false) => scan::<REACH_QUERIES, true>(luts, run, tokens, cuts, outs),
+                        (1, true) => scan::<1, false>(luts, run, tokens, cuts, outs),
+                        (2, true) => scan::<2, false>(luts, run, tokens, cuts, outs),
+                        (3, true) => scan::<3, false>(luts, run, tokens, cuts, outs),
+                        (_, true) => scan::<REACH_QUERIES, false>(luts, run, tokens, cuts, outs),
                     }
                 }
             }
@@ -379,20 +396,26 @@ mod avx512vbmi {
     /// The CPU has AVX-512 F, BW and VBMI; `codes.len() == m · r`, `from + out.len() ≤ r`
     /// and `m ≤ MAX_U16_SUBSPACES` (`m` = `lut.subspaces()`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub(super) unsafe fn pq_scores(lut: &PqLut, codes: &[u8], r: usize, from: usize, out: &mut [f32]) -> usize {
+    pub(super) unsafe fn pq_scores<const WIDE: bool>(
+        lut: &PqLut,
+        codes: &[u8],
+        r: usize,
+        from: usize,
+        out: &mut [f32],
+    ) -> usize {
         let whole = out.len() / (64 * CHUNKS) * (64 * CHUNKS);
         for at in (0..whole).step_by(64 * CHUNKS) {
             // SAFETY: as this function's; tokens `at .. at + 256 ≤ out.len()`.
-            unsafe { chunks::<CHUNKS>(lut, codes, r, from, at, out) };
+            unsafe { chunks::<CHUNKS, WIDE>(lut, codes, r, from, at, out) };
         }
         // SAFETY: as this function's; `whole < out.len()` when a chunk is left.
         unsafe {
             match (out.len() - whole).div_ceil(64) {
                 0 => {}
-                1 => chunks::<1>(lut, codes, r, from, whole, out),
-                2 => chunks::<2>(lut, codes, r, from, whole, out),
-                3 => chunks::<3>(lut, codes, r, from, whole, out),
-                _ => chunks::<CHUNKS>(lut, codes, r, from, whole, out),
+                1 => chunks::<1, WIDE>(lut, codes, r, from, whole, out),
+                2 => chunks::<2, WIDE>(lut, codes, r, from, whole, out),
+                3 => chunks::<3, WIDE>(lut, codes, r, from, whole, out),
+                _ => chunks::<CHUNKS, WIDE>(lut, codes, r, from, whole, out),
             }
         }
         out.len()
@@ -408,7 +431,7 @@ mod avx512vbmi {
     /// MAX_U16_SUBSPACES`; `run.codes.len() == m · run.tokens`, `tokens.end ≤ run.tokens`;
     /// `luts`, `cuts` and `outs` have `Q` elements.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub(super) unsafe fn pq_reaching<const Q: usize>(
+    pub(super) unsafe fn pq_reaching<const Q: usize, const WIDE: bool>(
         luts: &[PqLut],
         run: CodeRun<'_>,
         tokens: Range<usize>,
@@ -423,9 +446,9 @@ mod avx512vbmi {
             // SAFETY: as this function's; tokens `at .. at + 64 · step ≤ len`.
             unsafe {
                 if Q > 2 {
-                    reaching::<Q, 2>(luts, run, from, at, len, cuts, outs)
+                    reaching::<Q, 2, WIDE>(luts, run, from, at, len, cuts, outs)
                 } else {
-                    reaching::<Q, CHUNKS>(luts, run, from, at, len, cuts, outs)
+                    reaching::<Q, CHUNKS, WIDE>(luts, run, from, at, len, cuts, outs)
                 }
             }
         }
@@ -433,10 +456,10 @@ mod avx512vbmi {
         unsafe {
             match (len - whole).div_ceil(64) {
                 0 => {}
-                1 => reaching::<Q, 1>(luts, run, from, whole, len, cuts, outs),
-                2 => reaching::<Q, 2>(luts, run, from, whole, len, cuts, outs),
-                3 => reaching::<Q, 3>(luts, run, from, whole, len, cuts, outs),
-                _ => reaching::<Q, CHUNKS>(luts, run, from, whole, len, cuts, outs),
+                1 => reaching::<Q, 1, WIDE>(luts, run, from, whole, len, cuts, outs),
+                2 => reaching::<Q, 2, WIDE>(luts, run, from, whole, len, cuts, outs),
+                3 => reaching::<Q, 3, WIDE>(luts, run, from, whole, len, cuts, outs),
+                _ => reaching::<Q, CHUNKS, WIDE>(luts, run, from, whole, len, cuts, outs),
             }
         }
         len
@@ -457,12 +480,19 @@ mod avx512vbmi {
     /// # Safety
     /// As [`pq_scores`]', and `at < out.len()`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    unsafe fn chunks<const N: usize>(lut: &PqLut, codes: &[u8], r: usize, from: usize, at: usize, out: &mut [f32]) {
+    unsafe fn chunks<const N: usize, const WIDE: bool>(
+        lut: &PqLut,
+        codes: &[u8],
+        r: usize,
+        from: usize,
+        at: usize,
+        out: &mut [f32],
+    ) {
         let (bias, step) = (_mm512_set1_ps(lut.bias), _mm512_set1_ps(lut.step));
         let masks = chunk_masks::<N>(at, out.len());
         // SAFETY: as this function's: the masks cover tokens `from + at ..` below
         // `from + out.len() ≤ r`.
-        let [(even, odd)] = unsafe { sums::<1, N>(&[lut], codes, r, from + at, &masks) };
+        let [(even, odd)] = unsafe { sums::<1, N, WIDE>(&[lut], codes, r, from + at, &masks) };
         for c in 0..N {
             for (i, sums) in in_token_order(even[c], odd[c]).into_iter().enumerate() {
                 for (half, part) in
@@ -503,7 +533,7 @@ mod avx512vbmi {
     /// # Safety
     /// As [`pq_reaching`]', with `from + len ≤ run.tokens` and `at < len`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    unsafe fn reaching<const Q: usize, const N: usize>(
+    unsafe fn reaching<const Q: usize, const N: usize, const WIDE: bool>(
         luts: &[PqLut; Q],
         run: CodeRun<'_>,
         from: usize,
@@ -515,7 +545,7 @@ mod avx512vbmi {
         let masks = chunk_masks::<N>(at, len);
         // SAFETY: as this function's: the masks cover tokens `from + at ..` below
         // `from + len ≤ run.tokens`.
-        let sums = unsafe { sums::<Q, N>(&luts.each_ref(), run.codes, run.tokens, from + at, &masks) };
+        let sums = unsafe { sums::<Q, N, WIDE>(&luts.each_ref(), run.codes, run.tokens, from + at, &masks) };
         for (((lut, cut), out), (even, odd)) in luts.iter().zip(cuts).zip(outs.iter_mut()).zip(sums) {
             // Sums are at most 255 · m ≤ u16::MAX: a cut above every u16 is reached by none.
             let Ok(least) = u16::try_from(cut.least) else { continue };
@@ -559,13 +589,17 @@ mod avx512vbmi {
     /// modulo 2^16) and the odd bytes apart; the even sums are the difference, exact since
     /// they are below 2^16: two adds and a shift per looked-up vector, not three and a mask.
     ///
+    /// `WIDE`: the tables' upper halves are looked up too (two permutes and a blend); else
+    /// every table is narrow ([`PqLut::narrow`]: its upper half zeros) and one permute looks
+    /// up the lower half, zeroing the codes with the top bit, as the upper half would.
+    ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VBMI; every table has `m` subspaces, `m ≤
     /// MAX_U16_SUBSPACES`; `codes.len() == m · r`; chunk `c`'s mask covers only tokens below
-    /// `r` from `at + 64c`.
+    /// `r` from `at + 64c`; without `WIDE`, every table is narrow.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     #[inline]
-    unsafe fn sums<const Q: usize, const N: usize>(
+    unsafe fn sums<const Q: usize, const N: usize, const WIDE: bool>(
         luts: &[&PqLut; Q],
         codes: &[u8],
         r: usize,
@@ -578,14 +612,14 @@ mod avx512vbmi {
         for j in 0..m {
             for q in 0..Q {
                 let t = luts[q].bytes[j * PQ_TABLE..(j + 1) * PQ_TABLE].as_ptr();
-                // SAFETY: each table is 256 bytes, read as four 64-byte vectors.
-                let (t0, t1, t2, t3) = unsafe {
-                    (
-                        _mm512_loadu_si512(t.cast()),
-                        _mm512_loadu_si512(t.add(64).cast()),
-                        _mm512_loadu_si512(t.add(128).cast()),
-                        _mm512_loadu_si512(t.add(192).cast()),
-                    )
+                // SAFETY: each table is 256 bytes, read as four 64-byte vectors (the upper two
+                // only when wide).
+                let (t0, t1) = unsafe { (_mm512_loadu_si512(t.cast()), _mm512_loadu_si512(t.add(64).cast())) };
+                let (t2, t3) = if WIDE {
+                    // SAFETY: as above.
+                    unsafe { (_mm512_loadu_si512(t.add(128).cast()), _mm512_loadu_si512(t.add(192).cast())) }
+                } else {
+                    (_mm512_setzero_si512(), _mm512_setzero_si512())
                 };
                 for c in 0..N {
                     // SAFETY: the mask reads bytes `j·r + at + 64c ..` of subspace `j`, below
@@ -594,9 +628,14 @@ mod avx512vbmi {
                     let idx =
                         unsafe { _mm512_maskz_loadu_epi8(masks[c], codes.as_ptr().add(j * r + at + 64 * c).cast()) };
                     // Entries 0..128 and 128..256 by the code's low 7 bits; its top bit picks.
-                    let low = _mm512_permutex2var_epi8(t0, idx, t1);
-                    let high = _mm512_permutex2var_epi8(t2, idx, t3);
-                    let v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), low, high);
+                    let top = _mm512_movepi8_mask(idx);
+                    let v = if WIDE {
+                        let low = _mm512_permutex2var_epi8(t0, idx, t1);
+                        let high = _mm512_permutex2var_epi8(t2, idx, t3);
+                        _mm512_mask_blend_epi8(top, low, high)
+                    } else {
+                        _mm512_maskz_permutex2var_epi8(!top, t0, idx, t1)
+                    };
                     words[q][c] = _mm512_add_epi16(words[q][c], v);
                     odd[q][c] = _mm512_add_epi16(odd[q][c], _mm512_srli_epi16::<8>(v));
                 }
@@ -620,7 +659,9 @@ mod tests {
     #[test]
     fn every_instruction_set_sums_the_same_bytes() {
         let mut seed = 5;
-        for (m, k, r) in [(32, 256, 200), (16, 64, 64), (3, 7, 131), (1, 256, 1), (300, 256, 70), (257, 256, 700)] {
+        for (m, k, r) in
+            [(32, 256, 200), (32, 128, 200), (16, 64, 64), (3, 7, 131), (1, 256, 1), (300, 256, 70), (257, 256, 700)]
+        {
             let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
             let codes: Vec<u8> = (0..m * r).map(|_| (lcg(&mut seed) % k as u64) as u8).collect();
             let lut = PqLut::quantise(&tables, k);
@@ -647,10 +688,44 @@ mod tests {
         }
     }
 
+    /// A code beyond its table's entries (which a checksummed code block does not hold, but a
+    /// bug might) finds the zero padding on every path, narrow tables' one-permute lookup too.
+    #[test]
+    fn codes_beyond_a_table_find_its_padding() {
+        let mut seed = 3;
+        for (m, k, r) in [(32, 100, 200), (8, 128, 130), (32, 200, 200)] {
+            let tables: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) as f32 / 1e8 - 20.0).collect();
+            let lut = PqLut::quantise(&tables, k);
+            assert_eq!(lut.narrow, k <= NARROW_TABLE);
+            let codes: Vec<u8> = (0..m * r).map(|_| lcg(&mut seed) as u8).collect();
+            let sums: Vec<u32> = (0..r)
+                .map(|t| {
+                    let entry = |j: usize| lut.bytes[j * PQ_TABLE + codes[j * r + t] as usize] as u32;
+                    (0..m).map(entry).sum()
+                })
+                .collect();
+            assert!(codes.iter().any(|&c| c as usize >= k));
+            for isa in crate::available() {
+                let mut out = vec![0.0; r];
+                pq_scores_on(isa, &lut, &codes, r, 0, &mut out);
+                let want: Vec<f32> = sums.iter().map(|&s| lut.score(s)).collect();
+                assert_eq!(out, want, "{isa:?} m {m} k {k}");
+                let run = CodeRun { codes: &codes, tokens: r, first: 0 };
+                let mut reached = [Reached::default()];
+                let cut = [SumCut { least: 0, cap: usize::MAX }];
+                pq_reaching_on(isa, std::slice::from_ref(&lut), run, 0..r, &cut, &mut reached);
+                let every: Vec<(u32, f32)> = want.iter().enumerate().map(|(t, &s)| (t as u32, s)).collect();
+                assert_eq!(reached[0].tokens, every, "{isa:?} m {m} k {k} reaching");
+            }
+        }
+    }
+
     #[test]
     fn tokens_reaching_a_cut_are_those_whose_scores_reach_it() {
         let mut seed = 11;
-        for (m, k, r) in [(32, 256, 300), (16, 64, 64), (3, 7, 131), (1, 256, 1), (257, 256, 200), (300, 256, 70)] {
+        for (m, k, r) in
+            [(32, 256, 300), (32, 128, 300), (16, 64, 64), (3, 7, 131), (1, 256, 1), (257, 256, 200), (300, 256, 70)]
+        {
             // Up to six queries over the same codes (more than one scan takes at once), each
             // with its own tables and cut.
             let luts: Vec<PqLut> = (0..6)

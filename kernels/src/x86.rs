@@ -70,6 +70,38 @@ impl Lanes for f32 {
 
 use crate::expf::{EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, P};
 
+/// Vectors of columns [`avx2::weighted_sum`] and [`avx512::weighted_sum`] sum at once, each
+/// held in a register over every row: 8 and 16 registers of the 16 and 32 there are, 128
+/// columns at AVX-512 (a whole head at d = 128).
+const SUM_VECTORS: usize = 8;
+
+/// `f::<_, N>(args)` for `N = n` in 1..SUM_VECTORS (nothing for 0): the columns left after
+/// the whole chunks of `SUM_VECTORS` vectors.
+macro_rules! by_vectors {
+    ($n:expr, $f:ident($($arg:expr),*)) => {
+        match $n {
+            1 => $f::<_, 1>($($arg),*),
+            2 => $f::<_, 2>($($arg),*),
+            3 => $f::<_, 3>($($arg),*),
+            4 => $f::<_, 4>($($arg),*),
+            5 => $f::<_, 5>($($arg),*),
+            6 => $f::<_, 6>($($arg),*),
+            7 => $f::<_, 7>($($arg),*),
+            _ => {}
+        }
+    };
+}
+
+/// The columns from `c` of a weighted sum, element by element (fewer than a vector's).
+fn sum_tail<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E], c: usize) {
+    let d = acc.len();
+    for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
+        for (a, x) in acc[c..].iter_mut().zip(&v[c..]) {
+            *a += w * x.to_f32();
+        }
+    }
+}
+
 pub(crate) mod avx2 {
     use super::*;
 
@@ -281,17 +313,38 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
         let d = acc.len();
+        let mut c = 0;
+        while c + 8 * SUM_VECTORS <= d {
+            sum_columns::<E, SUM_VECTORS>(acc, weights, values, c);
+            c += 8 * SUM_VECTORS;
+        }
+        let rest = (d - c) / 8;
+        by_vectors!(rest, sum_columns(acc, weights, values, c));
+        sum_tail(acc, weights, values, c + 8 * rest);
+    }
+
+    /// [`weighted_sum`] of the `N` vectors of columns from `c`, their sums held in registers
+    /// over every row (one kept in memory would wait on its own store each row).
+    ///
+    /// # Safety
+    /// As [`weighted_sum`]; `c + 8·N ≤ acc.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sum_columns<E: Lanes, const N: usize>(acc: &mut [f32], weights: &[f32], values: &[E], c: usize) {
+        let d = acc.len();
+        let ap = acc.as_mut_ptr().add(c);
+        let mut a = [_mm256_setzero_ps(); N];
+        for (j, x) in a.iter_mut().enumerate() {
+            *x = _mm256_loadu_ps(ap.add(8 * j));
+        }
         for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
-            let wv = _mm256_set1_ps(*w);
-            let mut i = 0;
-            while i + 8 <= d {
-                let a = acc.as_mut_ptr().add(i);
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(E::load8(v.as_ptr().add(i)), wv, _mm256_loadu_ps(a)));
-                i += 8;
+            let (wv, vp) = (_mm256_set1_ps(*w), v.as_ptr().add(c));
+            for (j, x) in a.iter_mut().enumerate() {
+                *x = _mm256_fmadd_ps(E::load8(vp.add(8 * j)), wv, *x);
             }
-            for j in i..d {
-                acc[j] += w * v[j].to_f32();
-            }
+        }
+        for (j, x) in a.iter().enumerate() {
+            _mm256_storeu_ps(ap.add(8 * j), *x);
         }
     }
 }
@@ -524,17 +577,38 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
         let d = acc.len();
+        let mut c = 0;
+        while c + 16 * SUM_VECTORS <= d {
+            sum_columns::<E, SUM_VECTORS>(acc, weights, values, c);
+            c += 16 * SUM_VECTORS;
+        }
+        let rest = (d - c) / 16;
+        by_vectors!(rest, sum_columns(acc, weights, values, c));
+        sum_tail(acc, weights, values, c + 16 * rest);
+    }
+
+    /// [`weighted_sum`] of the `N` vectors of columns from `c`, their sums held in registers
+    /// over every row (one kept in memory would wait on its own store each row).
+    ///
+    /// # Safety
+    /// As [`weighted_sum`]; `c + 16·N ≤ acc.len()`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn sum_columns<E: Lanes, const N: usize>(acc: &mut [f32], weights: &[f32], values: &[E], c: usize) {
+        let d = acc.len();
+        let ap = acc.as_mut_ptr().add(c);
+        let mut a = [_mm512_setzero_ps(); N];
+        for (j, x) in a.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(ap.add(16 * j));
+        }
         for (w, v) in weights.iter().zip(values.chunks_exact(d)) {
-            let wv = _mm512_set1_ps(*w);
-            let mut i = 0;
-            while i + 16 <= d {
-                let a = acc.as_mut_ptr().add(i);
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(E::load16(v.as_ptr().add(i)), wv, _mm512_loadu_ps(a)));
-                i += 16;
+            let (wv, vp) = (_mm512_set1_ps(*w), v.as_ptr().add(c));
+            for (j, x) in a.iter_mut().enumerate() {
+                *x = _mm512_fmadd_ps(E::load16(vp.add(16 * j)), wv, *x);
             }
-            for j in i..d {
-                acc[j] += w * v[j].to_f32();
-            }
+        }
+        for (j, x) in a.iter().enumerate() {
+            _mm512_storeu_ps(ap.add(16 * j), *x);
         }
     }
 }

@@ -197,7 +197,8 @@ fn max_and_exp_sums_handle_masks_and_extremes() {
 fn weighted_value_sums_match() {
     let mut rng = Rng(9);
     for isa in available() {
-        for d in [1, 7, 16, 31, 128] {
+        // Whole chunks of registers, chunks and the vectors left, and columns left past them.
+        for d in [1, 7, 16, 31, 64, 128, 200, 256] {
             let n = 50;
             let values: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.wild(1e20, 1e-39))).collect();
             let weights: Vec<f32> = (0..n).map(|_| rng.f32().abs()).collect();
@@ -209,6 +210,15 @@ fn weighted_value_sums_match() {
                 let mag: f64 =
                     0.5 + (0..n).map(|i| (weights[i] * values[i * d + j].to_f32()).abs() as f64).sum::<f64>();
                 check_close(got[j], want[j] as f64, mag, &format!("{} weighted d={d} j={j}", isa.name()));
+            }
+            // f16 values, widened by another instruction than bf16's.
+            let halves: Vec<f16> = (0..n * d).map(|_| f16::from_f32(rng.f32() * 8.0 - 4.0)).collect();
+            let (mut got, mut want) = (vec![0.25; d], vec![0.25; d]);
+            weighted_sum_on(isa, &mut got, &weights, &halves);
+            weighted_sum_on(Isa::Scalar, &mut want, &weights, &halves);
+            for j in 0..d {
+                let mag = 0.25 + (0..n).map(|i| (weights[i] * halves[i * d + j].to_f32()).abs() as f64).sum::<f64>();
+                check_close(got[j], want[j] as f64, mag, &format!("{} weighted f16 d={d} j={j}", isa.name()));
             }
         }
     }
