@@ -53,7 +53,8 @@ pub struct Footprint {
     pub pq: u64,
     /// The vector files' block maps and frame hints ([`FileBlocks::map_bytes`]).
     pub maps: u64,
-    /// A session's window: its keys and values as f32, per (layer, kv head)
+    /// A session's window: its keys and values as stored (2 bytes an element), per (layer,
+    /// kv head)
     /// ([`window_bytes`]). Not in the resident bytes.
     pub window: u64,
 }
@@ -148,11 +149,12 @@ impl Planned {
 }
 
 /// The bytes a session holds for the window of a context of `tokens` tokens: its keys and
-/// values as f32, for every (layer, kv head).
+/// values in their stored type (f16 or bf16, 2 bytes an element), for every (layer, kv
+/// head).
 pub fn window_bytes(shape: &ModelShape, tokens: u64, window: &Window) -> u64 {
     let rows = u64::from(window.len(u32::try_from(tokens).unwrap_or(u32::MAX)));
     let files = u64::from(shape.layers) * u64::from(shape.kv_heads);
-    rows * 2 * u64::from(shape.head_dim) * std::mem::size_of::<f32>() as u64 * files
+    rows * 2 * u64::from(shape.head_dim) * 2 * files
 }
 
 fn kv_bytes(shape: &ModelShape, tokens: u64) -> u64 {

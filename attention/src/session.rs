@@ -24,7 +24,7 @@ use ctxfs_index::coarse::pq::{AboveGroup, KeptGroup, KeptScores, PagedPq, Residu
 use ctxfs_index::coarse::quest::PagedQuest;
 use ctxfs_index::coarse::{run_of, take_tokens, Coarse, CoarseKind};
 use ctxfs_index::flat::{GroupScan, QueryScores};
-use ctxfs_index::paged::{for_row_runs, gather_rows, Layout, PagedIndex};
+use ctxfs_index::paged::{for_row_runs, gather_rows, Layout, PagedIndex, Rows, StoredRows};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
 use ctxfs_index::target::{estimate, REFINEMENTS};
@@ -267,10 +267,11 @@ struct SearchedHead {
     elapsed: Duration,
 }
 
-/// The window's keys and values of one (layer, kv head), in window order.
+/// The window's keys and values of one (layer, kv head), in window order, in the type they
+/// are stored in (the same values as f32, at half the bytes).
 struct HeadWindow {
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    keys: StoredRows,
+    values: StoredRows,
 }
 
 /// The session's own tokens of one layer, per kv head (and the prefill queries that will
@@ -580,9 +581,9 @@ impl Session {
             let (mut keys, mut values) = (Vec::new(), Vec::new());
             for h in 0..kv {
                 let w = host[layer * kv + h].as_ref().expect("the kv head loaded its window");
-                keys.extend_from_slice(&w.keys);
+                w.keys.extend_f32(&mut keys);
                 keys.extend_from_slice(&fresh.keys[h]);
-                values.extend_from_slice(&w.values);
+                w.values.extend_f32(&mut values);
                 values.extend_from_slice(&fresh.values[h]);
             }
             let tokens = self.window_ids.len() + fresh.rows;
@@ -626,10 +627,8 @@ impl Session {
         if let Some(w) = &lock(&self.windows)[slot] {
             return Ok((w.clone(), SearchStats::default()));
         }
-        let d = self.shape.head_dim as usize;
         let mut io = SearchStats::default();
-        let mut keys = Vec::with_capacity(self.window_ids.len() * d);
-        let mut values = Vec::with_capacity(self.window_ids.len() * d);
+        let mut window: Option<HeadWindow> = None;
         let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         for (seg, file) in segments.iter().zip(files) {
             let local: Vec<u32> = self
@@ -646,10 +645,17 @@ impl Session {
             let (v, vio) = gather_rows(&self.db.inner.pool, file.data(), index.layout(), &local)?;
             kio.add_to(&mut io);
             vio.add_to(&mut io);
-            keys.extend_from_slice(&k);
-            values.extend_from_slice(&v);
+            window = Some(match window {
+                None => HeadWindow { keys: k, values: v },
+                Some(mut w) => {
+                    w.keys.append(k);
+                    w.values.append(v);
+                    w
+                }
+            });
         }
-        let w = Arc::new(HeadWindow { keys, values });
+        let empty = || StoredRows::F16(Vec::new());
+        let w = Arc::new(window.unwrap_or_else(|| HeadWindow { keys: empty(), values: empty() }));
         lock(&self.windows)[slot] = Some(w.clone());
         Ok((w, io))
     }
@@ -704,7 +710,7 @@ impl Session {
             .chunks_exact(d)
             .map(|q| {
                 let mut win_z = vec![0.0; self.window_ids.len()];
-                ctxfs_kernels::scores_on(isa, &window.keys, q, 1.0, &mut win_z);
+                window.keys.rows().scores_on(isa, q, &mut win_z);
                 let mut fresh_z = vec![0.0; fresh.rows];
                 ctxfs_kernels::scores_on(isa, &fresh.keys[h], q, 1.0, &mut fresh_z);
                 (win_z, fresh_z)
@@ -763,7 +769,7 @@ impl Session {
             // An error target asks for the mass left out beside the window's and own tokens'.
             let own_part = choice
                 .error_target
-                .map(|_| own_attention(isa, (&win_z, &window.values), (&fresh_z, &fresh.values[h]), scale, d));
+                .map(|_| own_attention(isa, (&win_z, window.values.rows()), (&fresh_z, &fresh.values[h]), scale, d));
             let target = own_part.as_ref().zip(choice.error_target).map(|(own, share)| MassTarget {
                 share,
                 scale,
@@ -911,7 +917,7 @@ impl Session {
             let own = match own {
                 _ if !own_on_cpu => Partial::empty(d),
                 Some(part) => part,
-                None => own_attention(isa, (&win_z, &window.values), (&fresh_z, &fresh.values[h]), scale, d),
+                None => own_attention(isa, (&win_z, window.values.rows()), (&fresh_z, &fresh.values[h]), scale, d),
             };
             let selected = if opts.detail {
                 let mut ids: Vec<u32> = self.window_ids.clone();
@@ -1634,16 +1640,17 @@ impl Session {
 /// and values.
 fn own_attention(
     isa: ctxfs_kernels::Isa,
-    (win_z, win_values): (&[f32], &[f32]),
+    (win_z, win_values): (&[f32], Rows<'_>),
     (fresh_z, fresh_values): (&[f32], &[f32]),
     scale: f32,
     d: usize,
 ) -> Partial {
     let scaled = |z: &[f32]| z.iter().map(|z| z * scale).collect::<Vec<f32>>();
-    Partial::merge(&[
-        Partial::from_scores_on(isa, &mut scaled(win_z), win_values, d),
-        Partial::from_scores_on(isa, &mut scaled(fresh_z), fresh_values, d),
-    ])
+    let window = match win_values {
+        Rows::F16(v) => Partial::from_scores_on(isa, &mut scaled(win_z), v, d),
+        Rows::Bf16(v) => Partial::from_scores_on(isa, &mut scaled(win_z), v, d),
+    };
+    Partial::merge(&[window, Partial::from_scores_on(isa, &mut scaled(fresh_z), fresh_values, d)])
 }
 
 /// What a segment's scan of the codes makes for a GQA group ([`Session::codes_scan`]).

@@ -201,6 +201,13 @@ impl Rows<'_> {
             Rows::Bf16(r) => ctxfs_kernels::dot(r, q),
         }
     }
+    /// [`Rows::scores`] on the kernels of `isa`.
+    pub fn scores_on(&self, isa: ctxfs_kernels::Isa, q: &[f32], out: &mut [f32]) {
+        match self {
+            Rows::F16(r) => ctxfs_kernels::scores_on(isa, r, q, 1.0, out),
+            Rows::Bf16(r) => ctxfs_kernels::scores_on(isa, r, q, 1.0, out),
+        }
+    }
     /// `out[i] = q · row i` for each row, in one kernel call (each score `dot`'s to the bit).
     pub fn scores(&self, q: &[f32], out: &mut [f32]) {
         match self {
@@ -506,8 +513,8 @@ impl<'p> PagedIndex<'p> {
         &self.layout
     }
 
-    /// The key rows of `ids`, in their order, as f32 (the window cache's keys).
-    pub fn gather_keys(&self, ids: &[u32]) -> Result<(Vec<f32>, BatchIo), BufferError> {
+    /// The key rows of `ids`, in their order and stored type (a session's window's keys).
+    pub fn gather_keys(&self, ids: &[u32]) -> Result<(StoredRows, BatchIo), BufferError> {
         self.check_ids(ids)?;
         let first = 1 + self.layout.adjacency_blocks() as usize;
         gather_rows(self.pool, self.blocks.skip(first), &self.layout, ids)
@@ -892,8 +899,58 @@ pub fn gather_rows<'b>(
     blocks: impl Into<Blocks<'b>>,
     layout: &Layout,
     ids: &[u32],
-) -> Result<(Vec<f32>, BatchIo), BufferError> {
-    let mut out = Vec::with_capacity(ids.len() * layout.dim as usize);
-    let io = for_row_runs(pool, blocks, layout, ids, |_, rows| rows.extend_f32(&mut out))?;
+) -> Result<(StoredRows, BatchIo), BufferError> {
+    let mut out = StoredRows::with_capacity(layout.dtype, ids.len() * layout.dim as usize);
+    let io = for_row_runs(pool, blocks, layout, ids, |_, rows| out.extend(rows))?;
     Ok((out, io))
+}
+
+/// Rows copied out of their blocks in the type they are stored in: half the bytes of f32,
+/// the same values (a session's window keeps its keys and values so).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoredRows {
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl StoredRows {
+    fn with_capacity(dtype: DType, elements: usize) -> StoredRows {
+        match dtype {
+            DType::F16 => StoredRows::F16(Vec::with_capacity(elements)),
+            DType::Bf16 => StoredRows::Bf16(Vec::with_capacity(elements)),
+        }
+    }
+
+    /// Appends `rows`, widened or narrowed through f32 where their type differs (it does
+    /// not within one stream).
+    fn extend(&mut self, rows: Rows<'_>) {
+        match (self, rows) {
+            (StoredRows::F16(out), Rows::F16(r)) => out.extend_from_slice(r),
+            (StoredRows::Bf16(out), Rows::Bf16(r)) => out.extend_from_slice(r),
+            (StoredRows::F16(out), Rows::Bf16(r)) => out.extend(r.iter().map(|x| f16::from_f32(x.to_f32()))),
+            (StoredRows::Bf16(out), Rows::F16(r)) => out.extend(r.iter().map(|x| bf16::from_f32(x.to_f32()))),
+        }
+    }
+
+    pub fn rows(&self) -> Rows<'_> {
+        match self {
+            StoredRows::F16(r) => Rows::F16(r),
+            StoredRows::Bf16(r) => Rows::Bf16(r),
+        }
+    }
+
+    /// Appends `more`'s rows (another segment's, of the same type where a context stands on
+    /// a prefix stored as it is).
+    pub fn append(&mut self, more: StoredRows) {
+        match (self, more) {
+            (StoredRows::F16(out), StoredRows::F16(r)) => out.extend(r),
+            (StoredRows::Bf16(out), StoredRows::Bf16(r)) => out.extend(r),
+            (out, other) => out.extend(other.rows()),
+        }
+    }
+
+    /// Appends the rows widened to f32 to `out`.
+    pub fn extend_f32(&self, out: &mut Vec<f32>) {
+        self.rows().extend_f32(out)
+    }
 }

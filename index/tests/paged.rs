@@ -2,7 +2,7 @@
 //! the answers of the same index in memory; storage errors come back as errors.
 
 use ctxfs_buffer::{BlockRequest, Blocks, BufferPool, DeviceSource, FrameHint, PoolConfig};
-use ctxfs_index::paged::{for_row_runs, gather_rows, index_payloads, row_payloads, PagedIndex, Rows};
+use ctxfs_index::paged::{for_row_runs, gather_rows, index_payloads, row_payloads, PagedIndex, Rows, StoredRows};
 use ctxfs_index::search::{diprs, topk, SEED_STRIDE};
 use ctxfs_index::synth::{head, SynthParams};
 use ctxfs_index::Pair;
@@ -283,9 +283,10 @@ fn rows_read_in_runs_are_the_rows_asked_for_in_order() {
     let r = layout.rows_per_block;
     // Runs inside a block, one across a block boundary, gaps, a step back, the last token.
     let ids = [0, 1, 2, r - 2, r - 1, r, r + 1, 2 * r + 5, 7, 8, 2999];
-    let row = |t: u32| values[t as usize * 64..(t as usize + 1) * 64].iter().map(|x| x.to_f32());
+    let row = |t: u32| values[t as usize * 64..(t as usize + 1) * 64].iter().copied();
+    // In the stored type, the stored values.
     let (rows, io) = gather_rows(&pool, &reqs, &layout, &ids).unwrap();
-    assert_eq!(rows, ids.iter().flat_map(|&t| row(t)).collect::<Vec<_>>());
+    assert_eq!(rows, StoredRows::F16(ids.iter().flat_map(|&t| row(t)).collect()));
     assert_eq!(io.pinned, 4);
     // Summed a run at a time, as a session sums retrieved values.
     let weights: Vec<f32> = (0..ids.len()).map(|i| 1.0 / (i + 1) as f32).collect();
@@ -299,7 +300,7 @@ fn rows_read_in_runs_are_the_rows_asked_for_in_order() {
     assert_eq!(runs, [(0, 3), (3, 2), (5, 2), (7, 1), (8, 2), (10, 1)]);
     let mut want = vec![0.0f32; 64];
     for (&t, &w) in ids.iter().zip(&weights) {
-        want.iter_mut().zip(row(t)).for_each(|(a, x)| *a += w * x);
+        want.iter_mut().zip(row(t)).for_each(|(a, x)| *a += w * x.to_f32());
     }
     for (a, b) in sum.iter().zip(&want) {
         assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} against {b}");

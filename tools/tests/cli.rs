@@ -393,8 +393,8 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
     assert_eq!(ctx["kv_bytes"], kv);
     let ratio = ctx["resident_over_kv"].as_f64().unwrap();
     assert!((ratio - resident as f64 / kv as f64).abs() < 1e-9, "{ratio}");
-    // A session's window, beside the budget: 640 tokens' keys and values as f32 per file.
-    assert_eq!(part("window"), 640 * 128 * 4 * 2 * 4);
+    // A session's window, beside the budget: 640 tokens' keys and values as stored per file.
+    assert_eq!(part("window"), 640 * 128 * 2 * 2 * 4);
     let with_window = ctx["compact_and_window_over_kv"].as_f64().unwrap();
     assert!((with_window - (ctx["compact_bytes"].as_u64().unwrap() + part("window")) as f64 / kv as f64).abs() < 1e-9);
     let small = json(&["inspect", p(&store), "--buffer", "--budget", "2M", "--json"]);
