@@ -234,7 +234,7 @@ pub fn pq_scores_on(isa: Isa, lut: &PqLut, codes: &[u8], r: usize, from: usize, 
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
             // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
-            // checked above.
+            // checked above; the narrow lookup only for a narrow table.
             unsafe {
                 if lut.narrow {
                     avx512vbmi::pq_scores::<false>(lut, codes, r, from, out)
@@ -302,7 +302,8 @@ pub fn pq_reaching_on(
                 use avx512vbmi::pq_reaching as scan;
                 let tokens = tokens.clone();
                 // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
-                // checked above, and a chunk holds 1 to REACH_QUERIES queries, as many as `Q`.
+                // checked above, a chunk holds 1 to REACH_QUERIES queries, as many as `Q`, and
+                // the narrow lookup serves only chunks whose every table is narrow.
                 unsafe {
                     match (luts.len(), luts.iter().all(|l| l.narrow)) {
                         (1, false) => scan::<1, true>(luts, run, tokens, cuts, outs),
