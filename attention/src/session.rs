@@ -628,7 +628,9 @@ impl Session {
             return Ok((w.clone(), SearchStats::default()));
         }
         let mut io = SearchStats::default();
-        let mut window: Option<HeadWindow> = None;
+        let rows = self.window_ids.len() * self.shape.head_dim as usize;
+        let mut keys = StoredRows::with_capacity(self.shape.dtype, rows);
+        let mut values = StoredRows::with_capacity(self.shape.dtype, rows);
         let segments = self.reuse.as_ref().map_or(&[][..], |r| &r.segments);
         for (seg, file) in segments.iter().zip(files) {
             let local: Vec<u32> = self
@@ -645,17 +647,10 @@ impl Session {
             let (v, vio) = gather_rows(&self.db.inner.pool, file.data(), index.layout(), &local)?;
             kio.add_to(&mut io);
             vio.add_to(&mut io);
-            window = Some(match window {
-                None => HeadWindow { keys: k, values: v },
-                Some(mut w) => {
-                    w.keys.append(k);
-                    w.values.append(v);
-                    w
-                }
-            });
+            keys.extend(k.rows());
+            values.extend(v.rows());
         }
-        let empty = || StoredRows::F16(Vec::new());
-        let w = Arc::new(window.unwrap_or_else(|| HeadWindow { keys: empty(), values: empty() }));
+        let w = Arc::new(HeadWindow { keys, values });
         lock(&self.windows)[slot] = Some(w.clone());
         Ok((w, io))
     }

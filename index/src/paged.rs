@@ -914,7 +914,7 @@ pub enum StoredRows {
 }
 
 impl StoredRows {
-    fn with_capacity(dtype: DType, elements: usize) -> StoredRows {
+    pub fn with_capacity(dtype: DType, elements: usize) -> StoredRows {
         match dtype {
             DType::F16 => StoredRows::F16(Vec::with_capacity(elements)),
             DType::Bf16 => StoredRows::Bf16(Vec::with_capacity(elements)),
@@ -922,8 +922,8 @@ impl StoredRows {
     }
 
     /// Appends `rows`, widened or narrowed through f32 where their type differs (it does
-    /// not within one stream).
-    fn extend(&mut self, rows: Rows<'_>) {
+    /// not within one stream; a context and the prefix it stands on may differ).
+    pub fn extend(&mut self, rows: Rows<'_>) {
         match (self, rows) {
             (StoredRows::F16(out), Rows::F16(r)) => out.extend_from_slice(r),
             (StoredRows::Bf16(out), Rows::Bf16(r)) => out.extend_from_slice(r),
@@ -936,16 +936,6 @@ impl StoredRows {
         match self {
             StoredRows::F16(r) => Rows::F16(r),
             StoredRows::Bf16(r) => Rows::Bf16(r),
-        }
-    }
-
-    /// Appends `more`'s rows (another segment's, of the same type where a context stands on
-    /// a prefix stored as it is).
-    pub fn append(&mut self, more: StoredRows) {
-        match (self, more) {
-            (StoredRows::F16(out), StoredRows::F16(r)) => out.extend(r),
-            (StoredRows::Bf16(out), StoredRows::Bf16(r)) => out.extend(r),
-            (out, other) => out.extend(other.rows()),
         }
     }
 

@@ -299,21 +299,16 @@ pub fn pq_reaching_on(
         let done = match usable(isa) {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if vbmi() && m <= MAX_U16_SUBSPACES => {
-                use avx512vbmi::pq_reaching as scan;
+                use avx512vbmi::pq_reaching_of as scan;
                 let tokens = tokens.clone();
                 // SAFETY: `vbmi` checked the CPU has AVX-512 F, BW and VBMI; the lengths are
-                // checked above, a chunk holds 1 to REACH_QUERIES queries, as many as `Q`, and
-                // the narrow lookup serves only chunks whose every table is narrow.
+                // checked above, a chunk holds 1 to REACH_QUERIES queries, and the narrow
+                // lookup serves only chunks whose every table is narrow.
                 unsafe {
-                    match (luts.len(), luts.iter().all(|l| l.narrow)) {
-                        (1, false) => scan::<1, true>(luts, run, tokens, cuts, outs),
-                        (2, false) => scan::<2, true>(luts, run, tokens, cuts, outs),
-                        (3, false) => scan::<3, true>(luts, run, tokens, cuts, outs),
-                        (_, false) => scan::<REACH_QUERIES, true>(luts, run, tokens, cuts, outs),
-                        (1, true) => scan::<1, false>(luts, run, tokens, cuts, outs),
-                        (2, true) => scan::<2, false>(luts, run, tokens, cuts, outs),
-                        (3, true) => scan::<3, false>(luts, run, tokens, cuts, outs),
-                        (_, true) => scan::<REACH_QUERIES, false>(luts, run, tokens, cuts, outs),
+                    if luts.iter().all(|l| l.narrow) {
+                        scan::<false>(luts, run, tokens, cuts, outs)
+                    } else {
+                        scan::<true>(luts, run, tokens, cuts, outs)
                     }
                 }
             }
@@ -420,6 +415,29 @@ mod avx512vbmi {
             }
         }
         out.len()
+    }
+
+    /// [`pq_reaching`] of 1 to [`super::REACH_QUERIES`] queries, as many as `luts` holds.
+    ///
+    /// # Safety
+    /// As [`pq_reaching`]', with `Q` the number of tables.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn pq_reaching_of<const WIDE: bool>(
+        luts: &[PqLut],
+        run: CodeRun<'_>,
+        tokens: Range<usize>,
+        cuts: &[SumCut],
+        outs: &mut [Reached],
+    ) -> usize {
+        // SAFETY: as this function's, `Q` being the number of tables.
+        unsafe {
+            match luts.len() {
+                1 => pq_reaching::<1, WIDE>(luts, run, tokens, cuts, outs),
+                2 => pq_reaching::<2, WIDE>(luts, run, tokens, cuts, outs),
+                3 => pq_reaching::<3, WIDE>(luts, run, tokens, cuts, outs),
+                _ => pq_reaching::<{ super::REACH_QUERIES }, WIDE>(luts, run, tokens, cuts, outs),
+            }
+        }
     }
 
     /// [`super::pq_reaching`] of `Q` queries (1 to [`super::REACH_QUERIES`]) over the run's

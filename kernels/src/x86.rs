@@ -75,21 +75,32 @@ use crate::expf::{EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, P};
 /// columns at AVX-512 (a whole head at d = 128).
 const SUM_VECTORS: usize = 8;
 
-/// `f::<_, N>(args)` for `N = n` in 1..SUM_VECTORS (nothing for 0): the columns left after
-/// the whole chunks of `SUM_VECTORS` vectors.
-macro_rules! by_vectors {
-    ($n:expr, $f:ident($($arg:expr),*)) => {
-        match $n {
-            1 => $f::<_, 1>($($arg),*),
-            2 => $f::<_, 2>($($arg),*),
-            3 => $f::<_, 3>($($arg),*),
-            4 => $f::<_, 4>($($arg),*),
-            5 => $f::<_, 5>($($arg),*),
-            6 => $f::<_, 6>($($arg),*),
-            7 => $f::<_, 7>($($arg),*),
+/// A weighted sum over vectors of `$lanes` columns: whole chunks of `SUM_VECTORS` vectors,
+/// then the vectors left, each by `sum_columns::<_, N>`, then the columns left past them
+/// ([`sum_tail`]). One driver for both instruction sets; their `sum_columns` differ only in
+/// the intrinsics.
+macro_rules! sum_by_columns {
+    ($acc:expr, $weights:expr, $values:expr, $lanes:expr) => {{
+        let (acc, weights, values) = ($acc, $weights, $values);
+        let d = acc.len();
+        let mut c = 0;
+        while c + $lanes * SUM_VECTORS <= d {
+            sum_columns::<_, SUM_VECTORS>(acc, weights, values, c);
+            c += $lanes * SUM_VECTORS;
+        }
+        let rest = (d - c) / $lanes;
+        match rest {
+            1 => sum_columns::<_, 1>(acc, weights, values, c),
+            2 => sum_columns::<_, 2>(acc, weights, values, c),
+            3 => sum_columns::<_, 3>(acc, weights, values, c),
+            4 => sum_columns::<_, 4>(acc, weights, values, c),
+            5 => sum_columns::<_, 5>(acc, weights, values, c),
+            6 => sum_columns::<_, 6>(acc, weights, values, c),
+            7 => sum_columns::<_, 7>(acc, weights, values, c),
             _ => {}
         }
-    };
+        sum_tail(acc, weights, values, c + $lanes * rest);
+    }};
 }
 
 /// The columns from `c` of a weighted sum, element by element (fewer than a vector's).
@@ -312,15 +323,7 @@ pub(crate) mod avx2 {
     /// AVX2, FMA and F16C must be available. `values.len() == weights.len() * acc.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
-        let d = acc.len();
-        let mut c = 0;
-        while c + 8 * SUM_VECTORS <= d {
-            sum_columns::<E, SUM_VECTORS>(acc, weights, values, c);
-            c += 8 * SUM_VECTORS;
-        }
-        let rest = (d - c) / 8;
-        by_vectors!(rest, sum_columns(acc, weights, values, c));
-        sum_tail(acc, weights, values, c + 8 * rest);
+        sum_by_columns!(acc, weights, values, 8);
     }
 
     /// [`weighted_sum`] of the `N` vectors of columns from `c`, their sums held in registers
@@ -576,15 +579,7 @@ pub(crate) mod avx512 {
     /// AVX-512F must be available. `values.len() == weights.len() * acc.len()`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn weighted_sum<E: Lanes>(acc: &mut [f32], weights: &[f32], values: &[E]) {
-        let d = acc.len();
-        let mut c = 0;
-        while c + 16 * SUM_VECTORS <= d {
-            sum_columns::<E, SUM_VECTORS>(acc, weights, values, c);
-            c += 16 * SUM_VECTORS;
-        }
-        let rest = (d - c) / 16;
-        by_vectors!(rest, sum_columns(acc, weights, values, c));
-        sum_tail(acc, weights, values, c + 16 * rest);
+        sum_by_columns!(acc, weights, values, 16);
     }
 
     /// [`weighted_sum`] of the `N` vectors of columns from `c`, their sums held in registers
