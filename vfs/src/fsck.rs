@@ -105,6 +105,9 @@ struct Walk<'p> {
     expected: u64,
     problems: Vec<Problem>,
     reach: Bitmap,
+    /// How many references find each block that more than one references (rare: only damage
+    /// makes them), so repair frees such a block only when every owner referencing it goes.
+    claims: BTreeMap<u64, u32>,
     /// False when unreadable metadata hides references, so leaks cannot be judged.
     reach_complete: bool,
     /// Metadata of the state itself (catalog) unreadable.
@@ -184,6 +187,7 @@ impl Walk<'_> {
                 Fix::None,
             );
         } else if self.reach.get(block) {
+            *self.claims.entry(block).or_insert(1) += 1;
             self.note(Some(block), kind, owner.to_string(), context, "block is referenced twice".into(), Fix::None);
         } else {
             self.reach.set(block, true);
@@ -197,6 +201,7 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
         expected: sb.allocated_blocks,
         problems: Vec::new(),
         reach: Bitmap::new(sb.total_blocks),
+        claims: BTreeMap::new(),
         reach_complete: true,
         catalog_damaged: false,
         damaged: BTreeMap::new(),
@@ -767,13 +772,20 @@ pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Prog
     let unneeded = walk.family.unneeded(&gone);
     gone.extend(&unneeded);
     // Damaged contexts are left out of the catalog and their blocks out of the allocation;
-    // intact ones are freed through their extent maps, which can be read.
+    // intact ones are freed through their extent maps, which can be read. A block that damage
+    // made two owners reference stays allocated while any owner that keeps it remains (the
+    // catalog, the allocator, a live context): freeing it would free what they still use.
     let mut wanted = walk.reach.clone();
     let mut skip = BTreeSet::new();
+    let mut dropped_claims: BTreeMap<u64, u32> = BTreeMap::new();
     for (&id, (_, seen)) in walk.damaged.iter().filter(|(id, _)| gone.contains(id)) {
         skip.insert(id);
-        let total = wanted.len();
-        for &b in seen.iter().filter(|&&b| b < total) {
+        for &b in seen.iter().filter(|&&b| b < wanted.len()) {
+            *dropped_claims.entry(b).or_default() += 1;
+        }
+    }
+    for (b, dropped) in dropped_claims {
+        if dropped >= walk.claims.get(&b).copied().unwrap_or(1) {
             wanted.set(b, false);
         }
     }

@@ -266,6 +266,32 @@ fn repair_drops_a_damaged_context_only_when_asked() {
 }
 
 #[test]
+fn repair_keeps_a_block_a_dropped_context_shares_with_the_catalog() {
+    // Found by the fsck_damage fuzzer: a record whose stream root points at the catalog's
+    // block is damaged; dropping it freed that block from the allocation, and the commit that
+    // then freed the old catalog freed it twice.
+    let dir = tmpdir();
+    let img = dir.path().join("shared.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let model = workload(&store, 11, |_| {}).unwrap();
+    let snap = store.snapshot();
+    let (slot, catalog) = (snap.superblock().slot(), snap.superblock().catalog.block);
+    drop(snap);
+    drop(store);
+    let victim = model.keys().next().unwrap().clone();
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    tamper(dev.as_ref(), slot, &victim, |r| r.files[0].index.extents[0].block = catalog);
+    let report = fsck::check(dev.as_ref()).unwrap();
+    assert!(report.damaged_blocks().contains(&catalog), "{:#?}", report.problems);
+    let repaired = fsck::repair(dev.clone(), true).unwrap();
+    assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:#?}");
+    let store = Store::open(dev.clone()).unwrap();
+    let names: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).collect();
+    assert!(!names.contains(&victim) && names.len() == model.len() - 1, "{names:?}");
+    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
+}
+
+#[test]
 fn fsck_never_panics_on_random_damage() {
     let dir = tmpdir();
     for work in [PLAIN, FAMILY] {

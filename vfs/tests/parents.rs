@@ -276,17 +276,6 @@ fn retired_parent_image(path: &Path) -> (u64, u32, u32) {
     (store.snapshot().superblock().slot(), p, c)
 }
 
-/// Rewrites context `name`'s record in the active state.
-fn tamper(dev: &dyn BlockDevice, slot: u64, name: &str, change: impl Fn(&mut ctxfs_vfs::ContextRecord)) {
-    rewrite_state(dev, slot, ctxfs_vfs::format::FORMAT_VERSION, |rec| {
-        (rec.name == name).then(|| {
-            let mut rec = rec.clone();
-            change(&mut rec);
-            rec.encode()
-        })
-    });
-}
-
 #[test]
 fn fsck_frees_a_retired_context_that_nothing_descends_from() {
     let dir = tmpdir();

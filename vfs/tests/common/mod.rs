@@ -325,6 +325,17 @@ pub fn rewrite_state(
     dev.flush().unwrap();
 }
 
+/// Rewrites context `name`'s record in the state in superblock `slot` (see [`rewrite_state`]).
+pub fn tamper(dev: &dyn BlockDevice, slot: u64, name: &str, change: impl Fn(&mut ContextRecord)) {
+    rewrite_state(dev, slot, ctxfs_vfs::format::FORMAT_VERSION, |rec| {
+        (rec.name == name).then(|| {
+            let mut rec = rec.clone();
+            change(&mut rec);
+            rec.encode()
+        })
+    });
+}
+
 /// The blob piece of a chain block that ends its chain.
 fn read_chain_block(dev: &dyn BlockDevice, block: u64) -> Vec<u8> {
     let raw = fsck::raw_block(dev, block).unwrap();
