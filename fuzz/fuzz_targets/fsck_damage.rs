@@ -1,4 +1,5 @@
 //! fsck check/repair and Store::open never panic on a small store with arbitrary byte edits; an unedited store checks clean.
+//! The store holds three live contexts, one of them the child of a retired one, and its older state.
 //! Input: 5-byte edits (u32 LE offset modulo the image length, u8 value). An offset with bit 31
 //! set also re-seals the block it lands in (see `reseal`), so damage can get past the checksums.
 #![no_main]
@@ -18,11 +19,24 @@ fn pristine() -> &'static [u8] {
     IMAGE.get_or_init(|| {
         let mem = Arc::new(MemDevice::new(BS, 256));
         let store = ctxfs_vfs::format(mem.clone()).unwrap();
+        let shape =
+            |kv_heads| ModelShape { layers: 1, q_heads: 2 * kv_heads, kv_heads, head_dim: 16, dtype: DType::F16 };
         let mut t = store.begin().unwrap();
-        let shape = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: 16, dtype: DType::F16 };
-        t.create_context("c", shape, &[1, 2, 3]).unwrap();
+        t.create_context("c", shape(1), &[1, 2, 3]).unwrap();
         t.append_block("c", 0, 0, FileStream::Data, &[7u8; 100]).unwrap();
         t.append_block("c", 0, 0, FileStream::Index, &[8u8; 100]).unwrap();
+        t.create_context("e", shape(2), &[4, 5]).unwrap();
+        t.append_block_pair("e", 0, 1, &[9u8; 60], &[10u8; 60]).unwrap();
+        t.commit().unwrap();
+        // A family: "p" retired, its child "k" reading its first two tokens.
+        let mut t = store.begin().unwrap();
+        t.create_context("p", shape(1), &[6, 7, 8]).unwrap();
+        t.append_block("p", 0, 0, FileStream::Data, &[11u8; 80]).unwrap();
+        t.commit().unwrap();
+        let mut t = store.begin().unwrap();
+        t.create_child_context("k", "p", 2, &[12]).unwrap();
+        t.append_block("k", 0, 0, FileStream::Data, &[13u8; 40]).unwrap();
+        t.delete_context("p").unwrap();
         t.commit().unwrap();
         drop(store);
         mem.current_image()
