@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../../fuzz"
 
 seconds=${FUZZ_SECONDS:-20}
-# A fixed seed makes CI's run the same walk through each target's inputs every time, so a
-# submission's CI does not fail on a crash that chance found elsewhere; longer runs with
-# other seeds (FUZZ_SEED) explore.
+# A fixed seed makes CI's run the same walk through each target's inputs every time (as far
+# as its time allows: a faster machine goes further), so a submission's CI does not fail on a
+# crash that chance found elsewhere; longer runs with other seeds (FUZZ_SEED) explore.
 seed=${FUZZ_SEED:-1}
 # The documented bounds: one allocation at most 64 MiB (also enforced by the targets' own
 # allocator, since libFuzzer sees no allocation without a sanitizer), 1 GiB resident.
