@@ -147,6 +147,69 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     assert!(recall >= 0.95, "DIPR recall {recall}");
 }
 
+/// The error's device block, where it names one.
+fn block_of(e: &ctxfs_attention::Error) -> Option<u64> {
+    match e {
+        ctxfs_attention::Error::Store(e) => e.block(),
+        ctxfs_attention::Error::Buffer(e) => e.block(),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_block_damaged_on_disk_fails_every_call_that_reads_it_naming_it() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    // A value block and a key block of layer 1, kv head 0 (the key rows follow the index
+    // stream's meta block and adjacency).
+    let (value, key) = {
+        let vfs = ctxfs_vfs::Store::open_path_read_only(&store, DeviceChoice::Auto).unwrap();
+        let snap = vfs.snapshot();
+        let ctx = snap.context("book").unwrap();
+        let data = ctx.stream(1, 0, ctxfs_vfs::FileStream::Data).unwrap();
+        let index = ctx.stream(1, 0, ctxfs_vfs::FileStream::Index).unwrap();
+        let layout = ctxfs_index::paged::Layout::decode(index.read(0).unwrap().payload()).unwrap();
+        (data.locate(3).unwrap().0, index.locate(1 + layout.adjacency_blocks() as u64 + 2).unwrap().0)
+    };
+    let (q0, q1) = (b.decode_step(0, 0), b.decode_step(1, 0));
+    let full = opts(Plan::Full, 0.0);
+    let compact = DbConfig { pool_bytes: 64 << 20, resident_budget: Some(0.125), ..Default::default() };
+    let configs = [DbConfig { pool_bytes: 64 << 20, ..Default::default() }, compact];
+    let answers = |config: &DbConfig| {
+        let db = Db::open_read_only(&store, DeviceChoice::Auto, config.clone()).unwrap();
+        let s = db.open_session("book", None).unwrap();
+        (s.attention_with(0, &q0, &full).map(|a| a.output), s.attention_with(1, &q1, &full).map(|a| a.output))
+    };
+    let before: Vec<(Vec<f32>, Vec<f32>)> =
+        configs.iter().map(answers).map(|(a, b)| (a.unwrap(), b.unwrap())).collect();
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&store).unwrap();
+    for damaged in [value, key] {
+        let at = damaged * 4096 + 100; // in the payload, past the 40-byte header
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, at).unwrap();
+        file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
+        file.sync_all().unwrap();
+        for (config, (layer0, _)) in configs.iter().zip(&before) {
+            let db = Db::open_read_only(&store, DeviceChoice::Auto, config.clone()).unwrap();
+            let s = db.open_session("book", None).unwrap();
+            // Twice: a failed read is not cached, so the second call reads the block again.
+            for _ in 0..2 {
+                let e = s.attention_with(1, &q1, &full).expect_err("layer 1 reads the damaged block");
+                assert_eq!(block_of(&e), Some(damaged), "{e}");
+                assert!(e.to_string().contains(&format!("block {damaged}")), "{e}");
+            }
+            // Layer 0 never reads it: the same answer as before the damage.
+            assert_eq!(&s.attention_with(0, &q0, &full).unwrap().output, layer0);
+        }
+        file.write_all_at(&byte, at).unwrap();
+        file.sync_all().unwrap();
+    }
+    // Repaired by hand, the block serves the same answers again.
+    let after: Vec<_> = configs.iter().map(answers).map(|(a, b)| (a.unwrap(), b.unwrap())).collect();
+    assert_eq!(after, before);
+}
+
 #[test]
 fn a_partial_prefix_session_uses_only_tokens_below_p() {
     let dir = tempfile::tempdir().unwrap();

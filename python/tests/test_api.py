@@ -236,3 +236,39 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     assert tiny.pool_stats()["index"]["resident_pins"] == 0
     with pytest.raises(ctxfs.InputError, match="resident budget"):
         ctxfs.Store.open(store_path, read_only=True, resident_budget=0.0)
+
+
+def layer_blocks(path, kind, layer):
+    """Device blocks of a store file whose block header (docs/format.md §3) has `kind` and
+    names layer `layer` as owner."""
+    found = []
+    with open(path, "rb") as f:
+        for block in range(2, 4096):
+            head = f.read(4096)[:20]
+            if len(head) < 20:
+                break
+            if head[:4] == b"CXFB" and head[8] == kind and int.from_bytes(head[16:18], "little") == layer:
+                found.append(block)
+            f.seek((block + 1) * 4096)
+    return found
+
+
+def test_a_damaged_block_raises_corrupt_error_naming_it(store, store_path):
+    session, _ = store.create_session(list(range(N)))
+    q = np.random.default_rng(11).standard_normal((QH, D), dtype=np.float32)
+    healthy = session.attention(0, q, plan="full")
+    damaged = layer_blocks(store_path, 6, 1)[0]  # a data block (kind 6) of layer 1
+    with open(store_path, "r+b") as f:
+        f.seek(damaged * 4096 + 100)
+        byte = f.read(1)
+        f.seek(damaged * 4096 + 100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    reader = ctxfs.Store.open(store_path, read_only=True)
+    session, _ = reader.create_session(list(range(N)))
+    for _ in range(2):  # a failed read is not cached: the second call reads it again
+        with pytest.raises(ctxfs.CorruptError, match=f"damaged data block {damaged} "):
+            session.attention(1, q, plan="full")
+    np.testing.assert_array_equal(session.attention(0, q, plan="full"), healthy)
+    report = reader.fsck()
+    assert report["exit_code"] == 4
+    assert [p["block"] for p in report["problems"]] == [damaged]
