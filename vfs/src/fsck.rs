@@ -108,6 +108,10 @@ struct Walk<'p> {
     /// How many references find each block that more than one references (rare: only damage
     /// makes them), so repair frees such a block only when every owner referencing it goes.
     claims: BTreeMap<u64, u32>,
+    /// A second reference to a block, reported after the walk: not a context's own damage.
+    /// Every reference is verified against the block's header, so of two references at most
+    /// one holds and the other fails on its own; the context whose reference holds is intact.
+    shared: Vec<Problem>,
     /// False when unreadable metadata hides references, so leaks cannot be judged.
     reach_complete: bool,
     /// Metadata of the state itself (catalog) unreadable.
@@ -188,7 +192,14 @@ impl Walk<'_> {
             );
         } else if self.reach.get(block) {
             *self.claims.entry(block).or_insert(1) += 1;
-            self.note(Some(block), kind, owner.to_string(), context, "block is referenced twice".into(), Fix::None);
+            self.shared.push(Problem {
+                block: Some(block),
+                kind: kind.into(),
+                owner: owner.to_string(),
+                context: context.map(str::to_string),
+                message: "block is referenced twice".into(),
+                fix: Fix::None,
+            });
         } else {
             self.reach.set(block, true);
         }
@@ -202,6 +213,7 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
         problems: Vec::new(),
         reach: Bitmap::new(sb.total_blocks),
         claims: BTreeMap::new(),
+        shared: Vec::new(),
         reach_complete: true,
         catalog_damaged: false,
         damaged: BTreeMap::new(),
@@ -322,6 +334,8 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
     if !w.reach_complete {
         scan_unreached(dev, sb, &mut w);
     }
+    let shared = std::mem::take(&mut w.shared);
+    w.problems.extend(shared);
     w
 }
 

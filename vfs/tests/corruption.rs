@@ -7,6 +7,7 @@ use common::*;
 use ctxfs_vfs::format::BlockKind;
 use ctxfs_vfs::inspect::{live_blocks, LiveBlock};
 use ctxfs_vfs::{device, fsck, BlockDevice, DeviceChoice, Error, SplitMix64, Store};
+use std::collections::BTreeSet;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -288,6 +289,51 @@ fn repair_keeps_a_block_a_dropped_context_shares_with_the_catalog() {
     let store = Store::open(dev.clone()).unwrap();
     let names: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).collect();
     assert!(!names.contains(&victim) && names.len() == model.len() - 1, "{names:?}");
+    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
+}
+
+#[test]
+fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner() {
+    // Context `a`'s record is resealed with its first index extent pointing at `b`'s. The
+    // block's header names `b`, so `a`'s reference fails verification: `a` is damaged and `b`,
+    // whose reference holds, is intact; dropping `a` must leave `b` and its block alone.
+    let dir = tmpdir();
+    let img = dir.path().join("pointed.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (mut model, mut rng) = (Model::new(), SplitMix64::new(12));
+    let mut txn = store.begin().unwrap();
+    for name in ["a", "b", "c"] {
+        create(&mut txn, &mut model, &mut rng, name, shape(1, 2), 40).unwrap();
+    }
+    txn.commit().unwrap();
+    let (a, b) = ("a".to_string(), "b".to_string());
+    let snap = store.snapshot();
+    let slot = snap.superblock().slot();
+    let first_extent = |r: &mut ctxfs_vfs::ContextRecord| {
+        r.files.iter_mut().flat_map(|f| [&mut f.index, &mut f.data]).find_map(|s| s.extents.first_mut()).copied()
+    };
+    let target = first_extent(&mut snap.context(&b).unwrap().record().clone()).expect("b has blocks");
+    drop(snap);
+    drop(store);
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    tamper(dev.as_ref(), slot, &a, |r| {
+        let extent = r.files.iter_mut().flat_map(|f| [&mut f.index, &mut f.data]).find_map(|s| s.extents.first_mut());
+        *extent.expect("a has blocks") = target;
+    });
+    let report = fsck::check(dev.as_ref()).unwrap();
+    let damaged: BTreeSet<_> =
+        report.problems.iter().filter(|p| p.fix == fsck::Fix::DropContext).filter_map(|p| p.context.clone()).collect();
+    assert_eq!(damaged, BTreeSet::from([a.clone()]), "{:#?}", report.problems);
+    assert!(
+        report.problems.iter().any(|p| p.block == Some(target.block) && p.message.contains("referenced twice")),
+        "{:#?}",
+        report.problems
+    );
+    let repaired = fsck::repair(dev.clone(), true).unwrap();
+    assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:#?}");
+    model.remove(&a);
+    let store = Store::open(dev.clone()).unwrap();
+    assert_matches(&store, &model);
     assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
 }
 
