@@ -14,9 +14,16 @@ static ALLOC: ctxfs_fuzz::Bounded = ctxfs_fuzz::Bounded;
 
 const BS: usize = 4096;
 
-fn pristine() -> &'static [u8] {
-    static IMAGE: OnceLock<Vec<u8>> = OnceLock::new();
-    IMAGE.get_or_init(|| {
+struct Pristine {
+    image: Vec<u8>,
+    /// For each block, where the pristine image carries its CRC: (block, byte offset) of the
+    /// references and extent entries that name it.
+    crc_at: Vec<Vec<(usize, usize)>>,
+}
+
+fn pristine() -> &'static Pristine {
+    static P: OnceLock<Pristine> = OnceLock::new();
+    P.get_or_init(|| {
         let mem = Arc::new(MemDevice::new(BS, 256));
         let store = ctxfs_vfs::format(mem.clone()).unwrap();
         let shape =
@@ -39,13 +46,27 @@ fn pristine() -> &'static [u8] {
         t.delete_context("p").unwrap();
         t.commit().unwrap();
         drop(store);
-        mem.current_image()
+        let image = mem.current_image();
+        let blocks = image.len() / BS;
+        let block = |b: usize| &image[b * BS..(b + 1) * BS];
+        let sealed: Vec<usize> = (0..blocks).filter(|&b| block(b)[..4] == *b"CXFB").collect();
+        let mut crc_at = vec![Vec::new(); blocks];
+        for &b in &sealed {
+            let crc = &block(b)[4..8];
+            for &o in sealed.iter().filter(|&&o| o != b) {
+                crc_at[b].extend((8..BS - 3).filter(|&i| block(o)[i..i + 4] == *crc).map(|i| (o, i)));
+            }
+        }
+        Pristine { image, crc_at }
     })
 }
 
-/// Recomputes a block's CRC after all edits and patches that CRC wherever another sealed block
-/// carries the old value (references, extent entries), re-sealing those blocks in turn.
-fn reseal(image: &mut [u8], block: usize) {
+/// Recomputes a block's CRC after all edits and patches the new CRC where the pristine image
+/// carried this block's CRC (references, extent entries) and the bytes there still hold the
+/// old one, re-sealing those blocks in turn. (The places are found once, in `pristine`: a
+/// search of the image for each input would be most of the target's time, every compare
+/// traced by the fuzzer.)
+fn reseal(image: &mut [u8], crc_at: &[Vec<(usize, usize)>], block: usize) {
     let mut todo = vec![block];
     for _ in 0..64 {
         let Some(b) = todo.pop() else { return };
@@ -56,18 +77,10 @@ fn reseal(image: &mut [u8], block: usize) {
             continue;
         }
         image[at + 4..at + 8].copy_from_slice(&new);
-        for (other, blk) in image.chunks_exact_mut(BS).enumerate() {
-            if other == b || blk[..4] != *b"CXFB" {
-                continue;
-            }
-            let mut hit = false;
-            for i in 8..BS - 3 {
-                if blk[i..i + 4] == old {
-                    blk[i..i + 4].copy_from_slice(&new);
-                    hit = true;
-                }
-            }
-            if hit {
+        for &(other, i) in &crc_at[b] {
+            let place = &mut image[other * BS + i..other * BS + i + 4];
+            if *place == old {
+                place.copy_from_slice(&new);
                 todo.push(other);
             }
         }
@@ -75,8 +88,8 @@ fn reseal(image: &mut [u8], block: usize) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let base = pristine();
-    let mut image = base.to_vec();
+    let Pristine { image: base, crc_at } = pristine();
+    let mut image = base.clone();
     let mut to_reseal = Vec::new();
     for edit in data.chunks_exact(5) {
         let raw = u32::from_le_bytes(edit[..4].try_into().unwrap());
@@ -87,9 +100,9 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for b in to_reseal {
-        reseal(&mut image, b);
+        reseal(&mut image, crc_at, b);
     }
-    let unchanged = image == base;
+    let unchanged = image == *base;
     let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::from_image(image, BS));
     let report = fsck::check(dev.as_ref());
     if unchanged {
