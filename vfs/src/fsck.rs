@@ -168,14 +168,7 @@ impl Walk<'_> {
         message: String,
         fix: Fix,
     ) {
-        self.problems.push(Problem {
-            block,
-            kind: kind.into(),
-            owner,
-            context: context.map(str::to_string),
-            message,
-            fix,
-        });
+        self.problems.push(noted(block, kind, owner, context, message, fix));
     }
 
     /// Marks a block reachable; a second claim is a block used twice.
@@ -192,18 +185,17 @@ impl Walk<'_> {
             );
         } else if self.reach.get(block) {
             *self.claims.entry(block).or_insert(1) += 1;
-            self.shared.push(Problem {
-                block: Some(block),
-                kind: kind.into(),
-                owner: owner.to_string(),
-                context: context.map(str::to_string),
-                message: "block is referenced twice".into(),
-                fix: Fix::None,
-            });
+            let message = "block is referenced twice".into();
+            self.shared.push(noted(Some(block), kind, owner.to_string(), context, message, Fix::None));
         } else {
             self.reach.set(block, true);
         }
     }
+}
+
+/// A problem found by a structure check ([`Walk::note`]).
+fn noted(block: Option<u64>, kind: &str, owner: String, context: Option<&str>, message: String, fix: Fix) -> Problem {
+    Problem { block, kind: kind.into(), owner, context: context.map(str::to_string), message, fix }
 }
 
 fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> Walk<'p> {

@@ -243,6 +243,20 @@ fn repair_falls_back_when_the_newest_catalog_is_damaged() {
     assert_matches(&store, &models[models.len() - 2]);
 }
 
+/// `fsck --repair --drop-damaged`: it must correct every problem and leave the store clean.
+/// Returns the store reopened.
+fn repair_dropping(dev: &Arc<dyn BlockDevice>) -> Store {
+    let repaired = fsck::repair(dev.clone(), true).unwrap();
+    assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:#?}");
+    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
+    Store::open(dev.clone()).unwrap()
+}
+
+/// The first extent reference of the record's first file stream that has one.
+fn first_extent(r: &mut ctxfs_vfs::ContextRecord) -> Option<&mut ctxfs_vfs::format::BlockRef> {
+    r.files.iter_mut().flat_map(|f| [&mut f.index, &mut f.data]).find_map(|s| s.extents.first_mut())
+}
+
 #[test]
 fn repair_drops_a_damaged_context_only_when_asked() {
     let dir = tmpdir();
@@ -258,12 +272,9 @@ fn repair_drops_a_damaged_context_only_when_asked() {
     let store = Store::open(open_dev(&img, DeviceChoice::Uring)).unwrap();
     assert_eq!(store.snapshot().contexts().count(), model.len());
     drop(store);
-    let report = fsck::repair(open_dev(&img, DeviceChoice::Uring), true).unwrap();
-    assert_eq!(report.exit_code(), fsck::EXIT_CORRECTED, "{report:?}");
-    let store = Store::open(open_dev(&img, DeviceChoice::Uring)).unwrap();
+    let store = repair_dropping(&open_dev(&img, DeviceChoice::Uring));
     let names: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).collect();
     assert_eq!(names.len(), model.len() - 1, "exactly the damaged context is dropped: {names:?}");
-    assert!(fsck::check(store.device().as_ref()).unwrap().is_clean());
 }
 
 #[test]
@@ -284,12 +295,9 @@ fn repair_keeps_a_block_a_dropped_context_shares_with_the_catalog() {
     tamper(dev.as_ref(), slot, &victim, |r| r.files[0].index.extents[0].block = catalog);
     let report = fsck::check(dev.as_ref()).unwrap();
     assert!(report.damaged_blocks().contains(&catalog), "{:#?}", report.problems);
-    let repaired = fsck::repair(dev.clone(), true).unwrap();
-    assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:#?}");
-    let store = Store::open(dev.clone()).unwrap();
+    let store = repair_dropping(&dev);
     let names: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).collect();
     assert!(!names.contains(&victim) && names.len() == model.len() - 1, "{names:?}");
-    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
 }
 
 #[test]
@@ -309,17 +317,11 @@ fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner
     let (a, b) = ("a".to_string(), "b".to_string());
     let snap = store.snapshot();
     let slot = snap.superblock().slot();
-    let first_extent = |r: &mut ctxfs_vfs::ContextRecord| {
-        r.files.iter_mut().flat_map(|f| [&mut f.index, &mut f.data]).find_map(|s| s.extents.first_mut()).copied()
-    };
-    let target = first_extent(&mut snap.context(&b).unwrap().record().clone()).expect("b has blocks");
+    let target = *first_extent(&mut snap.context(&b).unwrap().record().clone()).expect("b has blocks");
     drop(snap);
     drop(store);
     let dev = open_dev(&img, DeviceChoice::Uring);
-    tamper(dev.as_ref(), slot, &a, |r| {
-        let extent = r.files.iter_mut().flat_map(|f| [&mut f.index, &mut f.data]).find_map(|s| s.extents.first_mut());
-        *extent.expect("a has blocks") = target;
-    });
+    tamper(dev.as_ref(), slot, &a, |r| *first_extent(r).expect("a has blocks") = target);
     let report = fsck::check(dev.as_ref()).unwrap();
     let damaged: BTreeSet<_> =
         report.problems.iter().filter(|p| p.fix == fsck::Fix::DropContext).filter_map(|p| p.context.clone()).collect();
@@ -329,12 +331,8 @@ fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner
         "{:#?}",
         report.problems
     );
-    let repaired = fsck::repair(dev.clone(), true).unwrap();
-    assert_eq!(repaired.exit_code(), fsck::EXIT_CORRECTED, "{repaired:#?}");
     model.remove(&a);
-    let store = Store::open(dev.clone()).unwrap();
-    assert_matches(&store, &model);
-    assert!(fsck::check(dev.as_ref()).unwrap().is_clean());
+    assert_matches(&repair_dropping(&dev), &model);
 }
 
 #[test]
