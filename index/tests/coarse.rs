@@ -229,6 +229,40 @@ fn pq_kmeans_is_deterministic_for_a_seed_and_more_centroids_reconstruct_better()
 }
 
 #[test]
+fn scan_codes_split_every_head_dimension() {
+    let split = |d: usize| {
+        let p = PqParams::scan_codes(d);
+        (p.m, p.residual)
+    };
+    assert_eq!([split(128), split(64), split(36), split(130), split(7)], [(32, 16), (16, 8), (9, 0), (26, 0), (1, 0)]);
+    // The codes of a head dimension that is not a multiple of 4 score as they reconstruct.
+    let (keys, _, decode) = synth(600, 130);
+    let pq = Pq::build(&keys, &PqParams::scan_codes(130)).unwrap();
+    let q = &decode[..130];
+    let scores = pq.token_scores(q, None).unwrap();
+    let parts: Vec<Vec<f32>> = (0..600)
+        .map(|t| {
+            pq.reconstruct(t)
+                .chunks(5)
+                .zip(q.chunks(5))
+                .map(|(k, q)| k.iter().zip(q).map(|(a, b)| a * b).sum())
+                .collect()
+        })
+        .collect();
+    // The tables are quantised to bytes: at most half a step per subspace, a step being the
+    // widest subspace's range of scores over 255.
+    let range = |j: usize| {
+        let (lo, hi) = parts.iter().fold((f32::MAX, f32::MIN), |(lo, hi), p| (lo.min(p[j]), hi.max(p[j])));
+        hi - lo
+    };
+    let step = (0..26).map(range).fold(0.0, f32::max) / 255.0;
+    for (t, p) in parts.iter().enumerate() {
+        let want: f32 = p.iter().sum();
+        assert!((scores[t] - want).abs() <= 26.0 * step / 2.0 * 1.01 + 1e-3, "token {t}: {} vs {want}", scores[t]);
+    }
+}
+
+#[test]
 fn pq_handles_fewer_or_identical_keys_than_centroids() {
     let mut rng = Rng::new(4);
     // Fewer keys than centroids: every key becomes a centroid (up to f16 rounding).

@@ -128,10 +128,12 @@ impl PqParams {
     /// Residual codes of 8 dimensions per byte (`d / 8` bytes per token, where d is a
     /// multiple of 8) rank the candidates the scan chooses before their keys are read; a
     /// build makes them from 32,768 tokens, where their centroids weigh at most an eighth of
-    /// them.
+    /// them. A head dimension that is not a multiple of 4 takes the most subspaces that
+    /// divide it with at least 4 dimensions each (d = 130: 26 of 5), and no residual codes.
     pub fn scan_codes(dim: usize) -> PqParams {
         let residual = if dim.is_multiple_of(8) { dim / 8 } else { 0 };
-        PqParams { m: (dim / 4).max(1) as u32, bits: 8, iters: 10, seed: 0, residual: residual as u32 }
+        let m = (1..=(dim / 4).max(1)).rev().find(|&m| dim.is_multiple_of(m)).unwrap_or(1);
+        PqParams { m: m as u32, bits: 8, iters: 10, seed: 0, residual: residual as u32 }
     }
 }
 
