@@ -4,7 +4,7 @@ use ctxfs_attention::{
     AttentionOptions, Db, DbConfig, KvSource, Plan, PqCodes, Request, Rules, SafetensorsKv, Session,
 };
 use ctxfs_index::coarse::pq::PqParams;
-use ctxfs_integration::{book, exact, mkfs, rel_err, widen, Book};
+use ctxfs_integration::{book, book_of_dim, exact, mkfs, rel_err, widen, Book};
 use ctxfs_vfs::{DType, DeviceChoice, SplitMix64};
 use half::f16;
 use std::path::Path;
@@ -120,6 +120,13 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             let lean =
                 lean.attention_with(layer, &q, &AttentionOptions { detail: true, ..Default::default() }).unwrap();
             assert_eq!(lean.choice.label(), if layer == 0 { "flat" } else { "graph-diprs" });
+            if layer == 0 {
+                // Layer 0 of a long context is scanned: the scan cuts each query's range where
+                // the optimizer's error target asks, whatever the head dimension.
+                assert_eq!(lean.choice.error_target, Some(Rules::default().error_target));
+                let err = rel_err(&lean.output, &want);
+                assert!(err <= 0.04, "layer 0 scanned with the target: error {err}");
+            }
             if layer > 0 {
                 // The walk's tokens come with the other tokens of their value blocks.
                 let rows = key_rows_per_block(d as u32);
@@ -145,6 +152,41 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
     println!("DIPRS: DIPR recall {recall:.3}, keys scored {:.1}%", scored * 100.0);
     // The range found on the codes holds nearly all of it (the test prints it).
     assert!(recall >= 0.95, "DIPR recall {recall}");
+}
+
+/// Head dimensions other models have, 130 among them (not a multiple of 4: the codes take
+/// 26 subspaces of 5 dimensions): each imports, and is served held whole and compact, by the
+/// optimizer's plans within their error target and by a budget covering the context exactly.
+#[test]
+fn every_head_dimension_is_imported_and_served_whole_and_compact() {
+    const TOKENS: usize = 6000;
+    for d in [80, 130, 256] {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let b = book_of_dim(dir.path(), TOKENS, 2, 4, 2, d, 5);
+        let store = mkfs(dir.path(), 256);
+        let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
+        open(&store).import("book", &src, |_| {}).unwrap_or_else(|e| panic!("d {d}: import: {e}"));
+        let all: Vec<u32> = (0..TOKENS as u32).collect();
+        for (how, budget, plan) in [("whole", None, "flat"), ("compact", Some(0.125), "pq")] {
+            let config = DbConfig { pool_bytes: 64 << 20, resident_budget: budget, ..Default::default() };
+            let db = Db::open(&store, DeviceChoice::Auto, config).unwrap();
+            let session = db.open_session("book", None).unwrap();
+            for layer in 0..2 {
+                for step in 0..2 {
+                    let q = b.decode_step(layer, step);
+                    let want = exact_layer(&b, layer, &q, &all, None);
+                    let auto = session.attention_with(layer, &q, &AttentionOptions::default()).unwrap();
+                    let targeted = (auto.choice.label(), auto.choice.error_target);
+                    assert_eq!(targeted, (plan.to_string(), Some(Rules::default().error_target)), "d {d} {how}");
+                    let err = rel_err(&auto.output, &want);
+                    assert!(err <= 0.04, "d {d} {how} layer {layer}: {} error {err}", auto.choice.label());
+                    let every = AttentionOptions { budget: Some(TOKENS), ..opts(Plan::Pq, 0.0) };
+                    let a = session.attention_with(layer, &q, &every).unwrap();
+                    assert!(rel_err(&a.output, &want) <= 1e-3, "d {d} {how}: {}", rel_err(&a.output, &want));
+                }
+            }
+        }
+    }
 }
 
 /// The error's device block, where it names one.

@@ -38,7 +38,11 @@ impl Book {
 
 /// A generated context of `n` tokens, written to `dir/book.safetensors`.
 pub fn book(dir: &Path, n: usize, layers: u16, q_heads: u16, kv_heads: u16, seed: u64) -> Book {
-    let d = 64usize;
+    book_of_dim(dir, n, layers, q_heads, kv_heads, 64, seed)
+}
+
+/// [`book`] with head dimension `d`.
+pub fn book_of_dim(dir: &Path, n: usize, layers: u16, q_heads: u16, kv_heads: u16, d: usize, seed: u64) -> Book {
     let shape = ModelShape { layers, q_heads, kv_heads, head_dim: d as u16, dtype: DType::F16 };
     let group = (q_heads / kv_heads) as usize;
     let p = SynthParams { tokens: n, head_dim: d, group, seed };

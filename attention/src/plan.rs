@@ -134,6 +134,11 @@ pub struct Choice {
     /// the optimizer's for its scan and compact plans (`Rules::error_target`). Flat, DIPRS
     /// and PQ plans only.
     pub error_target: Option<f32>,
+    /// The optimizer's token budget (`Rules::dipr_tail_budget`) bounds the tokens its error
+    /// target retrieves, the rest left to the tail estimate: layer 0's scan beyond
+    /// `Rules::scan_context`, where a diffuse head would otherwise read most of a long
+    /// context's values.
+    pub budgeted: bool,
     pub reason: &'static str,
 }
 
@@ -189,7 +194,10 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
         // real attention: the scan meets a 1% target on 95–99% of queries, DIPRS on 70–85%).
         None if request.error_target.is_some() => (Plan::Flat, "error target: the scan cuts the range exactly"),
         None if s.prefix <= rules.scan_context => (Plan::Flat, "scannable context: the scan meets an error target"),
-        None if layer == 0 => (Plan::Flat, "layer 0 attends broadly"),
+        // Layer 0's attention is broad: its scan cuts at the optimizer's target within the
+        // budget, where a fixed β would cut each head dimension's range at another softmax
+        // weight (docs/benchmarks.md, "Layer 0").
+        None if layer == 0 => (Plan::Flat, "layer 0 attends broadly: the scan's target within the budget"),
         // Quest is the best of the coarse types at equal budgets (`ctxfs bench search`: at a
         // 1K budget, DIPR recall 0.888 against InfLLM's 0.841 and PQ m=2 b=6's 0.428).
         None if s.ample => (Plan::Quest, "ample memory budget: coarse pages"),
@@ -203,11 +211,12 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
     let unforced = request.forced.is_none();
     let error_target = match (request.error_target, plan) {
         (Some(e), Plan::Flat | Plan::Diprs | Plan::GraphDiprs | Plan::Pq) => Some(e),
-        (None, Plan::Flat) if unforced && s.prefix <= rules.scan_context => Some(rules.error_target),
+        (None, Plan::Flat) if unforced && (layer == 0 || s.prefix <= rules.scan_context) => Some(rules.error_target),
         (None, Plan::Pq) if unforced && s.compact && s.prefix <= rules.scan_context => Some(rules.error_target),
         _ => None,
     };
-    Choice { plan, filtered: s.filtered, forced: !unforced, error_target, reason }
+    let budgeted = unforced && request.error_target.is_none() && plan == Plan::Flat && s.prefix > rules.scan_context;
+    Choice { plan, filtered: s.filtered, forced: !unforced, error_target, budgeted, reason }
 }
 
 #[cfg(test)]
@@ -223,7 +232,8 @@ mod tests {
         let r = Rules::default();
         assert_eq!(choose(&r, 5, at(1000, false, false), Request::default()).plan, Plan::Full);
         let layer0 = choose(&r, 0, at(100_000, false, false), Request::default());
-        assert_eq!((layer0.plan, layer0.error_target), (Plan::Flat, None));
+        // Layer 0 is scanned at any length, and the scan cuts where the target asks.
+        assert_eq!((layer0.plan, layer0.error_target, layer0.budgeted), (Plan::Flat, Some(r.error_target), true));
         // Up to the scan's reach, the optimizer's plan is the scan with its error target.
         let scanned = choose(&r, 3, at(32_768, true, true), Request::default());
         assert_eq!((scanned.label(), scanned.error_target), ("flat+prefix".to_string(), Some(r.error_target)));

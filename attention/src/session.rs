@@ -772,15 +772,18 @@ impl Session {
             });
             let (mut found, mut seeds) =
                 self.retrieve(&readers, &scanned, q, own_scores, choice, opts, target, &previous, &mut stats)?;
-            // Without a target, only the tail's log-sum-exp is needed before the group's q heads
-            // are all searched: their values are summed together after.
+            // A target the optimizer budgets cuts once, within the budget, and is not refined:
+            // widening would mostly meet the budget, and its values are read as a range's are.
+            let refined = target.filter(|_| !choice.budgeted);
+            // Without a refined target, only the tail's log-sum-exp is needed before the group's
+            // q heads are all searched: their values are summed together after.
             let mut tail = if estimates_tail(choice, opts) || target.is_some() {
-                self.tail(&readers, &seeds, &found, (scale, target.is_none()), &mut stats)?
+                self.tail(&readers, &seeds, &found, (scale, refined.is_none()), &mut stats)?
             } else {
                 None
             };
             let (mut estimated_error, mut retrieved) = (None, None);
-            if let (Some(own), Some(mut t), Some(e)) = (&own_part, target, choice.error_target) {
+            if let (Some(own), Some(mut t), Some(e)) = (&own_part, refined, choice.error_target) {
                 // The answer's estimate from the values it sums; a wider search while it
                 // misses the target. The last sum is the answer's retrieved part.
                 let mut rounds = 0;
@@ -799,8 +802,10 @@ impl Session {
                     let Some(wider) = t.refined(est, e).filter(|_| rounds < REFINEMENTS) else { break };
                     t = wider;
                     let from: Vec<(usize, u32)> = found.iter().map(|f| (f.0, f.1 - readers[f.0].seg.base)).collect();
+                    // The scans' work was counted by the first retrieval.
+                    let counted: Vec<Scanned<'_>> = scanned.iter().map(Scanned::counted).collect();
                     let (wider_found, wider_seeds) =
-                        self.retrieve(&readers, &scanned, q, own_scores, choice, opts, Some(wider), &from, &mut stats)?;
+                        self.retrieve(&readers, &counted, q, own_scores, choice, opts, Some(wider), &from, &mut stats)?;
                     if wider_found == found {
                         // Nothing more within the plan's budget: the estimate stands.
                         break;
@@ -1083,11 +1088,14 @@ impl Session {
     }
 
     /// The tokens a retrieval takes beyond the window: the caller's budget, else, for a plan the
-    /// optimizer chose without a `target` (flat, graph and codes DIPR), the rules' (the smaller
+    /// optimizer chose without a `target` (flat, graph and codes DIPR) or with a target it
+    /// budgets ([`Choice::budgeted`]), the rules' (the smaller
     /// where the tail is estimated; the codes' best: its candidates, `Rules::codes_budget`),
     /// else none.
     fn retrieval_budget(&self, choice: Choice, opts: &AttentionOptions, target: bool) -> Option<usize> {
-        let auto_dipr = !choice.forced && !target && matches!(choice.plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
+        let auto_dipr = !choice.forced
+            && (!target || choice.budgeted)
+            && matches!(choice.plan, Plan::Flat | Plan::GraphDiprs | Plan::Pq);
         let rules = &self.db.config().rules;
         let tail = estimates_tail(choice, opts) || target;
         let auto_budget = match choice.plan {
@@ -1520,7 +1528,7 @@ impl Session {
     /// Adds to `found` (segment, token, q·k) the other tokens of the blocks its tokens lie in
     /// ([`whole_blocks`]), scored exactly from their keys. On the optimizer's graph DIPRS
     /// beyond 32,768 tokens (`ctxfs bench decode`: 483 block reads a 2-layer step either
-    /// way) DIPR recall 0.905 against 0.854 and output error 0.107 against 0.130; on
+    /// way, layer 0 cut at β = 50) DIPR recall 0.905 against 0.854 and output error 0.107 against 0.130; on
     /// SmolLM2's 32K decode queries 11–21% less output error (docs/benchmarks.md, "Whole key
     /// blocks").
     fn add_block_mates(
@@ -1726,6 +1734,11 @@ impl<'a> Scanned<'a> {
     /// Every score and the work: what plans other than the codes' best take.
     fn all(&self) -> (QueryScores<'a>, SearchStats) {
         (self.scores, self.stats)
+    }
+
+    /// The same scan without its work: for a wider retrieval from scores already counted.
+    fn counted(&self) -> Scanned<'a> {
+        Scanned { stats: SearchStats::default(), ..*self }
     }
 }
 

@@ -166,7 +166,7 @@ fn range_of(scores: &[f32], cut: f32, stats: SearchStats) -> SearchResult {
 }
 
 /// [`dipr_of`], or with a mass target, the exact range that meets it: β chosen from every
-/// key's score ([`MassTarget::exact_beta`]), reported as the result's `chosen_beta`, and the
+/// key's score ([`MassTarget::exact_cut`]), reported as the result's `chosen_beta`, and the
 /// share it leaves out as `missing_share`.
 pub fn dipr_or_target(
     scores: &[f32],

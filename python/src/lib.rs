@@ -355,7 +355,7 @@ impl Session {
         let c = session.choice(layer, Request { forced, error_target: None });
         json_to_py(
             py,
-            &serde_json::json!({"plan": c.label(), "reason": c.reason, "filtered": c.filtered, "forced": c.forced, "error_target": c.error_target}),
+            &serde_json::json!({"plan": c.label(), "reason": c.reason, "filtered": c.filtered, "forced": c.forced, "error_target": c.error_target, "budgeted": c.budgeted}),
         )
     }
 
