@@ -50,7 +50,7 @@ fn dipr_recall(b: &Book, layer: usize, qh: usize, q: &[f32], beta: f32, selected
 }
 
 fn opts(plan: Plan, beta: f32) -> AttentionOptions {
-    AttentionOptions { plan: Some(plan), beta, detail: true, ..Default::default() }
+    AttentionOptions { plan: Some(plan), beta: Some(beta), detail: true, ..Default::default() }
 }
 
 /// Exact attention of every q head of `layer` over the book's tokens `ids`, plus extra
@@ -98,6 +98,13 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             let full = session.attention_with(layer, &q, &opts(Plan::Full, 0.0)).unwrap();
             assert_eq!(full.choice.label(), "full");
             assert!(rel_err(&full.output, &want) <= 1e-3, "full: {}", rel_err(&full.output, &want));
+            // Without a β the range is the tail estimate's, ln(96 / error target) logits.
+            let given = session.attention_with(layer, &q, &AttentionOptions { beta: None, ..opts(Plan::Flat, 0.0) });
+            let tails = (96f32 / Rules::default().error_target).ln() * (d as f32).sqrt();
+            let tails = session.attention_with(layer, &q, &opts(Plan::Flat, tails)).unwrap();
+            let selected =
+                |a: &ctxfs_attention::Attention| a.heads.iter().map(|h| h.selected.clone()).collect::<Vec<_>>();
+            assert_eq!(selected(&given.unwrap()), selected(&tails), "the default range");
             let wide = session.attention_with(layer, &q, &opts(Plan::Diprs, 1e9)).unwrap();
             assert!(rel_err(&wide.output, &want) <= 1e-3, "β large: {}", rel_err(&wide.output, &want));
             for plan in [Plan::Quest, Plan::Infllm, Plan::Pq] {
@@ -110,8 +117,11 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
                 assert!(a.heads.iter().all(|h| h.retrieved <= 1024 && h.selected.len() <= 640 + 1024));
                 assert!(rel_err(&a.output, &want) < 0.5, "{plan:?} at 1K: {}", rel_err(&a.output, &want));
             }
-            let auto =
-                session.attention_with(layer, &q, &AttentionOptions { beta, detail: true, ..Default::default() });
+            let auto = session.attention_with(
+                layer,
+                &q,
+                &AttentionOptions { beta: Some(beta), detail: true, ..Default::default() },
+            );
             // An 8K context is within the scan's reach: the optimizer scans, with its target.
             let auto = auto.unwrap();
             assert_eq!((auto.choice.label(), auto.choice.error_target), ("flat".into(), Some(0.02)));

@@ -82,8 +82,14 @@ pub(crate) struct Reuse {
 pub struct AttentionOptions {
     /// Overrides the optimizer.
     pub plan: Option<Plan>,
-    /// DIPR range below the best inner product, in inner-product units.
-    pub beta: f32,
+    /// DIPR range below the best inner product, in inner-product units. `None`: the range
+    /// reaches down to the softmax weight at which the tail estimate takes over within the
+    /// error target, `ln(SEED_STRIDE / Rules::error_target) / scale` (8.47 logits: 67.8 at
+    /// d = 64, 95.8 at d = 128): a token left out is estimated by a seed that stands for
+    /// `SEED_STRIDE` tokens, so one lighter than `error_target / SEED_STRIDE` of the best
+    /// moves the estimate by less than the target. The same cut in softmax terms at every
+    /// head dimension and scale (docs/benchmarks.md, "The default range").
+    pub beta: Option<f32>,
     /// The width of graph DIPRS's optional best-first climb through the graph before its
     /// range phase ([`DiprsParams::l0`]; 0, the default: none).
     pub l0: usize,
@@ -127,7 +133,7 @@ impl Default for AttentionOptions {
     fn default() -> Self {
         AttentionOptions {
             plan: None,
-            beta: 50.0,
+            beta: None,
             l0: DiprsParams::default().l0,
             k: 100,
             budget: None,
@@ -737,7 +743,7 @@ impl Session {
                         let want = if codes_best(choice) {
                             CodesWant::Best(self.selection_size(budget, &r.seg))
                         } else if codes_range(choice) {
-                            CodesWant::Above { beta: opts.beta, own_max: &own_max }
+                            CodesWant::Above { beta: self.beta(opts), own_max: &own_max }
                         } else {
                             CodesWant::Every
                         };
@@ -1392,6 +1398,12 @@ impl Session {
         opts.scale.unwrap_or(1.0 / (self.shape.head_dim as f32).sqrt())
     }
 
+    /// The DIPR range of a call: the caller's β, or the default ([`AttentionOptions::beta`]).
+    fn beta(&self, opts: &AttentionOptions) -> f32 {
+        let tail_takes_over = (SEED_STRIDE as f32 / self.db.config().rules.error_target).ln();
+        opts.beta.unwrap_or_else(|| tail_takes_over / self.scale(opts))
+    }
+
     /// The prefix tokens outside the window that `plan` selects: (segment, token, q·k), by
     /// token, and, when the plan estimates the tail, each segment's seed scores.
     /// `scanned`: for a flat plan, each segment's scores of `q` and the scan's work. With a
@@ -1413,7 +1425,8 @@ impl Session {
         let tail = estimates_tail(choice, opts) || target.is_some();
         let budget = self.retrieval_budget(choice, opts, target.is_some());
         // With a target, the widest range any segment cut (each against its own best).
-        let mut beta = if target.is_some() { 0.0 } else { opts.beta };
+        let range = self.beta(opts);
+        let mut beta = if target.is_some() { 0.0 } else { range };
         let mut seeds = Vec::with_capacity(if tail { readers.len() } else { 0 });
         let prefix = self.prefix_tokens();
         let win = self.window;
@@ -1427,13 +1440,13 @@ impl Session {
                     flat::dipr_of(scanned[si].scores.scores, f32::INFINITY, f32::NEG_INFINITY, scanned[si].stats)
                 }
                 Plan::Flat => {
-                    flat::dipr_or_target(scanned[si].scores.scores, opts.beta, best, target.as_ref(), scanned[si].stats)
+                    flat::dipr_or_target(scanned[si].scores.scores, range, best, target.as_ref(), scanned[si].stats)
                 }
                 Plan::GraphDiprs => diprs_from(
                     index,
                     q,
                     &DiprsParams {
-                        beta: opts.beta,
+                        beta: range,
                         l0: opts.l0,
                         window_max: best,
                         prefix: seg.filter(),
@@ -1458,7 +1471,7 @@ impl Session {
                 Plan::Pq | Plan::Diprs => {
                     let codes = match &target {
                         Some(t) => CodesChoice::Target(t),
-                        None if plan == Plan::Diprs => CodesChoice::Range { beta: opts.beta },
+                        None if plan == Plan::Diprs => CodesChoice::Range { beta: range },
                         None => CodesChoice::Best {
                             want: self.selection_size(budget, seg),
                             budget: budget.unwrap_or(COARSE_BUDGET),

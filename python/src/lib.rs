@@ -271,9 +271,7 @@ impl Session {
         if let Some(p) = plan {
             opts.plan = Some(p.parse::<Plan>().map_err(errors::InputError::new_err)?);
         }
-        if let Some(b) = beta {
-            opts.beta = b;
-        }
+        opts.beta = beta;
         opts.budget = budget;
         opts.scale = scale;
         opts.tail = tail;

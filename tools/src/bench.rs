@@ -1,6 +1,7 @@
 //! What the benchmarks share: scratch contexts, medians over interleaved rounds, ratios.
 
 use anyhow::Result;
+use ctxfs_attention::{AttentionOptions, Plan};
 use ctxfs_vfs::Store;
 
 /// The middle value (the upper middle for an even count); 0 for no values.
@@ -20,6 +21,13 @@ pub fn timed_median<T>(runs: usize, f: &dyn Fn() -> anyhow::Result<T>) -> anyhow
         })
         .collect::<anyhow::Result<Vec<f64>>>()?;
     Ok(median(times))
+}
+
+/// The exact DIPR set a benchmark measures DIPR recall against: the flat plan at AlayaDB's
+/// β = √d·ln 100, whatever range the plans under test search (`AttentionOptions::beta`).
+pub fn exact_dipr_reference(head_dim: usize, options: &AttentionOptions) -> AttentionOptions {
+    let beta = (head_dim as f32).sqrt() * 100f32.ln();
+    AttentionOptions { plan: Some(Plan::Flat), beta: Some(beta), ..options.clone() }
 }
 
 pub fn ratio(ours: f64, baseline: f64) -> f64 {

@@ -662,9 +662,10 @@ fn pool_reads(from: &ctxfs_buffer::PoolStats, to: &ctxfs_buffer::PoolStats, step
 }
 
 /// Quality of the timed steps, replayed on a fresh session with the same plans: each q
-/// head's DIPR recall (its retrieved tokens against the exact DIPR set's, outside the window
-/// and without the tail estimate's seeds), output error against exact attention, and the
-/// exact DIPR set's own error; and exact attention's output of the first step per layer.
+/// head's DIPR recall (its retrieved tokens against the exact DIPR set's at β = √d·ln 100,
+/// outside the window and without the tail estimate's seeds), output error against exact
+/// attention, and the exact DIPR set's own error; and exact attention's output of the first
+/// step per layer.
 #[derive(Default)]
 struct Quality {
     recall: f64,
@@ -678,7 +679,7 @@ struct Quality {
 
 fn quality(db: &Db, layers: usize, steps: usize, step_q: &dyn Fn(usize, usize) -> Vec<f32>) -> Result<Quality> {
     let auto = AttentionOptions { detail: true, ..Default::default() };
-    let exact_dipr = AttentionOptions { plan: Some(Plan::Flat), ..auto.clone() };
+    let exact_dipr = crate::bench::exact_dipr_reference(HEAD_DIM, &auto);
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
     let replay = db.open_session(NAME, None)?;
     let window: std::collections::BTreeSet<u32> = replay.window_tokens().iter().copied().collect();

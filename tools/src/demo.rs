@@ -177,7 +177,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
 
     // The quality pass: the same steps, exactly.
     let window: BTreeSet<u32> = open(&db)?.window_tokens().iter().copied().collect();
-    let exact_dipr = AttentionOptions { plan: Some(Plan::Flat), ..auto.clone() };
+    let exact_dipr = crate::bench::exact_dipr_reference(HEAD_DIM, &auto);
     let full = AttentionOptions { plan: Some(Plan::Full), ..Default::default() };
     let mut quality = Quality::default();
     let mut scored = 0u64;
