@@ -100,8 +100,8 @@ fn import_reopen_attend_exactly_and_dipr_recall() {
             assert!(rel_err(&full.output, &want) <= 1e-3, "full: {}", rel_err(&full.output, &want));
             // Without a β the range is the tail estimate's, ln(96 / error target) logits.
             let given = session.attention_with(layer, &q, &AttentionOptions { beta: None, ..opts(Plan::Flat, 0.0) });
-            let tails = (96f32 / Rules::default().error_target).ln() * (d as f32).sqrt();
-            let tails = session.attention_with(layer, &q, &opts(Plan::Flat, tails)).unwrap();
+            let tails_beta = (96f32 / Rules::default().error_target).ln() * (d as f32).sqrt();
+            let tails = session.attention_with(layer, &q, &opts(Plan::Flat, tails_beta)).unwrap();
             let selected =
                 |a: &ctxfs_attention::Attention| a.heads.iter().map(|h| h.selected.clone()).collect::<Vec<_>>();
             assert_eq!(selected(&given.unwrap()), selected(&tails), "the default range");

@@ -211,7 +211,8 @@ pub fn choose(rules: &Rules, layer: usize, s: Situation, request: Request) -> Ch
     let unforced = request.forced.is_none();
     let error_target = match (request.error_target, plan) {
         (Some(e), Plan::Flat | Plan::Diprs | Plan::GraphDiprs | Plan::Pq) => Some(e),
-        (None, Plan::Flat) if unforced && (layer == 0 || s.prefix <= rules.scan_context) => Some(rules.error_target),
+        // The optimizer scans within the scan's reach and on layer 0: both cut at its target.
+        (None, Plan::Flat) if unforced => Some(rules.error_target),
         (None, Plan::Pq) if unforced && s.compact && s.prefix <= rules.scan_context => Some(rules.error_target),
         _ => None,
     };
