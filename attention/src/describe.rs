@@ -11,10 +11,14 @@ fn stream_json(s: &StreamRoot) -> Value {
     json!({"blocks": s.blocks, "bytes": s.bytes, "extent_blocks": s.extents.len()})
 }
 
-/// A context's blocks (data and extent blocks of every stream) and payload bytes.
+/// A context's blocks (data and extent blocks of every stream) and payload bytes. Summed
+/// saturating: the counts are the record's, which inspection prints without loading the maps
+/// that would check them.
 pub fn context_blocks(c: &ContextRecord) -> (u64, u64) {
     let streams = std::iter::once(&c.tokens).chain(c.files.iter().flat_map(|f| [&f.index, &f.data]));
-    streams.fold((0, 0), |(b, n), s| (b + s.blocks + s.extents.len() as u64, n + s.bytes))
+    streams.fold((0u64, 0u64), |(b, n), s| {
+        (b.saturating_add(s.blocks).saturating_add(s.extents.len() as u64), n.saturating_add(s.bytes))
+    })
 }
 
 /// Lower-case hex of a byte string (store ids).

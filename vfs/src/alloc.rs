@@ -116,6 +116,11 @@ pub struct Allocator {
     /// that state references is not known here, so none free at open is handed out until
     /// every reader of a generation below this one is gone.
     frozen: Option<u64>,
+    /// The first block the open transaction freed that the state being built does not hold:
+    /// the committed state references a block its own bitmap calls free (or one beyond the
+    /// store's blocks, or one it references twice). Damage, not a bug of the caller: the
+    /// transaction cannot commit ([`Allocator::stray_free`]).
+    stray_free: Option<u64>,
 }
 
 impl Allocator {
@@ -130,6 +135,7 @@ impl Allocator {
             bits_per_chunk,
             cursor: 0,
             frozen: None,
+            stray_free: None,
         }
     }
 
@@ -245,11 +251,21 @@ impl Allocator {
         self.in_use.set(block, false);
     }
 
-    /// Frees a block in the state being built. It stays unusable until quarantine ends.
+    /// Frees a block in the state being built. It stays unusable until quarantine ends. A
+    /// block the state does not hold is left alone and remembered ([`Allocator::stray_free`]).
     pub fn free(&mut self, block: u64) {
-        assert!(self.next.get(block), "double free of block {block}");
+        if !self.next.get(block) {
+            self.stray_free.get_or_insert(block);
+            return;
+        }
         self.mark(block, false);
         self.freed.push(block);
+    }
+
+    /// The first block the open transaction freed without holding it: the committed state
+    /// and its bitmap disagree about that block, and a commit would persist the disagreement.
+    pub fn stray_free(&self) -> Option<u64> {
+        self.stray_free
     }
 
     pub fn dirty_chunks(&self) -> &BTreeSet<u64> {
@@ -298,6 +314,7 @@ impl Allocator {
         // state, so they are simply allocated again.
         self.freed.clear();
         self.dirty_chunks.clear();
+        self.stray_free = None;
     }
 }
 
@@ -332,6 +349,22 @@ mod tests {
         a.abort();
         assert_eq!(a.next(), &committed);
         assert_eq!(a.available(), 7);
+    }
+
+    #[test]
+    fn a_block_freed_without_being_held_is_remembered_not_freed() {
+        let mut committed = Bitmap::new(8);
+        committed.set(0, true);
+        let mut a = Allocator::new(committed.clone(), 64);
+        a.free(0);
+        a.free(0);
+        a.free(5);
+        a.free(100);
+        assert_eq!(a.stray_free(), Some(0), "the first block freed twice");
+        assert_eq!(a.next().count_ones(), 0);
+        a.abort();
+        assert_eq!(a.stray_free(), None);
+        assert_eq!(a.next(), &committed);
     }
 
     #[test]

@@ -241,6 +241,31 @@ impl ContextMeta {
         std::iter::once(&self.tokens).chain(self.files.iter().flatten())
     }
 
+    /// Checks that each stream's byte count fits its blocks, as the writers leave them: at
+    /// most a full payload a block, none without blocks, and the token stream's blocks full
+    /// but the last, of whole tokens. Appending reads the last token block by that count.
+    fn check_roots(&self, block_size: usize) -> Result<()> {
+        let full = max_payload(block_size) as u64;
+        let token_block = full / 4 * 4;
+        let tokens = &self.record.tokens;
+        let fits = |r: &StreamRoot| r.bytes <= r.blocks.saturating_mul(full) && (r.blocks > 0 || r.bytes == 0);
+        if let Some((i, r)) = self.streams().map(|s| &s.root).enumerate().find(|(_, r)| !fits(r)) {
+            let stream = match i {
+                0 => "token stream".to_string(),
+                i => format!("{} stream of vector file {}", ["index", "data"][(i - 1) % 2], (i - 1) / 2),
+            };
+            return Err(self.damaged(format!("{stream} says {} bytes in {} blocks", r.bytes, r.blocks)));
+        }
+        let tail_short = tokens.blocks > 0 && tokens.bytes <= (tokens.blocks - 1) * token_block;
+        if !tokens.bytes.is_multiple_of(4) || tail_short || tokens.bytes > tokens.blocks.saturating_mul(token_block) {
+            return Err(self.damaged(format!(
+                "token stream says {} bytes in {} blocks of {token_block}",
+                tokens.bytes, tokens.blocks
+            )));
+        }
+        Ok(())
+    }
+
     /// Damage found in what this context's record says, named by the record's first block.
     pub fn damaged(&self, what: String) -> Error {
         let owner = Owner::context(self.record.id).to_string();
@@ -671,7 +696,12 @@ pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bit
     for (i, res) in read_many(dev, &reqs).into_iter().enumerate() {
         let b = res?;
         let start = i as u64 * bpc;
-        bitmap.load_bytes(start, bpc.min(total - start), b.payload());
+        let bits = bpc.min(total - start);
+        if b.payload().len() as u64 != bits.div_ceil(8) {
+            let what = format!("bitmap chunk {i} holds {} bytes for {bits} blocks", b.payload().len());
+            return Err(Error::damaged(reqs[i].0, "alloc", "system", BlockFault::Malformed(what)));
+        }
+        bitmap.load_bytes(start, bits, b.payload());
     }
     Ok((bitmap, chunks, dir_blocks))
 }
@@ -720,6 +750,7 @@ pub(crate) fn load_catalog(
             ));
         }
         let meta = Arc::new(ContextMeta::from_record(record, entry.record, rblocks));
+        meta.check_roots(dev.block_size())?;
         if meta.record.retired {
             retired.insert(entry.id, meta);
         } else if contexts.insert(entry.name.clone(), meta).is_some() {

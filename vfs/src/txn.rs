@@ -6,7 +6,7 @@
 use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{chain_blocks, read_verified, write_chain, WriteQueue};
 use crate::device::{self, AlignedBuf, BlockDevice, IoOp};
-use crate::error::{Error, Result};
+use crate::error::{BlockFault, Error, Result};
 use crate::format::records::{
     bits_per_chunk, encode_alloc_dir, encode_catalog, CatalogEntry, ContextRecord, FileRoots, ModelShape, ParentLink,
     MAX_NAME_LEN,
@@ -253,11 +253,27 @@ impl<'s> Txn<'s> {
             let d = draft_in(&mut self.contexts, dev, base_generation, name)?;
             let alloc = &mut self.w.alloc;
             let queue = &mut self.queue;
-            // A partial last block on disk is read back and rewritten with the new tokens.
-            if d.token_tail.is_empty() && d.tokens.bytes % (per_block as u64 * 4) != 0 {
+            // A partial last block on disk is read back and rewritten with the new tokens. The
+            // record's byte count fits its blocks (checked when the catalog was read), so the
+            // last block exists and should hold the count's remainder.
+            let full = per_block as u64 * 4;
+            if d.token_tail.is_empty() && d.tokens.bytes % full != 0 {
                 let last = d.tokens.map.len() - 1;
                 let at = d.tokens.map.locate(last).expect("last block exists");
                 let b = read_verified(dev, at.block, &d.tokens.id.expect(last, at.crc, base_generation))?;
+                if b.payload().len() as u64 != d.tokens.bytes % full {
+                    let what = format!(
+                        "holds {} bytes of tokens; its record says {}",
+                        b.payload().len(),
+                        d.tokens.bytes % full
+                    );
+                    return Err(Error::damaged(
+                        at.block,
+                        "tokens",
+                        d.tokens.id.owner.to_string(),
+                        BlockFault::Malformed(what),
+                    ));
+                }
                 d.token_tail =
                     b.payload().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
                 d.tokens.pop(alloc, b.payload().len() as u64);
@@ -519,6 +535,21 @@ impl<'s> Txn<'s> {
             .all(|(c, r)| chunk_expect(c as u64, r.crc, generation).kind == BlockKind::Alloc && r.block >= 2));
         let alloc_root =
             write_chain(&mut queue, dev, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
+
+        // A block the committed state references but its bitmap calls free was freed above:
+        // committing would persist the disagreement, and the block could be handed out twice.
+        if let Some(block) = alloc.stray_free() {
+            return Err(Error::damaged(
+                block,
+                "alloc",
+                "system",
+                BlockFault::Malformed(
+                    "referenced by the committed state, but free in the allocator bitmap (or beyond the store's \
+                     blocks, or referenced twice)"
+                        .into(),
+                ),
+            ));
+        }
 
         // 4. Everything new is written and durable before the superblock points at it.
         queue.flush(dev)?;

@@ -336,6 +336,89 @@ fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner
 }
 
 #[test]
+fn a_commit_over_a_bitmap_that_calls_a_referenced_block_free_is_refused_naming_it() {
+    // The state's checksums hold, but its bitmap calls the catalog block free: the next
+    // commit frees the old catalog, which the bitmap says was never held.
+    let dir = tmpdir();
+    let img = dir.path().join("bitmap.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let model = workload(&store, 14, |_| {}).unwrap();
+    let snap = store.snapshot();
+    let (slot, catalog, generation) = (snap.superblock().slot(), snap.superblock().catalog.block, snap.generation());
+    drop(snap);
+    drop(store);
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    let b = catalog as usize;
+    rewrite_bitmap(dev.as_ref(), slot, |bits| bits[b / 8] &= !(1 << (b % 8)));
+    let store = Store::open(dev.clone()).unwrap();
+    let mut txn = store.begin().unwrap();
+    txn.delete_context(model.keys().next().unwrap()).unwrap();
+    match txn.commit() {
+        Err(e @ Error::Damaged { .. }) => assert_eq!(e.block(), Some(catalog), "{e}"),
+        other => panic!("the commit went ahead: {other:?}"),
+    }
+    // Nothing was committed, and the store still serves what it held.
+    assert_eq!(store.snapshot().generation(), generation);
+    assert_matches(&store, &model);
+    drop(store);
+    assert_eq!(Store::open(dev.clone()).unwrap().snapshot().generation(), generation);
+}
+
+#[test]
+fn a_short_bitmap_chunk_is_refused_at_open() {
+    // A chunk one byte short would read the blocks it leaves out as free, to be handed out
+    // again over live data.
+    let dir = tmpdir();
+    let img = dir.path().join("short.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    workload(&store, 15, |_| {}).unwrap();
+    let slot = store.snapshot().superblock().slot();
+    drop(store);
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    rewrite_bitmap(dev.as_ref(), slot, |bits| {
+        bits.pop();
+    });
+    match Store::open(dev.clone()) {
+        Err(e @ Error::Damaged { .. }) => assert!(e.to_string().contains("bitmap chunk 0 holds"), "{e}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a short bitmap chunk was read as free blocks"),
+    }
+}
+
+#[test]
+fn a_token_count_its_blocks_cannot_hold_is_refused_at_open_and_repaired() {
+    // Appending reads the last token block by the record's count: a count beyond the blocks
+    // must not reach it.
+    let dir = tmpdir();
+    let img = dir.path().join("tokens.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (mut model, mut rng) = (Model::new(), SplitMix64::new(13));
+    let mut txn = store.begin().unwrap();
+    for name in ["a", "b"] {
+        create(&mut txn, &mut model, &mut rng, name, shape(1, 2), 40).unwrap();
+    }
+    txn.commit().unwrap();
+    let slot = store.snapshot().superblock().slot();
+    drop(store);
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    let token_block = ctxfs_vfs::max_payload(BS) as u64 / 4 * 4;
+    tamper(dev.as_ref(), slot, "a", |r| r.tokens.bytes = r.tokens.blocks * token_block + 4);
+    match Store::open(dev.clone()) {
+        Err(e @ Error::Damaged { .. }) => assert!(e.to_string().contains("token stream says"), "{e}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a token count beyond its blocks was accepted"),
+    }
+    let report = fsck::check(dev.as_ref()).unwrap();
+    assert!(
+        report.problems.iter().any(|p| p.context.as_deref() == Some("a") && p.fix == fsck::Fix::DropContext),
+        "{:#?}",
+        report.problems
+    );
+    model.remove("a");
+    assert_matches(&repair_dropping(&dev), &model);
+}
+
+#[test]
 fn fsck_never_panics_on_random_damage() {
     let dir = tmpdir();
     for work in [PLAIN, FAMILY] {

@@ -4,7 +4,7 @@
 
 use ctxfs_vfs::device::{self, AlignedBuf, IoOp, MemDevice};
 use ctxfs_vfs::format::header::{payload as payload_of, seal, unseal};
-use ctxfs_vfs::format::records::{decode_catalog, encode_catalog};
+use ctxfs_vfs::format::records::{decode_alloc_dir, decode_catalog, encode_alloc_dir, encode_catalog};
 use ctxfs_vfs::format::Superblock;
 use ctxfs_vfs::{
     fsck, BlockDevice, ContextRecord, DType, DeviceChoice, Error, FileStream, ModelShape, SplitMix64, Store, Txn,
@@ -334,6 +334,28 @@ pub fn tamper(dev: &dyn BlockDevice, slot: u64, name: &str, change: impl Fn(&mut
             rec.encode()
         })
     });
+}
+
+/// Rewrites the allocator bitmap of the state in superblock `slot` with `bits` of its first
+/// chunk changed by `change` (bytes as stored), resealing the chunk, the directory and the
+/// superblock: a state whose checksums hold and whose bitmap the library would never write.
+/// The directory must be one block long.
+pub fn rewrite_bitmap(dev: &dyn BlockDevice, slot: u64, change: impl FnOnce(&mut Vec<u8>)) {
+    let mut sb = Superblock::decode(&fsck::raw_block(dev, slot).unwrap(), slot).unwrap();
+    let (total, mut chunks) = decode_alloc_dir(&read_chain_block(dev, sb.alloc.block)).unwrap();
+    let raw = fsck::raw_block(dev, chunks[0].block).unwrap();
+    let (mut h, _) = unseal(&raw).unwrap();
+    let mut bits = payload_of(&raw, &h).to_vec();
+    change(&mut bits);
+    h.payload_len = bits.len() as u32;
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    chunks[0].crc = seal(&mut buf, &h, &bits);
+    dev.submit(&mut [IoOp::Write { block: chunks[0].block, buf: &buf }]).pop().unwrap().unwrap();
+    sb.alloc.crc = write_chain_block(dev, sb.alloc.block, &encode_alloc_dir(total, &chunks));
+    let mut buf = AlignedBuf::zeroed(dev.block_size());
+    sb.encode_into(&mut buf);
+    dev.submit(&mut [IoOp::Write { block: slot, buf: &buf }]).pop().unwrap().unwrap();
+    dev.flush().unwrap();
 }
 
 /// The blob piece of a chain block that ends its chain.
