@@ -73,7 +73,8 @@ fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
 /// value block, which lie side by side); 2% is reserved.
 fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Result<u64> {
     let payload = max_payload(db.store().device().block_size());
-    let degree = build.degree + build.extra_degree + usize::from(build.sequence_edges) * 2;
+    // The sequence edges take slots of a node's record, as the build lists them.
+    let degree = build.degree + build.extra_degree;
     let d = shape.head_dim as usize;
     // Coarse metadata: Quest's page bounds (d/4 bytes a token), InfLLM's representatives and
     // PQ codes (a few bytes a token), PQ's centroids, and their meta blocks.

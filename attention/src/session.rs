@@ -84,14 +84,14 @@ pub struct AttentionOptions {
     pub plan: Option<Plan>,
     /// DIPR range below the best inner product, in inner-product units. `None`: the range
     /// reaches down to the softmax weight at which the tail estimate takes over within the
-    /// error target, `ln(SEED_STRIDE / Rules::error_target) / scale` (8.47 logits: 67.8 at
-    /// d = 64, 95.8 at d = 128): a token left out is estimated by a seed that stands for
+    /// error target, `ln(SEED_STRIDE / Rules::error_target) / scale` (8.48 logits: 67.8 at
+    /// d = 64, 95.9 at d = 128): a token left out is estimated by a seed that stands for
     /// `SEED_STRIDE` tokens, so one lighter than `error_target / SEED_STRIDE` of the best
     /// moves the estimate by less than the target. The same cut in softmax terms at every
     /// head dimension and scale (docs/benchmarks.md, "The default range").
     pub beta: Option<f32>,
     /// The width of graph DIPRS's optional best-first climb through the graph before its
-    /// range phase ([`DiprsParams::l0`]; 0, the default: none).
+    /// range phase ([`DiprsParams::l0`]; by default its default, 16; 0: no climb).
     pub l0: usize,
     /// Tokens top-k retrieves beyond the window.
     pub k: usize,
@@ -1090,7 +1090,9 @@ impl Session {
     /// A segment's Quest index.
     fn open_quest<'a, 'r: 'a>(&'a self, r: &SegmentReader<'r>) -> Result<PagedQuest<'a>> {
         let run = self.coarse_run(r, CoarseKind::Quest, Plan::Quest)?;
-        PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))
+        let quest = PagedQuest::open(&self.db.inner.pool, run).map_err(|e| coarse_corrupt(&r.seg, Plan::Quest, e))?;
+        check_coarse_shape(r, Plan::Quest, (quest.meta().tokens, quest.meta().dim))?;
+        Ok(quest)
     }
 
     /// The tokens a retrieval takes beyond the window: the caller's budget, else, for a plan the
@@ -1132,7 +1134,9 @@ impl Session {
             (Some(held), Some(&(at, from))) if run.first() == r.file.index().get(at) => Some((held, from)),
             _ => None,
         };
-        PagedPq::open_held(&self.db.inner.pool, run, held).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))
+        let pq = PagedPq::open_held(&self.db.inner.pool, run, held).map_err(|e| coarse_corrupt(&r.seg, Plan::Pq, e))?;
+        check_coarse_shape(r, Plan::Pq, (pq.meta().tokens, pq.meta().dim))?;
+        Ok(pq)
     }
 
     /// A segment's approximate scores of a group's queries `qs`: scanned on the GPU where the
@@ -1232,7 +1236,9 @@ impl Session {
             }
             Plan::Infllm => {
                 let run = self.coarse_run(r, CoarseKind::Infllm, plan)?;
-                PagedInfllm::open(pool, run).map_err(corrupt)?.select(q, budget, seg.filter())?
+                let infllm = PagedInfllm::open(pool, run).map_err(corrupt)?;
+                check_coarse_shape(r, plan, (infllm.meta().tokens, infllm.meta().dim))?;
+                infllm.select(q, budget, seg.filter())?
             }
             _ => self.open_pq(r)?.select(q, budget, seg.filter())?,
         };
@@ -2031,6 +2037,17 @@ fn codes_best(choice: Choice) -> bool {
 /// A coarse index that contradicts itself, named by context and plan.
 fn coarse_corrupt(seg: &Segment, plan: Plan, e: String) -> Error {
     Error::Corrupt(format!("context {} {}: {e}", seg.context, plan.name()))
+}
+
+/// A coarse run must describe the index it was built beside: a run of other tokens or of
+/// another dimension would score the group's queries split at the wrong places.
+fn check_coarse_shape(r: &SegmentReader<'_>, plan: Plan, (tokens, dim): (u32, u32)) -> Result<()> {
+    let l = r.index.layout();
+    if tokens as usize != l.tokens as usize || dim as usize != l.dim as usize {
+        let e = format!("its run holds {tokens} tokens of dimension {dim}, the index {} of {}", l.tokens, l.dim);
+        return Err(coarse_corrupt(&r.seg, plan, e));
+    }
+    Ok(())
 }
 
 /// Retrieved (segment, token, score) triples best first: higher score, then the lower token.
