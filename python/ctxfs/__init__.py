@@ -228,7 +228,7 @@ class Store:
     def create(
         cls,
         path: str,
-        size: int,
+        size: int | None = None,
         block_size: int = 4096,
         *,
         force: bool = False,
@@ -237,8 +237,9 @@ class Store:
         window: tuple[int, int] = (128, 512),
         resident_budget: float | None = None,
     ) -> "Store":
-        """Formats ``path`` (a file, created with ``size`` bytes when new; a block device) and
-        opens it for writing. An existing store is overwritten only with ``force``."""
+        """Formats ``path`` (a file, created with ``size`` bytes when new, which it must then
+        be given; an existing file or a block device keeps its size) and opens it for writing.
+        An existing store is overwritten only with ``force``."""
         return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window, resident_budget))
 
     @classmethod
@@ -253,7 +254,7 @@ class Store:
         resident_budget: float | None = None,
     ) -> "Store":
         """Mounts a store. ``pool`` is the buffer pool's byte budget; ``device`` is ``auto``,
-        ``uring`` or ``sync``; ``window`` is the (first, last) tokens every plan attends
+        ``uring`` or ``file``; ``window`` is the (first, last) tokens every plan attends
         exactly; ``resident_budget`` is the most a served context may hold resident per byte
         of its KV cache (``warm``: over it, a context is served compact from its PQ codes,
         or refused with ``OverBudgetError`` when even those exceed it)."""
@@ -281,7 +282,8 @@ class Store:
 
     def warm(self, name: str) -> dict:
         """Reads a context's index into the pool and holds it resident: blocks, read, held,
-        resident_bytes, kv_bytes, resident_over_kv, compact. Over the store's
+        resident_bytes, kv_bytes, resident_over_kv, compact, residual_streamed (a compact
+        context's residual codes read on demand, not held, to keep within the budget). Over the store's
         ``resident_budget`` only its PQ codes and seed tables are held (``compact``); raises
         ``OverBudgetError`` (holding nothing) when even those exceed it."""
         return self._native.warm(name)

@@ -36,8 +36,8 @@ pub struct Args {
     tokens: usize,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
-    /// Tokens each query takes (a compact step takes the rules' 1,024 beyond the window,
-    /// and the window's).
+    /// Tokens each query takes (a compact step takes `Rules::codes_budget`, 768, beyond the
+    /// window, and the window's; the default times a larger choice).
     #[arg(long, default_value_t = 1024)]
     best: usize,
     #[arg(long)]

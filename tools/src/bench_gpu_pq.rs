@@ -34,8 +34,8 @@ const GROUP: usize = 4;
 /// The shorter scan: the 128K context of `ctxfs bench decode`.
 const SHORT: usize = 131_072;
 const TIMED: usize = 5;
-/// Tokens each query takes in the timing of the best alone (a compact step takes the rules'
-/// 1,024 beyond the window, and the window's).
+/// Tokens each query takes in the timing of the best alone (a compact step takes
+/// `Rules::codes_budget`, 768, beyond the window, and the window's; this times a larger choice).
 const BEST: usize = 1024;
 
 /// Times the scan of `tokens` tokens' codes of dimension `dim` on `gpu` against one core.

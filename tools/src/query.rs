@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long, default_value = "auto", value_parser = parse_mode)]
     mode: Mode,
     /// DIPR range below the best inner product, in inner-product units (default: ln(96 /
-    /// 0.02) / scale, 8.47 logits: 67.8 at head dim 64, 95.8 at 128)
+    /// 0.02) / scale, 8.48 logits: 67.8 at head dim 64, 95.9 at 128)
     #[arg(long)]
     beta: Option<f32>,
     /// Tokens top-k retrieves.
@@ -64,7 +64,8 @@ pub struct Args {
     #[arg(long)]
     scale: Option<f32>,
     /// on|off: estimate the softmax over the tokens a DIPR plan left out from the index's
-    /// seed sample (default: on for `--mode auto`, off for a forced mode).
+    /// seed sample (default: on for `--mode auto` and for a forced mode with --target-error,
+    /// off for a forced mode without it).
     #[arg(long, value_parser = parse_on_off)]
     tail: Option<bool>,
     /// Ask for an output error at most E (relative to exact attention's) instead of a fixed
@@ -78,8 +79,9 @@ pub struct Args {
     pool: u64,
     /// The most the context may hold resident per byte of its KV cache (0.125: an eighth).
     /// When its whole index exceeds it, it is served compact: its PQ codes and seed table
-    /// are held, and `--mode auto` answers from the codes with an output error target
-    /// (plan `pq`). A context that does not fit even so is refused.
+    /// are held, and `--mode auto` answers from the codes (plan `pq`): with an output error
+    /// target up to --scan-context tokens, beyond it the codes' best 768 with the tail
+    /// estimate. A context that does not fit even so is refused.
     #[arg(long, value_name = "F")]
     resident_budget: Option<f64>,
     /// The longest context `--mode auto` serves with an error target (the flat scan, or a
