@@ -2043,7 +2043,7 @@ fn coarse_corrupt(seg: &Segment, plan: Plan, e: String) -> Error {
 /// another dimension would score the group's queries split at the wrong places.
 fn check_coarse_shape(r: &SegmentReader<'_>, plan: Plan, (tokens, dim): (u32, u32)) -> Result<()> {
     let l = r.index.layout();
-    if tokens as usize != l.tokens as usize || dim as usize != l.dim as usize {
+    if (tokens, dim) != (l.tokens, l.dim) {
         let e = format!("its run holds {tokens} tokens of dimension {dim}, the index {} of {}", l.tokens, l.dim);
         return Err(coarse_corrupt(&r.seg, plan, e));
     }

@@ -241,21 +241,28 @@ impl ContextMeta {
         std::iter::once(&self.tokens).chain(self.files.iter().flatten())
     }
 
-    /// Checks that each stream's byte count fits its blocks, as the writers leave them: at
-    /// most a full payload a block, none without blocks, and the token stream's blocks full
-    /// but the last, of whole tokens. Appending reads the last token block by that count.
+    /// Checks that each stream's byte count fits its blocks, as the writers leave them: a
+    /// vector file's at most a full payload a block and none without blocks, the token
+    /// stream's of whole tokens in blocks full but the last. Appending reads the last token
+    /// block by that count.
     fn check_roots(&self, block_size: usize) -> Result<()> {
         let full = max_payload(block_size) as u64;
         let token_block = full / 4 * 4;
-        let tokens = &self.record.tokens;
-        let fits = |r: &StreamRoot| r.bytes <= r.blocks.saturating_mul(full) && (r.blocks > 0 || r.bytes == 0);
-        if let Some((i, r)) = self.streams().map(|s| &s.root).enumerate().find(|(_, r)| !fits(r)) {
-            let stream = match i {
-                0 => "token stream".to_string(),
-                i => format!("{} stream of vector file {}", ["index", "data"][(i - 1) % 2], (i - 1) / 2),
-            };
-            return Err(self.damaged(format!("{stream} says {} bytes in {} blocks", r.bytes, r.blocks)));
+        let kv = self.record.shape.kv_heads as usize;
+        for (i, f) in self.record.files.iter().enumerate() {
+            for (stream, r) in [("index", &f.index), ("data", &f.data)] {
+                if r.bytes > r.blocks.saturating_mul(full) || (r.blocks == 0 && r.bytes > 0) {
+                    return Err(self.damaged(format!(
+                        "the {stream} stream of layer {} head {} says {} bytes in {} blocks",
+                        i / kv,
+                        i % kv,
+                        r.bytes,
+                        r.blocks
+                    )));
+                }
+            }
         }
+        let tokens = &self.record.tokens;
         let tail_short = tokens.blocks > 0 && tokens.bytes <= (tokens.blocks - 1) * token_block;
         if !tokens.bytes.is_multiple_of(4) || tail_short || tokens.bytes > tokens.blocks.saturating_mul(token_block) {
             return Err(self.damaged(format!(

@@ -256,17 +256,13 @@ impl<'s> Txn<'s> {
             // A partial last block on disk is read back and rewritten with the new tokens. The
             // record's byte count fits its blocks (checked when the catalog was read), so the
             // last block exists and should hold the count's remainder.
-            let full = per_block as u64 * 4;
-            if d.token_tail.is_empty() && d.tokens.bytes % full != 0 {
+            let tail_bytes = d.tokens.bytes % (per_block as u64 * 4);
+            if d.token_tail.is_empty() && tail_bytes != 0 {
                 let last = d.tokens.map.len() - 1;
                 let at = d.tokens.map.locate(last).expect("last block exists");
                 let b = read_verified(dev, at.block, &d.tokens.id.expect(last, at.crc, base_generation))?;
-                if b.payload().len() as u64 != d.tokens.bytes % full {
-                    let what = format!(
-                        "holds {} bytes of tokens; its record says {}",
-                        b.payload().len(),
-                        d.tokens.bytes % full
-                    );
+                if b.payload().len() as u64 != tail_bytes {
+                    let what = format!("holds {} bytes of tokens; its record says {tail_bytes}", b.payload().len());
                     return Err(Error::damaged(
                         at.block,
                         "tokens",
