@@ -85,6 +85,9 @@ pub struct BufferPool {
     /// Frame buffers allocated so far, in bytes (never more than the budget).
     allocated: AtomicU64,
     config: PoolConfig,
+    /// Taken by a batch read that found no frame to read into, until it ends: the one batch
+    /// that may hold pins while it waits for frames (`load_many`).
+    stalled: Mutex<()>,
 }
 
 type Claim<'a> = (usize, RwLockWriteGuard<'a, FrameData>);
@@ -145,6 +148,7 @@ impl BufferPool {
             allocated: AtomicU64::new(0),
             source,
             config,
+            stalled: Mutex::new(()),
         })
     }
 
@@ -255,18 +259,23 @@ impl BufferPool {
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs {
             match self.lookup(r, false) {
-                Some(Ok(g)) => out.push(Ok(g)),
+                Some(Ok(g)) => out.push(Some(Ok(g))),
                 _ => break,
             }
         }
-        if out.len() < reqs.len() {
-            out.extend(self.load_many(&reqs[out.len()..]));
+        if out.len() == reqs.len() {
+            return out.into_iter().map(|r| r.expect("every request a hit")).collect();
         }
-        out
+        out.resize_with(reqs.len(), || None);
+        self.load_many(reqs, out)
     }
 
-    fn load_many(&self, reqs: &[BlockRequest]) -> Vec<Result<PageGuard<'_>, BufferError>> {
-        let mut out: Vec<Option<Result<PageGuard<'_>, BufferError>>> = (0..reqs.len()).map(|_| None).collect();
+    /// Answers the requests `out` has not: `out[i]` is `reqs[i]`'s pin once it is taken.
+    fn load_many<'p>(
+        &'p self,
+        reqs: &[BlockRequest],
+        mut out: Vec<Option<Result<PageGuard<'p>, BufferError>>>,
+    ) -> Vec<Result<PageGuard<'p>, BufferError>> {
         for class in [BlockClass::Index, BlockClass::Data] {
             let mut distinct: Vec<u64> = reqs.iter().filter(|r| r.class() == class).map(|r| r.block).collect();
             distinct.sort_unstable();
@@ -275,7 +284,7 @@ impl BufferPool {
             if distinct.len() > frames {
                 let err = BufferError::TooLarge { class, needed: distinct.len(), frames };
                 for (i, r) in reqs.iter().enumerate() {
-                    if r.class() == class {
+                    if r.class() == class && out[i].is_none() {
                         out[i] = Some(Err(err.clone()));
                     }
                 }
@@ -283,6 +292,8 @@ impl BufferPool {
         }
         let rounds = self.wait_rounds();
         let mut idle = 0;
+        // Held from this call's first round without progress to its end (see `stalled`).
+        let mut turn = None;
         // Blocks this call read: pinning them afterwards is neither a hit nor a reference.
         let mut loaded_here: BTreeSet<u64> = BTreeSet::new();
         loop {
@@ -311,6 +322,17 @@ impl BufferPool {
             }
             if progressed {
                 idle = 0;
+            } else if turn.is_none() {
+                // Frames are short. Two calls that each hold some of their pins while they
+                // wait for the rest could wait on each other until both time out, though
+                // either alone fits: so a call gives its pins back before it waits, and
+                // stalled calls wait one at a time, only the one whose turn it is holding pins.
+                for slot in &mut out {
+                    if slot.as_ref().is_some_and(|r| r.is_ok()) {
+                        *slot = None;
+                    }
+                }
+                turn = Some(lock(&self.stalled));
             } else {
                 idle += 1;
                 if idle > rounds {

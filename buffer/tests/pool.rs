@@ -230,6 +230,48 @@ fn stress_eight_threads_pin_both_kinds_and_hold_some_resident_within_five_percen
 }
 
 #[test]
+fn batches_that_each_fit_the_data_area_but_not_together_all_succeed() {
+    // Six threads pin batches of 6 of an 8-frame data area: two that each took some frames
+    // and waited for the rest would wait on each other until both failed.
+    let dir = tmp();
+    let tokens = 6000;
+    let (dev, store) = real_store(&dir, 64, 2, tokens);
+    let data: Vec<Located> = (1..=2).flat_map(|ctx| requests(&store, ctx, 0, FileStream::Data)).collect();
+    let config = PoolConfig {
+        budget_bytes: (16 * BS) as u64,
+        data_fraction: 0.5,
+        wait: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(dev)), config).unwrap();
+    assert_eq!(pool.frames(BlockClass::Data), 8);
+    let start = Barrier::new(6);
+    std::thread::scope(|s| {
+        for t in 0..6u64 {
+            let (pool, data, start) = (&pool, &data, &start);
+            s.spawn(move || {
+                let mut rng = SplitMix64::new(t);
+                start.wait();
+                for _ in 0..100 {
+                    let mut picks: Vec<usize> = Vec::new();
+                    while picks.len() < 6 {
+                        let i = rng.below(data.len() as u64) as usize;
+                        if !picks.contains(&i) {
+                            picks.push(i);
+                        }
+                    }
+                    let reqs: Vec<BlockRequest> = picks.iter().map(|&i| data[i].0).collect();
+                    for (g, &i) in pool.get_many(&reqs).iter().zip(&picks) {
+                        let g = g.as_ref().unwrap_or_else(|e| panic!("thread {t}: {e}"));
+                        assert_eq!(g.as_f16(), &expected(data[i].1, tokens)[..], "wrong bytes for block {}", g.block());
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
 fn streaming_every_data_block_evicts_no_index_block() {
     let dir = tmp();
     let tokens = 15 * 400;
