@@ -102,7 +102,7 @@ impl Store {
 
     /// `ctxfs inspect --json`'s summary, as a dict.
     fn inspect(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mut v = describe::store_json(self.db.store());
+        let mut v = py.detach(|| describe::store_json(self.db.store()));
         v["store"] = serde_json::json!(self.path);
         json_to_py(py, &v)
     }

@@ -51,6 +51,20 @@ def test_import_inspect_fsck_delete(store, store_path):
         store.delete("doc")
 
 
+def test_the_store_answers_and_refuses_writes_from_an_import_progress_callback(store):
+    # The callback runs on the importing thread, inside its write transaction.
+    seen = []
+
+    def progress(done, total):
+        seen.append((store.inspect()["space"]["free_blocks"], [c["name"] for c in store.contexts()]))
+        with pytest.raises(ctxfs.InputError, match="still open"):
+            store.delete("doc")
+
+    store.import_kv("two", kv_layers(1), range(N), progress=progress)
+    assert seen and all(names == ["doc"] for _, names in seen), seen
+    assert sorted(c["name"] for c in store.contexts()) == ["doc", "two"]
+
+
 def test_full_attention_is_exact_and_sessions_reuse_prefixes(store):
     layers = kv_layers()
     session, reused = store.create_session(list(range(N)) + [7, 8])

@@ -150,18 +150,22 @@ impl StoreLock {
         Ok((cmd == libc::F_OFD_GETLK && fl.l_type != libc::F_UNLCK as i16).then_some(fl.l_start))
     }
 
-    /// The pid holding the writer lock, from `/proc/locks` (absent elsewhere than Linux).
+    /// The pid holding the writer lock, from `/proc/locks` (absent elsewhere than Linux);
+    /// `None` when it is this process: another store open here holds it.
     fn holder_pid(&self) -> Option<u32> {
         let meta = self.file.metadata().ok()?;
         let id = format!("{:02x}:{:02x}:{}", libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
         let locks = std::fs::read_to_string("/proc/locks").ok()?;
-        locks.lines().find_map(|line| {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            // "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"
-            (f.get(1) == Some(&"FLOCK") && f.get(3) == Some(&"WRITE") && f.get(5) == Some(&id.as_str()))
-                .then(|| f.get(4)?.parse().ok())
-                .flatten()
-        })
+        locks
+            .lines()
+            .find_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                // "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"
+                (f.get(1) == Some(&"FLOCK") && f.get(3) == Some(&"WRITE") && f.get(5) == Some(&id.as_str()))
+                    .then(|| f.get(4)?.parse().ok())
+                    .flatten()
+            })
+            .filter(|&pid| pid != std::process::id())
     }
 }
 

@@ -2,6 +2,7 @@
 //! SPDK bdev. Shared by `ctxfs mkfs`, the demo, the benchmarks and the Python package.
 
 use crate::device::{self, BlockDevice, DeviceChoice};
+use crate::txn::refuse_readers;
 use crate::{format_locked, Access, Error, Result, Store, StoreLock};
 use std::io;
 use std::os::unix::fs::FileTypeExt;
@@ -56,6 +57,7 @@ pub fn format_path(
         if existed && !force {
             refuse_existing_store(path, choice)?;
         }
+        refuse_readers(&lock)?;
         let is_block = file.metadata()?.file_type().is_block_device();
         if !is_block {
             match size {

@@ -606,6 +606,17 @@ pub struct Space {
     pub reclaimable: u64,
 }
 
+impl Space {
+    pub(crate) fn of(alloc: &Allocator) -> Space {
+        Space {
+            total: alloc.total(),
+            free: alloc.available(),
+            used: alloc.committed().count_ones(),
+            reclaimable: alloc.quarantined(),
+        }
+    }
+}
+
 /// What `open` found in each superblock slot.
 #[derive(Debug, Clone)]
 pub struct SlotStatus {
@@ -617,6 +628,12 @@ pub struct Store {
     pub(crate) dev: Arc<dyn BlockDevice>,
     pub(crate) current: RwLock<Arc<Snapshot>>,
     pub(crate) writer: Mutex<WriterState>,
+    /// The thread whose transaction holds `writer`: a second `begin` there would wait on
+    /// itself (a progress callback that writes, say), so it is refused instead.
+    pub(crate) writer_thread: Mutex<Option<std::thread::ThreadId>>,
+    /// The allocator's counts as of the last commit or transaction start: read without
+    /// `writer`, which a transaction holds until it ends.
+    pub(crate) space: RwLock<Space>,
     pub(crate) readers: Arc<Readers>,
     pub(crate) slots: Vec<SlotStatus>,
 }
@@ -846,7 +863,9 @@ impl Store {
         Ok(Store {
             dev,
             current: RwLock::new(Arc::new(snapshot)),
+            space: RwLock::new(Space::of(&alloc)),
             writer: Mutex::new(WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None }),
+            writer_thread: Mutex::new(None),
             readers,
             slots,
         })
@@ -875,19 +894,22 @@ impl Store {
         &self.slots
     }
 
-    /// Where the store's blocks are.
+    /// Where the store's blocks are, as of the last commit (or the start of the transaction
+    /// open now): it never waits for an open transaction to end.
     pub fn space(&self) -> Space {
-        let w = self.lock_writer();
-        Space {
-            total: w.alloc.total(),
-            free: w.alloc.available(),
-            used: w.alloc.committed().count_ones(),
-            reclaimable: w.alloc.quarantined(),
-        }
+        *self.space.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn publish_space(&self, alloc: &Allocator) {
+        *self.space.write().unwrap_or_else(|p| p.into_inner()) = Space::of(alloc);
     }
 
     pub(crate) fn lock_writer(&self) -> MutexGuard<'_, WriterState> {
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn lock_writer_thread(&self) -> MutexGuard<'_, Option<std::thread::ThreadId>> {
+        self.writer_thread.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn publish(&self, snapshot: Snapshot) {

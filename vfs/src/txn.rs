@@ -14,7 +14,7 @@ use crate::format::records::{
 use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, FORMAT_VERSION, HEADER_LEN};
 use crate::lock::{Access, StoreLock};
 use crate::store::{
-    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
+    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Space, Store, WriterState,
     ALLOC_CHAIN, CATALOG_CHAIN,
 };
 use crate::stream::{check_payload, StreamDraft, StreamId, StreamMap};
@@ -128,12 +128,22 @@ impl<'s> Txn<'s> {
         if store.readers.read_only() {
             return Err(Error::ReadOnly("a transaction"));
         }
+        let here = std::thread::current().id();
+        if *store.lock_writer_thread() == Some(here) {
+            return Err(Error::InvalidArgument(
+                "this thread's transaction is still open: a write cannot start inside another (from its progress \
+                 callback, say)"
+                    .into(),
+            ));
+        }
         let mut w = store.lock_writer();
         if let Some(why) = &w.poisoned {
             return Err(Error::Poisoned(why.clone()));
         }
         let base = store.snapshot();
         w.alloc.release(base.generation(), store.readers.oldest());
+        store.publish_space(&w.alloc);
+        *store.lock_writer_thread() = Some(here);
         let contexts = base.contexts.iter().map(|(k, v)| (k.clone(), Slot::Clean(v.clone()))).collect();
         let retired = base.retired.iter().map(|(&id, v)| (id, Slot::Clean(v.clone()))).collect();
         Ok(Txn {
@@ -577,6 +587,7 @@ impl<'s> Txn<'s> {
         // 6. Publish.
         let oldest = self.store.readers.oldest();
         self.w.alloc.commit(generation, oldest.map(|g| g.min(self.base.generation())));
+        self.store.publish_space(&self.w.alloc);
         self.w.chunk_refs = chunk_refs;
         self.w.alloc_dir_blocks = dir_blocks;
         self.store.publish(Snapshot {
@@ -691,6 +702,8 @@ impl Drop for Txn<'_> {
         if !self.done {
             self.w.alloc.abort();
         }
+        // Before `w` (a field) unlocks the writer: the next holder sets its own thread.
+        *self.store.lock_writer_thread() = None;
     }
 }
 
@@ -710,12 +723,19 @@ pub fn format_locked(dev: Arc<dyn BlockDevice>, lock: StoreLock) -> Result<Store
     if lock.access() != Access::Write {
         return Err(Error::ReadOnly("formatting"));
     }
-    if let Some(generation) = lock.oldest_pinned_elsewhere()? {
-        return Err(Error::InvalidArgument(format!(
-            "another process is reading the store there (it holds generation {generation}); close it before formatting"
-        )));
-    }
+    refuse_readers(&lock)?;
     format_with(dev, Some(lock))
+}
+
+/// Fails while another process reads the store `lock` locks: formatting (or resizing) would
+/// take the blocks its pins guard.
+pub(crate) fn refuse_readers(lock: &StoreLock) -> Result<()> {
+    match lock.oldest_pinned_elsewhere()? {
+        Some(generation) => Err(Error::InvalidArgument(format!(
+            "another process is reading the store there (it holds generation {generation}); close it before formatting"
+        ))),
+        None => Ok(()),
+    }
 }
 
 fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Store> {
@@ -752,7 +772,10 @@ fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Sto
         commit_unix_ms: now_ms(),
     };
     let readers = Arc::new(Readers::with_lock(lock));
+    let alloc = Allocator::new(bitmap, bits_per_chunk(bs));
     let store = Store {
+        space: std::sync::RwLock::new(Space::of(&alloc)),
+        writer_thread: std::sync::Mutex::new(None),
         current: std::sync::RwLock::new(Arc::new(Snapshot {
             dev: dev.clone(),
             superblock: sb,
@@ -762,7 +785,7 @@ fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Sto
             _ticket: None,
         })),
         writer: std::sync::Mutex::new(WriterState {
-            alloc: Allocator::new(bitmap, bits_per_chunk(bs)),
+            alloc,
             chunk_refs: Vec::new(),
             alloc_dir_blocks: Vec::new(),
             poisoned: None,

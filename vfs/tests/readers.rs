@@ -57,8 +57,10 @@ fn a_second_writer_is_refused_and_readers_are_not() {
     drop(file_store(&path, 4 << 20, DeviceChoice::Uring));
     let w = writer(&path);
     match Store::open_path(&path, DeviceChoice::Uring) {
-        Err(Error::Locked { holder, path: p }) => {
-            assert_eq!(holder, Some(std::process::id()), "/proc/locks names this process");
+        Err(e @ Error::Locked { .. }) => {
+            assert!(e.to_string().contains("another open store"), "the holder is in this process: {e}");
+            let Error::Locked { holder, path: p } = e else { unreachable!() };
+            assert_eq!(holder, None, "not this process's own pid");
             assert!(p.ends_with("s.img"));
         }
         other => panic!("a second writer must be refused: {:?}", other.map(|_| ())),
@@ -195,4 +197,47 @@ fn an_unreadable_pinned_directory_holds_every_free_block() {
     let w = writer(&path);
     put(&w, "c", 3);
     intact(&w.snapshot(), "c", 3);
+}
+
+#[test]
+fn an_open_transaction_neither_blocks_space_nor_lets_its_own_thread_begin_another() {
+    let dir = tmpdir();
+    let path = dir.path().join("s.img");
+    drop(file_store(&path, 4 << 20, DeviceChoice::Uring));
+    let w = writer(&path);
+    let before = w.space();
+    let txn = w.begin().unwrap();
+    // A progress callback inspecting the store runs on the thread that holds the writer.
+    assert_eq!(w.space(), before, "the last commit's counts, without waiting");
+    match w.begin() {
+        Err(Error::InvalidArgument(why)) => assert!(why.contains("still open"), "{why}"),
+        other => panic!("a nested begin must be refused, not wait on itself: {:?}", other.map(|_| ())),
+    }
+    // Another thread's begin waits for it, then runs.
+    std::thread::scope(|s| {
+        let other = s.spawn(|| w.begin().map(|t| t.commit()).is_ok());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!other.is_finished(), "the second writer waits for the first");
+        drop(txn);
+        assert!(other.join().unwrap());
+    });
+    put(&w, "a", 1);
+    assert!(w.space().used > before.used, "a commit publishes its counts");
+}
+
+#[test]
+fn a_resizing_format_is_refused_while_another_store_reads_and_changes_nothing() {
+    let dir = tmpdir();
+    let path = dir.path().join("s.img");
+    drop(file_store(&path, 4 << 20, DeviceChoice::Uring));
+    put(&writer(&path), "a", 7);
+    let r = reader(&path);
+    let err = ctxfs_vfs::mkfs::format_path(&path, Some(1 << 20), 4096, true, DeviceChoice::Uring)
+        .err()
+        .expect("formatting under a reader is refused");
+    assert!(err.to_string().contains("close it before formatting"), "{err}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 << 20, "not resized");
+    intact(&r.snapshot(), "a", 7);
+    drop(r);
+    intact(&reader(&path).snapshot(), "a", 7);
 }
