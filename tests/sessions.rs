@@ -385,6 +385,29 @@ fn update_store_reopen_round_trips_and_survives_deleting_the_parent() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+#[test]
+fn a_session_whose_reused_context_was_replaced_is_not_stored_over_the_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let (p, added) = (3000usize, 50usize);
+    let d = b.shape.head_dim as usize;
+    let prompt: Vec<u32> = b.tokens[..p].iter().copied().chain(900_000..900_000 + added as u32).collect();
+    let db = open(&store);
+    let (mut session, _) = db.create_session(&prompt).unwrap();
+    let mut rng = SplitMix64::new(4);
+    for layer in 0..2 {
+        let mut gen = |n: usize| (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect::<Vec<f32>>();
+        session.update(layer, &gen(4 * added * d), &gen(2 * added * d), &gen(2 * added * d)).unwrap();
+    }
+    // Another writer replaces "book" while the session runs: a new context under the name.
+    db.delete("book").unwrap();
+    let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
+    db.import("book", &src, |_| {}).unwrap();
+    let err = db.store_session(&session, "book+50").expect_err("the session's prefix is gone");
+    assert!(err.to_string().contains("was replaced since the session opened"), "{err}");
+    assert!(db.open_session("book+50", None).is_err(), "nothing was stored");
+}
+
 /// Session by session and call by call, the same plans and bit-identical outputs; a
 /// difference names the first call that differs.
 fn assert_same_runs(serial: &[Vec<(String, Vec<f32>)>], parallel: &[Vec<(String, Vec<f32>)>], what: &str) {

@@ -288,7 +288,19 @@ impl Db {
         let mut report = WriteReport { tokens: rows, ..Default::default() };
         let mut txn = self.store().begin()?;
         match session.reuse() {
-            Some(r) => txn.create_child_context(name, &r.name, r.prefix as u64, session.new_tokens())?,
+            Some(r) => {
+                // The link goes by name: the context must be the one the session read, not
+                // another imported under its name since (the writer lock holds it now).
+                let now = self.store().snapshot().context(&r.name).map(|c| c.record().id);
+                if now.is_ok_and(|id| id != r.context) {
+                    return input(format!(
+                        "context {:?}, whose prefix the session reused, was replaced since the session opened: \
+                         the stored context would link to the new one",
+                        r.name
+                    ));
+                }
+                txn.create_child_context(name, &r.name, r.prefix as u64, session.new_tokens())?
+            }
             None => txn.create_context(name, shape, session.new_tokens())?,
         }
         for layer in 0..shape.layers as usize {
