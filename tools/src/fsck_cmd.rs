@@ -63,7 +63,7 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
         bar.set_position(done);
     };
     let report = if args.repair {
-        fsck::repair_with(dev, args.drop_damaged, &progress)
+        fsck::repair_locked(dev, &lock, args.drop_damaged, &progress)
     } else {
         fsck::check_pinned(dev.as_ref(), lock, &progress)
     };

@@ -152,6 +152,18 @@ fn fsck_exit_codes_follow_e2fsck() {
     let human = String::from_utf8(ctxfs(&["fsck", p(&store)]).stdout).unwrap();
     assert!(human.contains(&format!("block {victim}")), "{human}");
     assert_eq!(ctxfs(&["fsck", p(&store), "--repair"]).status.code(), Some(4));
+    // Beside a reader in another process, a repair that would write and a resizing mkfs are
+    // refused before they change a byte.
+    let reader = ctxfs_vfs::Store::open_path_read_only(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
+    let len = std::fs::metadata(&store).unwrap().len();
+    for args in [&["fsck", p(&store), "--repair", "--drop-damaged"][..], &["mkfs", p(&store), "--size", "8M", "--force"]] {
+        let out = ctxfs(args);
+        assert_eq!(out.status.code(), if args[0] == "fsck" { Some(8) } else { Some(1) }, "ctxfs {args:?}");
+        assert!(stderr_of(&out).contains("another process is reading the store"), "{}", stderr_of(&out));
+    }
+    assert_eq!(std::fs::metadata(&store).unwrap().len(), len, "not resized");
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(4), "the damage is still there, untouched");
+    drop(reader);
     // Dropping the damaged context is a correction: exit 1, then clean.
     assert_eq!(ctxfs(&["fsck", p(&store), "--repair", "--drop-damaged"]).status.code(), Some(1));
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::format::header::unseal;
 use crate::format::records::{decode_catalog, ContextRecord, ModelShape, ParentLink, StreamRoot};
 use crate::format::{BlockKind, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
-use crate::lock::StoreLock;
+use crate::lock::{Access, StoreLock};
 use crate::store::{
     load_bitmap, pick, read_slots, record_chain, AllocSource, Readers, SlotStatus, Store, CATALOG_CHAIN,
 };
@@ -726,8 +726,32 @@ pub fn repair(dev: Arc<dyn BlockDevice>, drop_damaged: bool) -> Result<Report> {
     repair_with(dev, drop_damaged, &quiet)
 }
 
+/// [`repair_with`] under the store's writer lock: a repair that would write is refused while
+/// another process reads the store, whose pinned state's blocks a rebuilt allocation would
+/// not know.
+pub fn repair_locked(
+    dev: Arc<dyn BlockDevice>,
+    lock: &StoreLock,
+    drop_damaged: bool,
+    progress: Progress<'_>,
+) -> Result<Report> {
+    if lock.access() != Access::Write {
+        return Err(Error::ReadOnly("a repair"));
+    }
+    repair_inner(dev, drop_damaged, progress, Some(lock))
+}
+
 /// [`repair`], reporting progress of its checks as they read.
 pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Progress<'_>) -> Result<Report> {
+    repair_inner(dev, drop_damaged, progress, None)
+}
+
+fn repair_inner(
+    dev: Arc<dyn BlockDevice>,
+    drop_damaged: bool,
+    progress: Progress<'_>,
+    lock: Option<&StoreLock>,
+) -> Result<Report> {
     let first = check_inner(dev.as_ref(), progress)?;
     if first.report.is_clean() {
         return Ok(first.report);
@@ -735,6 +759,10 @@ pub fn repair_with(dev: Arc<dyn BlockDevice>, drop_damaged: bool, progress: Prog
     let Some((active, walk)) = first.active else {
         return Ok(first.report);
     };
+    // Checked where the first write would come, so a clean store is checked beside readers.
+    if let Some(lock) = lock {
+        crate::txn::refuse_readers(lock, "repairing")?;
+    }
     let mut repaired = Vec::new();
 
     // The newest state's metadata is unreadable but the older one is intact: make the older

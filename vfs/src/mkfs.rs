@@ -57,7 +57,7 @@ pub fn format_path(
         if existed && !force {
             refuse_existing_store(path, choice)?;
         }
-        refuse_readers(&lock)?;
+        refuse_readers(&lock, "formatting")?;
         let is_block = file.metadata()?.file_type().is_block_device();
         if !is_block {
             match size {

@@ -723,16 +723,16 @@ pub fn format_locked(dev: Arc<dyn BlockDevice>, lock: StoreLock) -> Result<Store
     if lock.access() != Access::Write {
         return Err(Error::ReadOnly("formatting"));
     }
-    refuse_readers(&lock)?;
+    refuse_readers(&lock, "formatting")?;
     format_with(dev, Some(lock))
 }
 
-/// Fails while another process reads the store `lock` locks: formatting (or resizing) would
-/// take the blocks its pins guard.
-pub(crate) fn refuse_readers(lock: &StoreLock) -> Result<()> {
+/// Fails while another process reads the store `lock` locks: formatting, resizing or
+/// repairing (`doing`) would take blocks its pins guard.
+pub(crate) fn refuse_readers(lock: &StoreLock, doing: &str) -> Result<()> {
     match lock.oldest_pinned_elsewhere()? {
         Some(generation) => Err(Error::InvalidArgument(format!(
-            "another process is reading the store there (it holds generation {generation}); close it before formatting"
+            "another process is reading the store there (it holds generation {generation}); close it before {doing}"
         ))),
         None => Ok(()),
     }
