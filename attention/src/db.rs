@@ -106,11 +106,36 @@ impl PqCodes {
     }
 }
 
+/// Frames each area of the pool holds at the least: a session pins up to 256 value blocks
+/// at a time (`session::PIN_BATCH`), a search a hop's and a scan's index blocks.
+pub const MIN_AREA_FRAMES: u64 = 256;
+
 impl DbConfig {
-    /// Refuses settings no DB can run with (before a caller formats a store for it).
-    pub fn check(&self) -> Result<()> {
+    /// Refuses settings no DB can run with on a store of `block_size` bytes a block (before
+    /// a caller formats a store for it).
+    pub fn check(&self, block_size: usize) -> Result<()> {
         if let Some(b) = self.resident_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
             return crate::error::input(format!("the resident budget must be a positive number, got {b}"));
+        }
+        if !(self.data_fraction > 0.0 && self.data_fraction < 1.0) {
+            return crate::error::input(format!(
+                "the pool's data fraction must be in (0, 1), got {}",
+                self.data_fraction
+            ));
+        }
+        // The least of the two areas, as the pool splits its frames.
+        let frames = self.pool_bytes / block_size.max(1) as u64;
+        let data = (frames as f64 * self.data_fraction).round() as u64;
+        let least = data.min(frames.saturating_sub(data));
+        if least < MIN_AREA_FRAMES {
+            let fraction = self.data_fraction.min(1.0 - self.data_fraction);
+            let needed = (MIN_AREA_FRAMES as f64 / fraction).ceil() as u64 * block_size as u64;
+            return crate::error::input(format!(
+                "a pool of {} bytes is too small: each of its areas needs {MIN_AREA_FRAMES} blocks of {block_size} \
+                 bytes; give at least {needed} bytes ({} MiB)",
+                self.pool_bytes,
+                needed.div_ceil(1 << 20)
+            ));
         }
         Ok(())
     }
@@ -246,7 +271,7 @@ impl Db {
     }
 
     pub fn with_store(store: Store, config: DbConfig) -> Result<Db> {
-        config.check()?;
+        config.check(store.device().block_size())?;
         let pool = Arc::new(BufferPool::new(
             Arc::new(DeviceSource::new(store.device().clone())),
             PoolConfig {

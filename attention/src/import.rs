@@ -207,6 +207,9 @@ impl Db {
             return Err(ctxfs_vfs::Error::ContextExists(name.to_string()).into());
         }
         let n = source.token_count();
+        if n == 0 {
+            return input("a context needs at least one token: the source holds none");
+        }
         let ids = source.token_ids()?;
         if ids.len() != n {
             return input(format!("{} token ids for {n} tokens", ids.len()));

@@ -503,6 +503,12 @@ impl Session {
                 return input(format!("the error target must be a positive number, not {e}"));
             }
         }
+        if let Some(x) = opts.scale.filter(|x| !(x.is_finite() && *x > 0.0)) {
+            return input(format!("the softmax scale must be a positive number, not {x}"));
+        }
+        if let Some(b) = opts.beta.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+            return input(format!("the DIPR range beta must be a finite number ≥ 0, not {b}"));
+        }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let choice = self.on_stored_index(layer, choice)?;
         let on_gpu = self.gpu_usable(opts);

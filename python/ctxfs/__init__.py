@@ -65,9 +65,30 @@ def as_f32(x: Any, name: str) -> np.ndarray:
             t = t.to(torch.float32)
         x = t.contiguous().numpy()
     a = np.asarray(x)
-    if a.dtype not in (np.float32, np.float16):
+    # Either byte order: `np.ascontiguousarray` below converts to native float32.
+    if a.dtype.newbyteorder("=") not in (np.float32, np.float16):
         raise InputError(f"{name}: dtype {a.dtype} (expected float32, float16 or bfloat16)")
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+U32_MAX = 2**32 - 1
+
+
+def as_count(x: Any, name: str) -> int:
+    """A non-negative integer argument that fits the store's u32 fields, else InputError."""
+    n = int(x)
+    if not 0 <= n <= U32_MAX:
+        raise InputError(f"{name} is {n}: expected 0..={U32_MAX}")
+    return n
+
+
+def as_token_ids(ids: Iterable[int], name: str = "token ids") -> list[int]:
+    """Token ids as u32s, else InputError naming the first that is not."""
+    out = [int(t) for t in ids]
+    bad = next((t for t in out if not 0 <= t <= U32_MAX), None)
+    if bad is not None:
+        raise InputError(f"{name}: {bad} is not a token id (0..={U32_MAX})")
+    return out
 
 
 class Progress:
@@ -114,10 +135,11 @@ class Session:
         self._estimated_max: float | None = None
         self._scored = 0
         self._plans: dict[str, int] = {}
+        self._shape: dict = native.info()["shape"]
 
     @property
     def shape(self) -> dict:
-        return self._native.info()["shape"]
+        return dict(self._shape)
 
     @property
     def prefix_tokens(self) -> int:
@@ -151,10 +173,17 @@ class Session:
         ``target_error`` asks for an output error at most this, relative to exact attention's,
         instead of a fixed ``beta``: the range is cut per query where it is estimated to meet
         it (``stats()["estimated_error_max"]`` is the largest estimate seen)."""
+        layer = as_count(layer, "layer")
+        budget = None if budget is None else as_count(budget, "budget")
         a = as_f32(q, "q")
         shape = a.shape
-        if a.ndim not in (2, 3):
-            raise InputError(f"q has shape {shape}: expected [q_heads, head_dim] or [rows, q_heads, head_dim]")
+        m = self._shape
+        want = (m["q_heads"], m["head_dim"])
+        if a.ndim not in (2, 3) or shape[-2:] != want or (a.ndim == 3 and shape[0] == 0):
+            raise InputError(
+                f"q has shape {shape}: expected [q_heads, head_dim] = {list(want)} or [rows, {want[0]}, {want[1]}] "
+                "with rows ≥ 1"
+            )
         rows = 1 if a.ndim == 2 else shape[0]
         out, lse, reports = self._native.attention(
             layer,
@@ -183,13 +212,19 @@ class Session:
         """Appends tokens to ``layer``: ``k`` and ``v`` ``[kv_heads, t, head_dim]``, ``q``
         ``[q_heads, t, head_dim]`` or None (queries train the index when the session is
         stored). Nothing changes when the input is refused."""
+        layer = as_count(layer, "layer")
+        m = self._shape
         qa = None if q is None else as_f32(q, "q")
-        self._native.update(layer, qa, as_f32(k, "k"), as_f32(v, "v"))
+        ka, va = as_f32(k, "k"), as_f32(v, "v")
+        for name, a, heads in (("q", qa, m["q_heads"]), ("k", ka, m["kv_heads"]), ("v", va, m["kv_heads"])):
+            if a is not None and (a.ndim != 3 or a.shape[0] != heads or a.shape[2] != m["head_dim"]):
+                raise InputError(f"{name} has shape {a.shape}: expected [{heads}, t, {m['head_dim']}]")
+        self._native.update(layer, qa, ka, va)
 
     def append_tokens(self, ids: Iterable[int]) -> None:
         """Ids of tokens generated after the prompt, in order (they name the stored context's
         tokens, for prefix reuse)."""
-        self._native.append_tokens([int(i) for i in ids])
+        self._native.append_tokens(as_token_ids(ids))
 
     def store(self, name: str) -> dict:
         """Persists the session's own tokens as context ``name``, on top of the prefix it
@@ -198,7 +233,7 @@ class Session:
 
     def plan(self, layer: int, plan: str | None = None) -> dict:
         """The plan an attention call on ``layer`` runs (``plan`` forces one), and why."""
-        return self._native.plan(layer, plan)
+        return self._native.plan(as_count(layer, "layer"), plan)
 
     def stats(self) -> dict:
         """The session's state and what its attention calls did so far."""
@@ -237,9 +272,9 @@ class Store:
         window: tuple[int, int] = (128, 512),
         resident_budget: float | None = None,
     ) -> "Store":
-        """Formats ``path`` (a file, created with ``size`` bytes when new, which it must then
-        be given; an existing file or a block device keeps its size) and opens it for writing.
-        An existing store is overwritten only with ``force``."""
+        """Formats ``path`` and opens it for writing: a file is sized to ``size`` bytes
+        (needed when it is new or empty; an existing file without ``size`` keeps its size),
+        a block device is taken whole. An existing store is overwritten only with ``force``."""
         return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window, resident_budget))
 
     @classmethod
@@ -318,6 +353,7 @@ class Store:
         tokens: Sequence[int],
         *,
         num_layers: int | None = None,
+        q_heads: int | None = None,
         dtype: str = "f16",
         progress: bool | Callable[[int, int], None] = True,
     ) -> dict:
@@ -325,14 +361,20 @@ class Store:
         ``k`` and ``v`` ``[kv_heads, tokens, head_dim]`` and ``q`` (prefill queries that train
         the index) ``[q_heads, rows, head_dim]``. It is consumed one layer at a time, so only
         one layer need exist at once. ``num_layers`` is needed when ``layers`` has no length.
+        ``q_heads`` (the model's query heads) is needed when layer 0 has no ``q`` and the
+        model groups its queries (GQA): without either, a head per kv head is recorded.
 
         Shapes, dtypes, non-finite values, an existing name and a full store are refused; an
         import that fails leaves nothing behind."""
-        tokens = [int(t) for t in tokens]
-        if num_layers is None:
-            if not hasattr(layers, "__len__"):
-                raise InputError("layers has no length: pass num_layers")
+        tokens = as_token_ids(tokens)
+        if not tokens:
+            raise InputError("a context needs at least one token")
+        if hasattr(layers, "__len__"):
+            if num_layers is not None and num_layers != len(layers):  # type: ignore[arg-type]
+                raise InputError(f"num_layers is {num_layers} but layers holds {len(layers)}")  # type: ignore[arg-type]
             num_layers = len(layers)  # type: ignore[arg-type]
+        elif num_layers is None:
+            raise InputError("layers has no length: pass num_layers")
         it = iter(layers)
 
         def unpack(index: int, item) -> tuple:
@@ -355,7 +397,10 @@ class Store:
         kv_heads, n, head_dim = k0.shape
         if n != len(tokens):
             raise InputError(f"layer 0: k holds {n} tokens but {len(tokens)} token ids were given")
-        q_heads = q0.shape[0] if q0 is not None and q0.ndim == 3 else kv_heads
+        given = q0.shape[0] if q0 is not None and q0.ndim == 3 else None
+        if q_heads is not None and given is not None and q_heads != given:
+            raise InputError(f"q_heads is {q_heads} but layer 0's q has {given} heads")
+        q_heads = q_heads or given or kv_heads
 
         def next_layer(index: int):
             k, v, q = pending.pop(index) if index in pending else unpack(index, next(it, None))
@@ -378,9 +423,11 @@ class Store:
         """A session on ``tokens``, reusing the longest prefix a stored context shares with
         them (at most ``max_reuse`` tokens). Returns the session and the reused prefix length;
         the caller prefills the rest and passes its KV to ``Session.update``."""
-        native, reused = self._native.create_session([int(t) for t in tokens], max_reuse)
+        cap = None if max_reuse is None else as_count(max_reuse, "max_reuse")
+        native, reused = self._native.create_session(as_token_ids(tokens), cap)
         return Session(native, self), reused
 
     def open_session(self, name: str, prefix: int | None = None) -> Session:
         """A session on the first ``prefix`` tokens (all by default) of a named context."""
-        return Session(self._native.open_session(name, prefix), self)
+        cap = None if prefix is None else as_count(prefix, "prefix")
+        return Session(self._native.open_session(name, cap), self)

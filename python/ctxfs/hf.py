@@ -131,7 +131,9 @@ def import_prefix(
     ``store`` as context ``name``: each layer's post-RoPE keys and values and a sample of its
     prefill queries (which train the index). Returns the import's report."""
     cache, queries = capture_prefix(model, input_ids, chunk=chunk, train_queries=train_queries, progress=progress)
-    return import_cache(store, name, cache, queries, _token_list(input_ids), dtype=dtype, progress=progress)
+    q_heads = _shape_of(model)[1]
+    tokens = _token_list(input_ids)
+    return import_cache(store, name, cache, queries, tokens, q_heads=q_heads, dtype=dtype, progress=progress)
 
 
 def import_cache(
@@ -141,17 +143,20 @@ def import_cache(
     queries: Sequence[torch.Tensor | None],
     tokens: Sequence[int],
     *,
+    q_heads: int | None = None,
     dtype: str = "f16",
     progress: bool = True,
 ) -> dict:
     """Imports a transformers cache (``cache.layers[l].keys`` ``[1, kv_heads, n, d]``) as a
-    context, one layer at a time."""
+    context, one layer at a time. ``q_heads`` is the model's query heads
+    (``config.num_attention_heads``), needed when ``queries`` has none for layer 0."""
 
     def layers() -> Iterator[tuple]:
         for layer, q in zip(cache.layers, queries):
             yield layer.keys[0], layer.values[0], q
 
-    return store.import_kv(name, layers(), tokens, num_layers=len(cache.layers), dtype=dtype, progress=progress)
+    n = len(cache.layers)
+    return store.import_kv(name, layers(), tokens, num_layers=n, q_heads=q_heads, dtype=dtype, progress=progress)
 
 
 class CtxfsLayer(CacheLayerMixin):

@@ -66,6 +66,8 @@ pub fn to_py(e: Failure) -> PyErr {
         Failure::Attention(A::Full(_)) => StoreFullError::new_err,
         Failure::Attention(A::Corrupt(_)) => CorruptError::new_err,
         Failure::Attention(A::OverBudget { .. }) => OverBudgetError::new_err,
+        // A pool the caller configured that cannot be built.
+        Failure::Attention(A::Buffer(ctxfs_buffer::BufferError::Config(_))) => InputError::new_err,
         Failure::Attention(A::Buffer(_)) => IoError::new_err,
     };
     make(e.to_string())

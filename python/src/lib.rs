@@ -64,7 +64,7 @@ impl Store {
         let config = config(pool, window, resident_budget);
         let db = py
             .detach(|| -> Result<Db, Failure> {
-                config.check()?;
+                config.check(block_size)?;
                 let store = ctxfs_vfs::mkfs::format_path(&path, size, block_size, force, choice)?;
                 Ok(Db::with_store(store, config)?)
             })

@@ -1,6 +1,7 @@
 """The Store and Session API on a real store file: import, sessions, attention against an
 exact numpy reference, errors refused before anything is written, threads."""
 
+import os
 import threading
 
 import numpy as np
@@ -136,6 +137,48 @@ def test_bad_input_is_refused_and_nothing_is_written(store):
     with pytest.raises(ctxfs.InputError):
         session.update(0, None, np.zeros((KV, 1, D), np.float32), np.zeros((KV, 2, D), np.float32))
     assert session.stats()["updated_rows"] == [0, 0]
+
+
+def test_shapes_numbers_and_pools_are_checked_before_use(store, store_path):
+    session, _ = store.create_session(list(range(N)) + [1])
+    q = np.zeros((QH, D), np.float32)
+    # The same number of elements in another shape is not another layout of the same query.
+    for bad in (np.zeros((2 * QH, D // 2), np.float32), q.T.copy(), np.zeros((1, 2 * QH, D // 2), np.float32)):
+        with pytest.raises(ctxfs.InputError, match="expected"):
+            session.attention(1, bad)
+    with pytest.raises(ctxfs.InputError, match="rows"):
+        session.attention(1, np.zeros((0, QH, D), np.float32))
+    k = np.zeros((KV, 3, D), np.float32)
+    with pytest.raises(ctxfs.InputError, match="expected"):
+        session.update(0, None, k.transpose(1, 0, 2).copy(), k)
+    for opts, what in (({"scale": np.inf}, "scale"), ({"scale": 0.0}, "scale"), ({"beta": np.nan}, "beta")):
+        with pytest.raises(ctxfs.InputError, match=what):
+            session.attention(1, q, plan="diprs", **opts)
+    for call in (lambda: session.attention(-1, q), lambda: session.plan(-1), lambda: session.append_tokens([-1])):
+        with pytest.raises(ctxfs.InputError):
+            call()
+    # Either byte order of float32.
+    assert np.array_equal(session.attention(1, q.astype(">f4"), plan="full"), session.attention(1, q, plan="full"))
+    # No tokens; a layer count the layers contradict.
+    with pytest.raises(ctxfs.InputError, match="at least one token"):
+        store.import_kv("empty", [(k[:, :0], k[:, :0])] * L, [], progress=False)
+    with pytest.raises(ctxfs.InputError, match="num_layers"):
+        store.import_kv("short", kv_layers(2), range(N), num_layers=1, progress=False)
+    # Keys and values alone of a GQA model: q_heads says how many query heads it has.
+    layers = [(k_, v_) for k_, v_, _ in kv_layers(3)]
+    store.import_kv("gqa", layers, range(N), q_heads=QH, progress=False)
+    shape = next(c for c in store.contexts() if c["name"] == "gqa")["shape"]
+    assert (shape["q_heads"], shape["kv_heads"]) == (QH, KV)
+    # A pool too small to serve is refused before the file is formatted or overwritten.
+    for pool in (0, 64 << 10):
+        with pytest.raises(ctxfs.InputError, match="too small"):
+            ctxfs.Store.create(store_path + ".new", size=8 << 20, pool=pool)
+        assert not os.path.exists(store_path + ".new")
+    del session, store
+    with pytest.raises(ctxfs.InputError, match="too small"):
+        ctxfs.Store.create(store_path, force=True, pool=64 << 10)
+    names = [c["name"] for c in ctxfs.Store.open(store_path, read_only=True).contexts()]
+    assert sorted(names) == ["doc", "gqa"]
 
 
 def test_errors_carry_the_rust_message(store, store_path):
