@@ -77,7 +77,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     );
     println!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1);
     println!("{:<44} {:>12.0}", format!("hot hits/s per thread, {} threads", args.threads), hot_n);
-    print_stats(&stats);
+    print!("{}", stats_text(&stats));
     Ok(())
 }
 
@@ -171,21 +171,22 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     Ok((median(pool_rounds), median(raw_rounds), hot1, hot_n, pool.stats()))
 }
 
-pub fn print_stats(s: &PoolStats) {
-    println!(
-        "buffer pool: budget {} (data area {:.0}%), {} allocated, overhead {}",
+/// The pool's statistics as a table.
+pub fn stats_text(s: &PoolStats) -> String {
+    let mut o = format!(
+        "buffer pool: budget {} (data area {:.0}%), {} allocated, overhead {}\n",
         crate::units::human_bytes(s.budget_bytes),
         s.data_fraction * 100.0,
         crate::units::human_bytes(s.allocated_bytes),
         crate::units::human_bytes(s.overhead_bytes)
     );
-    println!(
-        "  {:<6} {:>10} {:>10} {:>7} {:>12} {:>10} {:>16} {:>10}",
+    o += &format!(
+        "  {:<6} {:>10} {:>10} {:>7} {:>12} {:>10} {:>16} {:>10}\n",
         "class", "hits", "misses", "hit %", "read", "evictions", "resident/frames", "held"
     );
     for (name, c) in [("index", &s.index), ("data", &s.data)] {
-        println!(
-            "  {:<6} {:>10} {:>10} {:>6.1}% {:>12} {:>10} {:>16} {:>10}",
+        o += &format!(
+            "  {:<6} {:>10} {:>10} {:>6.1}% {:>12} {:>10} {:>16} {:>10}\n",
             name,
             c.hits,
             c.misses,
@@ -196,4 +197,5 @@ pub fn print_stats(s: &PoolStats) {
             c.resident_pins
         );
     }
+    o
 }

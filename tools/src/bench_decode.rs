@@ -338,7 +338,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             peak.map_or("unknown".to_string(), |b| format!("{} MiB", b >> 20))
         );
     }
-    crate::inspect::print_footprint(NAME, &footprint);
+    print!("{}", crate::inspect::footprint_text(NAME, &footprint));
     println!(
         "held resident: resident_bytes / kv_bytes = {:.3}{}, block maps included",
         warmed.resident_over_kv(),

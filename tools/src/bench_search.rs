@@ -966,6 +966,7 @@ pub fn run(a: Args) -> Result<()> {
             a.tokens > 5 * (WINDOW.0 + WINDOW.1) && a.heads > 0 && !a.seeds.is_empty(),
             "--tokens must exceed five 640-token windows (the 20% prefix holds one); --heads and --seeds must be given"
         );
+        ensure!(a.head_dim >= 2, "--head-dim must be at least 2: the generator pairs dimensions");
         sources.push(Source::Generator {
             seeds: a.seeds.clone(),
             heads: a.heads,

@@ -56,9 +56,10 @@ pub fn run(a: Args) -> Result<()> {
 /// Writes the context file and its decode-query file.
 pub fn generate(a: &Args) -> Result<Vec<Generated>> {
     ensure!(
-        a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.head_dim > 0,
-        "tokens, layers, kv heads and head dim must be positive"
+        a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.q_heads > 0,
+        "tokens, layers, q heads and kv heads must be positive"
     );
+    ensure!(a.head_dim >= 2, "--head-dim must be at least 2: the generator pairs dimensions");
     ensure!(
         a.q_heads.is_multiple_of(a.kv_heads),
         "q heads ({}) must be a multiple of kv heads ({})",

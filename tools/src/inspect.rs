@@ -3,6 +3,8 @@ use anyhow::{bail, Result};
 use ctxfs_attention::describe::{self, context_blocks, hex};
 use ctxfs_vfs::{inspect::live_blocks, DeviceChoice, FileStream, Store};
 use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -38,20 +40,27 @@ impl Args {
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let store = Store::open_path_read_only(&args.store, choice)?;
-    if args.blocks {
-        return list_blocks(&store, args.json);
-    }
-    if args.buffer {
-        return buffer(&store, args.budget, args.json);
-    }
-    match (&args.context, args.layer, args.head) {
-        (Some(name), Some(layer), Some(head)) => vector_file(&store, name, layer, head, args.json),
-        (Some(_), _, _) => bail!("describing a vector file needs both --layer and --head"),
-        _ => summary(&store, &args.store, args.json),
-    }
+    // The report is written whole at the end: a reader that closes the pipe early (`| head`)
+    // ends the command quietly (main), instead of failing a print halfway.
+    let mut o = String::new();
+    let done = if args.blocks {
+        list_blocks(&store, args.json, &mut o)
+    } else if args.buffer {
+        buffer(&store, args.budget, args.json, &mut o)
+    } else {
+        match (&args.context, args.layer, args.head) {
+            (Some(name), Some(layer), Some(head)) => vector_file(&store, name, layer, head, args.json, &mut o),
+            (Some(_), _, _) => bail!("describing a vector file needs both --layer and --head"),
+            _ => summary(&store, &args.store, args.json, &mut o),
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(o.as_bytes())?;
+    stdout.flush()?;
+    done
 }
 
-fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
+fn summary(store: &Store, path: &std::path::Path, json: bool, o: &mut String) -> Result<()> {
     let snap = store.snapshot();
     let sb = *snap.superblock();
     let info = store.device_info();
@@ -61,31 +70,34 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
     if json {
         let mut v = describe::store_json(store);
         v["store"] = json!(path);
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(o, "{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    println!("store       {}", path.display());
-    println!(
+    writeln!(o, "store       {}", path.display())?;
+    writeln!(
+        o,
         "format      v{}, block size {} B, {} blocks ({})",
         sb.format_version,
         sb.block_size,
         sb.total_blocks,
         human_bytes(sb.total_blocks * bs)
-    );
-    println!("superblock  generation {} in slot {}, store id {}", sb.generation, sb.slot(), hex(&sb.store_id));
+    )?;
+    writeln!(o, "superblock  generation {} in slot {}, store id {}", sb.generation, sb.slot(), hex(&sb.store_id))?;
     for s in store.slots() {
         match &s.result {
-            Ok(o) => println!("  slot {}    valid, generation {}", s.slot, o.generation),
-            Err(e) => println!("  slot {}    INVALID: {e}", s.slot),
+            Ok(sb) => writeln!(o, "  slot {}    valid, generation {}", s.slot, sb.generation)?,
+            Err(e) => writeln!(o, "  slot {}    INVALID: {e}", s.slot)?,
         }
     }
-    println!(
+    writeln!(
+        o,
         "device      {} (queue depth {}){}",
         info.kind,
         info.queue_depth,
         info.note.map(|n| format!(" — {n}")).unwrap_or_default()
-    );
-    println!(
+    )?;
+    writeln!(
+        o,
         "space       {} used, {} free ({} free blocks){}",
         human_bytes(used * bs),
         human_bytes(available * bs),
@@ -95,10 +107,11 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         } else {
             String::new()
         }
-    );
+    )?;
     let retired: Vec<String> =
         snap.retired_contexts().map(|c| format!("id {} ({} blocks)", c.id, context_blocks(c).0)).collect();
-    println!(
+    writeln!(
+        o,
         "contexts    {}{}",
         snap.contexts().count(),
         if retired.is_empty() {
@@ -106,11 +119,12 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
         } else {
             format!("; retired (deleted, kept for their children): {}", retired.join(", "))
         }
-    );
+    )?;
     for c in snap.contexts() {
         let (blocks, bytes) = context_blocks(c);
         let sh = &c.shape;
-        println!(
+        writeln!(
+            o,
             "\n  {:?} (id {}): {} tokens{}, {} layers × {} kv heads ({} q heads), head dim {}, {}; {} blocks, {}",
             c.name,
             c.id,
@@ -130,18 +144,18 @@ fn summary(store: &Store, path: &std::path::Path, json: bool) -> Result<()> {
             sh.dtype.name(),
             blocks,
             human_bytes(bytes)
-        );
-        println!("    vector files (index blocks / data blocks):");
+        )?;
+        writeln!(o, "    vector files (index blocks / data blocks):")?;
         let kv = sh.kv_heads as usize;
         for (layer, files) in c.files.chunks(kv).enumerate() {
             let cells: Vec<String> = files.iter().map(|f| format!("{}/{}", f.index.blocks, f.data.blocks)).collect();
-            println!("      layer {layer:>3}: {}", cells.join("  "));
+            writeln!(o, "      layer {layer:>3}: {}", cells.join("  "))?;
         }
     }
     Ok(())
 }
 
-fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> Result<()> {
+fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool, o: &mut String) -> Result<()> {
     let snap = store.snapshot();
     let ctx = snap.context(name)?;
     let mut parts = Vec::new();
@@ -161,30 +175,31 @@ fn vector_file(store: &Store, name: &str, layer: u16, head: u16, json: bool) -> 
             v[if which == FileStream::Index { "index" } else { "data" }] =
                 json!({"blocks": blocks, "bytes": bytes, "extents": runs});
         }
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(o, "{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    println!("vector file {name:?} layer {layer} head {head} ({owner})");
+    writeln!(o, "vector file {name:?} layer {layer} head {head} ({owner})")?;
     for (which, blocks, bytes, runs) in parts {
-        println!("  {:?} stream: {blocks} blocks, {} in {} extents", which, human_bytes(bytes), runs.len());
+        writeln!(o, "  {:?} stream: {blocks} blocks, {} in {} extents", which, human_bytes(bytes), runs.len())?;
         for r in runs.iter().take(20) {
             let (start, len, step) = (r["block"].as_u64(), r["blocks"].as_u64(), r["step"].as_u64());
             let (start, len, step) = (start.unwrap_or(0), len.unwrap_or(0), step.unwrap_or(1));
             let every = if step > 1 { format!(", every {step}") } else { String::new() };
-            println!(
+            writeln!(
+                o,
                 "    logical {:>8} → blocks {start}..{}{every}",
                 r["logical"],
                 start + len.saturating_sub(1) * step + 1
-            );
+            )?;
         }
         if runs.len() > 20 {
-            println!("    … {} more extents (use --json)", runs.len() - 20);
+            writeln!(o, "    … {} more extents (use --json)", runs.len() - 20)?;
         }
     }
     Ok(())
 }
 
-fn list_blocks(store: &Store, json: bool) -> Result<()> {
+fn list_blocks(store: &Store, json: bool, o: &mut String) -> Result<()> {
     let snap = store.snapshot();
     let names: std::collections::BTreeMap<u32, &str> = snap.contexts().map(|c| (c.id, c.name.as_str())).collect();
     let blocks = live_blocks(&snap)?;
@@ -198,24 +213,24 @@ fn list_blocks(store: &Store, json: bool) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string(&list)?);
+        writeln!(o, "{}", serde_json::to_string(&list)?)?;
         return Ok(());
     }
-    println!("{:>10}  {:<10}  {:<7}  owner", "block", "kind", "stream");
+    writeln!(o, "{:>10}  {:<10}  {:<7}  owner", "block", "kind", "stream")?;
     for b in &blocks {
         let ctx = names.get(&b.owner.context).map(|n| format!(" ({n:?})")).unwrap_or_default();
-        println!("{:>10}  {:<10}  {:<7}  {}{ctx}", b.block, b.kind.name(), b.stream.name(), b.owner);
+        writeln!(o, "{:>10}  {:<10}  {:<7}  {}{ctx}", b.block, b.kind.name(), b.stream.name(), b.owner)?;
     }
     Ok(())
 }
 
 /// One context's resident index by part against its KV bytes, and what it holds served
 /// compact.
-pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
+pub(crate) fn footprint_text(name: &str, f: &ctxfs_attention::Footprint) -> String {
     use crate::units::human_bytes;
     let per_token = |b: u64| f.per_token_and_head(b);
-    println!(
-        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2}, block maps {:.2}; beside them a session's window {:.2})",
+    let mut o = format!(
+        "context {name:?}: resident_bytes / kv_bytes = {} / {} = {:.3} ({:.0} B per token and kv head: graph {:.0}, keys {:.0}, seeds {:.1}, quest {:.0}, infllm {:.1}, pq {:.1}, meta {:.2}, block maps {:.2}; beside them a session's window {:.2})\n",
         human_bytes(f.resident_bytes()),
         human_bytes(f.kv_bytes),
         f.ratio(),
@@ -230,18 +245,19 @@ pub(crate) fn print_footprint(name: &str, f: &ctxfs_attention::Footprint) {
         per_token(f.maps),
         per_token(f.window),
     );
-    println!(
-        "  served compact (meta, seeds, PQ codes and block maps): {} = {:.3} of the KV ({:.1} B per token and kv head); with a session's window {:.3}",
+    o += &format!(
+        "  served compact (meta, seeds, PQ codes and block maps): {} = {:.3} of the KV ({:.1} B per token and kv head); with a session's window {:.3}\n",
         human_bytes(f.compact_bytes()),
         f.compact_ratio(),
         per_token(f.compact_bytes()),
         f.compact_and_window_ratio(),
     );
+    o
 }
 
 /// Loads every index block of every context through a buffer pool, as a server opening the
 /// store would, and reports what it cost and whether the index stays resident.
-fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
+fn buffer(store: &Store, budget: u64, json: bool, o: &mut String) -> Result<()> {
     use ctxfs_buffer::{BufferPool, DeviceSource, PoolConfig};
     let config = PoolConfig { budget_bytes: budget, ..Default::default() };
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), config)?;
@@ -259,7 +275,11 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
     let stats = pool.stats();
     let mut footprints = Vec::new();
     for c in snap.contexts() {
-        // A session's window as sessions take it by default.
+        // A session's window as sessions take it by default. A context whose index could
+        // not be read is reported once, by its first error.
+        if failed.iter().any(|f: &String| f.starts_with(&format!("context {:?}:", c.name))) {
+            continue;
+        }
         match ctxfs_attention::footprint::measure(&pool, &snap, &c.name, &ctxfs_attention::Window::default()) {
             Ok(f) => footprints.push((c.name.clone(), f)),
             Err(e) => failed.push(format!("context {:?}: {e}", c.name)),
@@ -279,22 +299,23 @@ fn buffer(store: &Store, budget: u64, json: bool) -> Result<()> {
             "index_blocks": index_blocks, "seconds": secs, "index_resident": fits,
             "contexts": contexts, "errors": failed, "stats": ctxfs_attention::describe::pool_json(&stats),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(o, "{}", serde_json::to_string_pretty(&v)?)?;
+        anyhow::ensure!(failed.is_empty(), "the index of {} contexts could not be read (\"errors\")", failed.len());
         return Ok(());
     }
-    println!("loaded {} index blocks of {} contexts in {secs:.3} s", index_blocks, snap.contexts().count());
-    crate::bench_buffer::print_stats(&stats);
+    writeln!(o, "loaded {} index blocks of {} contexts in {secs:.3} s", index_blocks, snap.contexts().count())?;
+    o.push_str(&crate::bench_buffer::stats_text(&stats));
     for (name, f) in &footprints {
-        print_footprint(name, f);
+        o.push_str(&footprint_text(name, f));
     }
     if fits {
-        println!("the whole index stays resident in this budget");
-    } else {
-        println!("the index does NOT fit: {} index evictions; raise --budget", stats.index.evictions);
+        writeln!(o, "the whole index stays resident in this budget")?;
+    } else if stats.index.evictions > 0 {
+        writeln!(o, "the index does NOT fit: {} index evictions; raise --budget", stats.index.evictions)?;
     }
     for f in &failed {
-        println!("error: {f}");
+        writeln!(o, "error: {f}")?;
     }
-    anyhow::ensure!(failed.is_empty(), "{} index blocks could not be read", failed.len());
+    anyhow::ensure!(failed.is_empty(), "the index of {} contexts could not be read", failed.len());
     Ok(())
 }

@@ -76,6 +76,29 @@ fn mkfs_rejects_bad_input_and_leaves_nothing_behind() {
         );
         assert!(!store.exists());
     }
+    // A size too small for a store changes no existing file, store or not.
+    let other = dir.path().join("other.bin");
+    std::fs::write(&other, vec![7u8; 1 << 20]).unwrap();
+    let out = ctxfs(&["mkfs", p(&other), "--size", "4096", "--force"]);
+    assert!(stderr_of(&out).contains("too small"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read(&other).unwrap(), vec![7u8; 1 << 20], "untouched");
+}
+
+#[test]
+fn a_reader_that_closes_the_pipe_early_ends_inspect_quietly() {
+    let dir = tmp();
+    let store = demo_store(dir.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(["inspect", p(&store), "--blocks"])
+        .env_remove("CTXFS_DEVICE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // `| head -0`
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}: {}", out.status, stderr_of(&out));
+    assert!(!stderr_of(&out).contains("panicked"), "{}", stderr_of(&out));
 }
 
 #[test]
@@ -151,17 +174,23 @@ fn fsck_exit_codes_follow_e2fsck() {
     assert_eq!(v["problems"][0]["context"], "demo-book");
     let human = String::from_utf8(ctxfs(&["fsck", p(&store)]).stdout).unwrap();
     assert!(human.contains(&format!("block {victim}")), "{human}");
+    let generation = |s: &std::path::Path| json(&["inspect", p(s), "--json"])["superblock"]["generation"].clone();
+    let before = generation(&store);
     assert_eq!(ctxfs(&["fsck", p(&store), "--repair"]).status.code(), Some(4));
+    assert_eq!(generation(&store), before, "a repair with nothing it may do commits nothing");
     // Beside a reader in another process, a repair that would write and a resizing mkfs are
     // refused before they change a byte.
     let reader = ctxfs_vfs::Store::open_path_read_only(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
     let len = std::fs::metadata(&store).unwrap().len();
-    for args in [&["fsck", p(&store), "--repair", "--drop-damaged"][..], &["mkfs", p(&store), "--size", "8M", "--force"]] {
+    for args in
+        [&["fsck", p(&store), "--repair", "--drop-damaged"][..], &["mkfs", p(&store), "--size", "8M", "--force"]]
+    {
         let out = ctxfs(args);
         assert_eq!(out.status.code(), if args[0] == "fsck" { Some(8) } else { Some(1) }, "ctxfs {args:?}");
         assert!(stderr_of(&out).contains("another process is reading the store"), "{}", stderr_of(&out));
     }
     assert_eq!(std::fs::metadata(&store).unwrap().len(), len, "not resized");
+    assert_eq!(ctxfs(&["fsck", p(&store), "--repair"]).status.code(), Some(4), "nothing to write: not refused");
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(4), "the damage is still there, untouched");
     drop(reader);
     // Dropping the damaged context is a correction: exit 1, then clean.
@@ -466,6 +495,11 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("multiple of kv heads"));
     assert!(!dir.path().join("bad.safetensors").exists() && !dir.path().join("bad.safetensors.partial").exists());
+    for (flags, why) in [(["--q-heads", "0"], "must be positive"), (["--head-dim", "1"], "at least 2")] {
+        let bad = ctxfs(&[&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10"][..], &flags].concat());
+        assert_eq!(bad.status.code(), Some(1), "{flags:?}: {}", stderr_of(&bad));
+        assert!(stderr_of(&bad).contains(why), "{flags:?}: {}", stderr_of(&bad));
+    }
 }
 
 /// Exact attention in f64 from the generated file, for one (layer, q head, query).

@@ -759,10 +759,8 @@ fn repair_inner(
     let Some((active, walk)) = first.active else {
         return Ok(first.report);
     };
-    // Checked where the first write would come, so a clean store is checked beside readers.
-    if let Some(lock) = lock {
-        crate::txn::refuse_readers(lock, "repairing")?;
-    }
+    // Checked where a write would come: a store with nothing to repair is checked beside readers.
+    let refuse_readers = || lock.map_or(Ok(()), |l| crate::txn::refuse_readers(l, "repairing"));
     let mut repaired = Vec::new();
 
     // The newest state's metadata is unreadable but the older one is intact: make the older
@@ -771,6 +769,7 @@ fn repair_inner(
         if let Some(older) = first.fallback {
             let older_walk = self::walk(dev.as_ref(), &older, progress);
             if older_walk.problems.is_empty() {
+                refuse_readers()?;
                 let revived = Superblock { generation: active.generation + 2, ..older };
                 debug_assert_eq!(revived.slot(), active.slot());
                 let mut buf = AlignedBuf::zeroed(dev.block_size());
@@ -805,6 +804,14 @@ fn repair_inner(
     let mut gone: BTreeSet<u32> = dropping.union(&orphaned).copied().collect();
     let unneeded = walk.family.unneeded(&gone);
     gone.extend(&unneeded);
+    // Nothing to drop or free and nothing to rebuild: no commit (it would overwrite the
+    // fallback state for nothing).
+    let rebuilds =
+        first.report.problems.iter().any(|p| !matches!(p.fix, Fix::None | Fix::DropContext | Fix::FreeRetired));
+    if gone.is_empty() && !rebuilds {
+        return Ok(first.report);
+    }
+    refuse_readers()?;
     // Damaged contexts are left out of the catalog and their blocks out of the allocation;
     // intact ones are freed through their extent maps, which can be read. A block that damage
     // made two owners reference stays allocated while any owner that keeps it remains (the

@@ -3,7 +3,7 @@
 
 use crate::device::{self, BlockDevice, DeviceChoice};
 use crate::txn::refuse_readers;
-use crate::{format_locked, Access, Error, Result, Store, StoreLock};
+use crate::{format_locked, Access, Error, Result, Store, StoreLock, MIN_STORE_BLOCKS};
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
@@ -26,6 +26,13 @@ pub fn format_path(
 ) -> Result<Store> {
     // Checked before the file is created or resized, so a bad value changes nothing.
     device::check_block_size(block_size).map_err(|e| Error::InvalidArgument(format!("block size: {e}")))?;
+    if let Some(blocks) = size.map(|s| s / block_size as u64).filter(|&b| b < MIN_STORE_BLOCKS) {
+        return Err(Error::InvalidArgument(format!(
+            "a size of {blocks} blocks of {block_size} bytes is too small: a store needs at least {MIN_STORE_BLOCKS} \
+             ({} bytes)",
+            MIN_STORE_BLOCKS * block_size as u64
+        )));
+    }
     if device::SpdkPath::parse(path).is_some() {
         return format_spdk(path, size, block_size, force, choice);
     }
@@ -63,7 +70,12 @@ pub fn format_path(
             match size {
                 Some(size) => {
                     let size = size / block_size as u64 * block_size as u64;
-                    file.set_len(size).map_err(|e| io_at(&format!("size to {size} bytes"), path, e))?;
+                    file.set_len(size).map_err(|e| {
+                        Error::Io(io::Error::new(
+                            e.kind(),
+                            format!("cannot size {} to {size} bytes: {e}", path.display()),
+                        ))
+                    })?;
                 }
                 None if file.metadata()?.len() == 0 => {
                     return Err(Error::InvalidArgument(format!(
