@@ -4,6 +4,7 @@ use crate::raw_uring::{Dir, RawFile};
 use anyhow::{bail, Result};
 use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
 use serde_json::json;
+use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -45,6 +46,13 @@ impl Figures {
 }
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
+    if std::fs::metadata(&args.store).is_ok_and(|m| m.file_type().is_block_device()) {
+        bail!(
+            "{} is a block device: bench io compares the store with a raw file beside it, and /dev is no disk \
+             file system; bench a store file on the device's file system instead",
+            args.store.display()
+        );
+    }
     let store = Store::open_path(&args.store, choice)?;
     let bs = store.device().block_size();
     let blocks = (args.mib << 20) / bs as u64;
@@ -56,12 +64,13 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let raw_path = args.store.with_extension("bench-raw");
     // The raw file is made once and written whole before the rounds: its timed writes meet
     // blocks the file system has allocated, not holes it must fill first.
-    let raw = RawFile::create(&raw_path, blocks * bs as u64).and_then(|mut raw| {
-        raw.run(Dir::Write, &seq_offsets(blocks * bs as u64), SEQ_OP, write_depth())?;
-        raw.sync()?;
-        Ok(raw)
-    });
-    let result = raw.and_then(|mut raw| rounds(&args, &store, &name, &mut raw, blocks));
+    // A file already there is refused, and stays: only the file made here is removed.
+    let mut raw = RawFile::create(&raw_path, blocks * bs as u64)?;
+    let result = raw
+        .run(Dir::Write, &seq_offsets(blocks * bs as u64), SEQ_OP, write_depth())
+        .and_then(|()| raw.sync())
+        .and_then(|()| rounds(&args, &store, &name, &mut raw, blocks));
+    drop(raw);
     let _ = std::fs::remove_file(&raw_path);
     let (ours, raw) = result?;
     report(&args, &store, &raw_path, &ours, &raw)

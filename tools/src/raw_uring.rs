@@ -26,11 +26,11 @@ impl RawFile {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            // Never over a file that exists: the path is derived from the store's.
+            .create_new(true)
             .custom_flags(libc::O_DIRECT)
             .open(path)
-            .with_context(|| format!("cannot create raw scratch file {}", path.display()))?;
+            .with_context(|| format!("cannot create raw scratch file {} (it must not exist)", path.display()))?;
         file.set_len(len)?;
         Ok(RawFile { file, ring: IoUring::new(256)? })
     }

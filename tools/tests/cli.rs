@@ -248,6 +248,12 @@ fn bench_io_reports_ratios_and_cleans_up() {
     assert_eq!(json(&["inspect", p(&store), "--json"])["contexts"].as_array().unwrap().len(), 0);
     assert!(!store.with_extension("bench-raw").exists());
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+    // A file where the scratch file would go is the user's: refused, and left as it was.
+    std::fs::write(store.with_extension("bench-raw"), b"keep").unwrap();
+    let out = ctxfs(&["bench", "io", p(&store), "--mib", "1", "--random-reads", "64", "--rounds", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr_of(&out).contains("must not exist"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read(store.with_extension("bench-raw")).unwrap(), b"keep");
 }
 
 #[test]
