@@ -72,10 +72,24 @@ fn head_blocks(n: usize, d: usize, degree: usize, payload: usize) -> u64 {
 /// blocks add under 1% (a 4-byte CRC per block mapped, and a 16-byte run for each key and
 /// value block, which lie side by side); 2% is reserved.
 fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Result<u64> {
-    let payload = max_payload(db.store().device().block_size());
+    let bs = db.store().device().block_size();
+    let payload = max_payload(bs);
+    // A key row, and each coarse record, must fit a block: else the build fails after hours.
+    let d = shape.head_dim as usize;
+    let key_row = d * shape.dtype.size();
+    let fits = if key_row > payload {
+        Err(format!("a key row of {key_row} bytes does not fit a block payload of {payload} bytes"))
+    } else {
+        ctxfs_index::coarse::check_records_fit(d, payload)
+    };
+    if let Err(why) = fits {
+        return input(format!(
+            "head dim {d} needs larger blocks than this store's {bs} bytes ({why}): format the store with a larger \
+             --block-size"
+        ));
+    }
     // The sequence edges take slots of a node's record, as the build lists them.
     let degree = build.degree + build.extra_degree;
-    let d = shape.head_dim as usize;
     // Coarse metadata: Quest's page bounds (d/4 bytes a token), InfLLM's representatives and
     // PQ codes (a few bytes a token), PQ's centroids, and their meta blocks.
     let coarse = (n * (d / 4 + 16)).div_ceil(payload) as u64 + 256 * d as u64 * 2 / payload as u64 + 8;

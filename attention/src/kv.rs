@@ -111,6 +111,14 @@ impl SafetensorsKv {
         if layers == 0 {
             return input(format!("{} has no layers.0.k tensor", path.display()));
         }
+        // Layers are numbered from 0 without gaps: one beyond the run is not silently dropped.
+        let beyond = kv.meta.tensors().iter().filter_map(|(name, _)| layer_of(name)).filter(|&l| l >= layers).min();
+        if let Some(l) = beyond {
+            return input(format!(
+                "{} has tensors of layer {l} but no layers.{layers}.k: layers must be numbered 0.. without gaps",
+                path.display()
+            ));
+        }
         let k0 = kv.shape_of("layers.0.k", &[None, None, None])?;
         let (heads, n, d) = (k0[0], k0[1], k0[2]);
         let q_heads = kv.meta.info("layers.0.q").map_or(heads, |t| t.shape.first().copied().unwrap_or(0));
@@ -305,6 +313,12 @@ fn decode(name: &str, dtype: Dtype, bytes: &[u8], first: usize) -> Result<Vec<f3
         return input(format!("tensor {name} element {} = {} is not finite", first + i, out[i]));
     }
     Ok(out)
+}
+
+/// The layer of a `layers.{l}.k`, `.v` or `.q` tensor's name.
+fn layer_of(name: &str) -> Option<usize> {
+    let (layer, part) = name.strip_prefix("layers.")?.split_once('.')?;
+    ["k", "v", "q"].contains(&part).then(|| layer.parse().ok()).flatten()
 }
 
 fn element_size(name: &str, dtype: Dtype) -> Result<usize> {

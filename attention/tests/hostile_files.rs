@@ -36,6 +36,17 @@ fn a_well_formed_context_file_reads() {
 }
 
 #[test]
+fn a_layer_beyond_a_gap_is_refused_not_dropped() {
+    let gap = format!(
+        r#"{{{KV},"layers.2.k":{{"dtype":"F16","shape":[1,2,2],"data_offsets":[16,24]}},"layers.2.v":{{"dtype":"F16","shape":[1,2,2],"data_offsets":[24,32]}}}}"#
+    );
+    match open(&file(&gap, &[0x3c; 32])) {
+        Err(Error::Input(why)) => assert!(why.contains("layer 2") && why.contains("layers.1.k"), "{why}"),
+        other => panic!("a file of layers 0 and 2 must be refused: {:?}", other.map(|kv| kv.shape())),
+    }
+}
+
+#[test]
 fn context_files_whose_header_lies_are_input_errors() {
     let q = |shape: &str, offsets: &str| {
         format!(r#"{{{KV},"layers.0.q":{{"dtype":"F32","shape":{shape},"data_offsets":{offsets}}}}}"#)

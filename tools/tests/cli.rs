@@ -924,6 +924,33 @@ fn an_interrupted_import_leaves_nothing_visible_and_no_space_lost() {
 }
 
 #[test]
+fn a_head_dim_whose_records_need_larger_blocks_is_refused_before_building() {
+    let dir = tmp();
+    let ctx = dir.path().join("wide.safetensors");
+    ok(&[
+        "gen",
+        p(&ctx),
+        "--tokens",
+        "1024",
+        "--layers",
+        "1",
+        "--q-heads",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "600",
+    ]);
+    let (small, large) = (dir.path().join("4k.ctxfs"), dir.path().join("8k.ctxfs"));
+    ok(&["mkfs", p(&small), "--size", "16M"]);
+    let out = ctxfs(&["import", p(&small), p(&ctx), "--name", "w"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr_of(&out).contains("--block-size"), "{}", stderr_of(&out));
+    ok(&["mkfs", p(&large), "--size", "32M", "--block-size", "8192"]);
+    ok(&["import", p(&large), p(&ctx), "--name", "w"]);
+}
+
+#[test]
 fn import_into_a_full_store_is_refused_before_writing() {
     let dir = tmp();
     let ctx = thin_layers(dir.path());

@@ -60,6 +60,13 @@ pub struct InfllmParams {
     pub reps: u32,
 }
 
+impl InfllmParams {
+    /// Bytes of one block's record for keys of `dim` elements.
+    pub fn record_bytes(&self, dim: usize) -> usize {
+        Shape { tokens: 0, dim, block_tokens: self.block_tokens, reps: self.reps as usize }.record()
+    }
+}
+
 impl Default for InfllmParams {
     /// InfLLM's defaults: blocks of 128 tokens, 4 representatives.
     fn default() -> Self {

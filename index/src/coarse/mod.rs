@@ -285,6 +285,15 @@ impl Records for PagedRecords<'_> {
     }
 }
 
+/// Fails, saying which, when a record of the coarse indexes an import builds (with default
+/// parameters) for keys of `dim` elements does not fit a block payload of `payload` bytes:
+/// checked before anything is built or written.
+pub fn check_records_fit(dim: usize, payload: usize) -> Result<(), String> {
+    records_per_block(quest::record_bytes(dim), payload, "quest page")?;
+    records_per_block(infllm::InfllmParams::default().record_bytes(dim), payload, "infllm block")?;
+    Ok(())
+}
+
 /// Packs records (`size` bytes each) into block payloads: how many fit a block, and the blocks.
 fn pack(bytes: &[u8], size: usize, payload: usize, what: &str) -> Result<(u32, Vec<Vec<u8>>), String> {
     let per = records_per_block(size, payload, what)?;
@@ -295,7 +304,7 @@ fn pack(bytes: &[u8], size: usize, payload: usize, what: &str) -> Result<(u32, V
 /// or why not).
 fn records_per_block(size: usize, payload: usize, what: &str) -> Result<u32, String> {
     match payload / size {
-        0 => Err(format!("a {what} record of {size} bytes does not fit a block payload of {payload} bytes")),
+        0 => Err(format!("{what} records of {size} bytes do not fit a block payload of {payload} bytes")),
         per => Ok(per as u32),
     }
 }

@@ -85,10 +85,15 @@ impl QuestMeta {
     fn sections(&self) -> [Section; 1] {
         [Section {
             records: self.pages() as usize,
-            size: 4 * self.dim as usize,
+            size: record_bytes(self.dim as usize),
             per_block: self.pages_per_block as usize,
         }]
     }
+}
+
+/// Bytes of one page's record for keys of `dim` elements: its max row and min row, f16.
+pub fn record_bytes(dim: usize) -> usize {
+    4 * dim
 }
 
 /// Page bounds in memory: what the import builds and encodes.
@@ -127,7 +132,7 @@ impl Quest {
 
     /// The meta block, then the page blocks, for blocks of `payload` bytes.
     pub fn payloads(&self, payload: usize) -> Result<Vec<Vec<u8>>, String> {
-        let (per, blocks) = pack(bytemuck::cast_slice(&self.records), 4 * self.dim, payload, "quest page")?;
+        let (per, blocks) = pack(bytemuck::cast_slice(&self.records), record_bytes(self.dim), payload, "quest page")?;
         let meta = QuestMeta {
             tokens: self.tokens,
             dim: self.dim as u32,
@@ -139,7 +144,7 @@ impl Quest {
 
     /// The bound of every page below the prefix (the scores [`Coarse::select`] ranks).
     pub fn page_scores(&self, q: &[f32], prefix: Option<u32>) -> Result<Vec<f32>, BufferError> {
-        let recs = MemRecords { bytes: bytemuck::cast_slice(&self.records), size: 4 * self.dim };
+        let recs = MemRecords { bytes: bytemuck::cast_slice(&self.records), size: record_bytes(self.dim) };
         Ok(page_scores(&recs, self.dim, self.page_tokens, self.tokens, q, prefix)?.scores(0).to_vec())
     }
 }
@@ -149,10 +154,10 @@ impl Coarse for Quest {
         self.tokens
     }
     fn metadata_bytes_per_token(&self) -> f64 {
-        (4 * self.dim) as f64 / self.page_tokens as f64
+        record_bytes(self.dim) as f64 / self.page_tokens as f64
     }
     fn select(&self, q: &[f32], budget_tokens: usize, prefix: Option<u32>) -> Result<CoarseResult, BufferError> {
-        let recs = MemRecords { bytes: bytemuck::cast_slice(&self.records), size: 4 * self.dim };
+        let recs = MemRecords { bytes: bytemuck::cast_slice(&self.records), size: record_bytes(self.dim) };
         select(&recs, self.dim, self.page_tokens, self.tokens, q, budget_tokens, prefix)
     }
 }
