@@ -117,8 +117,7 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
     }
     let tokens: Vec<i64> = (0..n as i64).map(|t| (t * 2_654_435_761) % 128_000).collect();
     out.write(bytemuck::cast_slice(&tokens))?;
-    out.finish()?;
-    qout.finish()?;
+    StreamWriter::finish_together(vec![out, qout])?;
     bar.finish_and_clear();
     Ok(per_head)
 }

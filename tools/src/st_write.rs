@@ -92,7 +92,7 @@ impl StreamWriter {
             ensure!(self.next < self.sizes.len(), "more data than the tensors declared");
             let (name, size) = &self.sizes[self.next];
             let take = ((size - self.written) as usize).min(rest.len());
-            self.out.write_all(&rest[..take]).with_context(|| format!("writing {name}"))?;
+            self.out.write_all(&rest[..take]).with_context(|| format!("writing {name} to {}", self.tmp.display()))?;
             self.written += take as u64;
             rest = &rest[take..];
             if self.written == *size {
@@ -103,8 +103,8 @@ impl StreamWriter {
         Ok(())
     }
 
-    /// Checks every tensor is complete, syncs, and moves the file into place.
-    pub fn finish(mut self) -> Result<()> {
+    /// Checks every tensor is complete and syncs the file, still under its temporary name.
+    fn seal(&mut self) -> Result<()> {
         while self.next < self.sizes.len() && self.sizes[self.next].1 == 0 {
             self.next += 1;
         }
@@ -113,10 +113,21 @@ impl StreamWriter {
             "tensor {} is incomplete",
             self.sizes.get(self.next).map_or("?", |s| s.0.as_str())
         );
-        self.out.flush()?;
-        self.out.get_ref().sync_all()?;
-        std::fs::rename(&self.tmp, &self.path)
-            .with_context(|| format!("cannot move {} into place", self.path.display()))?;
+        self.out
+            .flush()
+            .and_then(|()| self.out.get_ref().sync_all())
+            .with_context(|| format!("writing {}", self.tmp.display()))
+    }
+
+    /// Seals every file, then moves them all into place: of files that belong together (a
+    /// context and its queries), none appears when writing any of them fails.
+    pub fn finish_together(mut files: Vec<StreamWriter>) -> Result<()> {
+        for f in &mut files {
+            f.seal()?;
+        }
+        for f in &files {
+            std::fs::rename(&f.tmp, &f.path).with_context(|| format!("cannot move {} into place", f.path.display()))?;
+        }
         Ok(())
     }
 }
