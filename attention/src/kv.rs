@@ -67,7 +67,11 @@ impl SafetensorsKv {
         let bad = |why: String| Error::Input(format!("{} is not a safetensors file: {why}", path.display()));
         let file =
             std::fs::File::open(path).map_err(|e| Error::Input(format!("cannot open {}: {e}", path.display())))?;
-        let len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+        let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
+        let len = meta.len();
         let mut head = [0u8; 8];
         file.read_exact_at(&mut head, 0).map_err(|_| bad("shorter than its 8-byte header length".into()))?;
         let n = u64::from_le_bytes(head);

@@ -33,7 +33,8 @@ pub struct LayerQueries {
 impl<'a> QueryFile<'a> {
     /// Parses the header of a query file (the whole file's bytes).
     pub fn parse(bytes: &'a [u8]) -> Result<QueryFile<'a>> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Input(format!("not a safetensors file: {e}")))?;
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::Input(format!("not a safetensors file: {}", describe_error(&e))))?;
         Ok(QueryFile { st, tensor: "q" })
     }
 
@@ -81,6 +82,21 @@ impl LayerQueries {
 }
 
 /// Step `s` of a layer's queries `[q_heads, n, d]` (row after row): each q head's `s`-th row.
+/// What is wrong with a file, in words (the library's own message is its variant's name).
+fn describe_error(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "shorter than its 8-byte header length".into(),
+        E::InvalidHeaderLength | E::HeaderTooLarge => "its header length does not fit the file".into(),
+        E::InvalidHeader | E::InvalidHeaderStart => "its header is not a UTF-8 JSON object".into(),
+        E::InvalidHeaderDeserialization | E::JsonError(_) => "its header is not valid safetensors JSON".into(),
+        E::MetadataIncompleteBuffer => "its tensors do not cover its data exactly (truncated or padded)".into(),
+        E::InvalidOffset(name) => format!("tensor {name}'s data offsets are invalid"),
+        E::TensorInvalidInfo | E::ValidationOverflow => "a tensor's shape and dtype disagree with its offsets".into(),
+        other => format!("{other}"),
+    }
+}
+
 pub fn step_of(queries: &[f32], n: usize, d: usize, s: usize) -> Vec<f32> {
     queries.chunks_exact(n * d).flat_map(|head| head[s * d..(s + 1) * d].iter().copied()).collect()
 }

@@ -1063,11 +1063,16 @@ impl Session {
     fn coarse_run<'r>(&self, r: &SegmentReader<'r>, kind: CoarseKind, plan: Plan) -> Result<Blocks<'r>> {
         match self.stored_run(r, kind, plan)? {
             Some(run) => Ok(run),
-            None => input(format!(
-                "context {} has no {} index (stored without it); choose another --mode",
-                r.seg.context,
-                plan.name()
-            )),
+            None => {
+                // A context reused by a session may be retired since: its id then names it.
+                let name = self.snap.context_by_id(r.seg.context).map(|c| format!("{:?}", c.record().name));
+                input(format!(
+                    "context {} has no {} index (stored without it: a bf16 context has none); choose another \
+                     --mode",
+                    name.unwrap_or_else(|_| r.seg.context.to_string()),
+                    plan.name()
+                ))
+            }
         }
     }
 

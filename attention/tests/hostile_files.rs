@@ -98,4 +98,9 @@ fn query_files_whose_shapes_lie_are_input_errors() {
     let mut long = two.clone();
     long[..8].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(QueryFile::parse(&long).is_err());
+    // Said in words, not the parser's variant names.
+    for (bytes, says) in [(&b""[..], "shorter than"), (&two[..two.len() - 4], "do not cover its data")] {
+        let err = QueryFile::parse(bytes).err().expect("refused").to_string();
+        assert!(err.contains(says), "{err}");
+    }
 }

@@ -130,8 +130,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let shape = session.shape();
     let d = shape.head_dim as usize;
     let file = std::fs::File::open(&args.queries).with_context(|| format!("cannot open {}", args.queries.display()))?;
+    anyhow::ensure!(file.metadata()?.is_file(), "{} is not a regular file", args.queries.display());
     // SAFETY: mapped read-only, not modified while mapped.
-    let map = unsafe { memmap2::Mmap::map(&file)? };
+    let map =
+        unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", args.queries.display()))?;
     let at = |e: ctxfs_attention::Error| anyhow!("{}: {e}", args.queries.display());
     let file = QueryFile::parse(&map).map_err(at)?;
     let file = if args.decode { file.decode_steps() } else { file };
