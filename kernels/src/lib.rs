@@ -87,11 +87,17 @@ pub fn detected() -> Isa {
 pub fn active() -> Isa {
     static ACTIVE: OnceLock<Isa> = OnceLock::new();
     *ACTIVE.get_or_init(|| {
-        let wanted = match std::env::var("CTXFS_KERNELS").as_deref() {
+        let asked = std::env::var("CTXFS_KERNELS").map(|v| v.to_ascii_lowercase());
+        let wanted = match asked.as_deref() {
             Ok("scalar") => Isa::Scalar,
             Ok("neon") => Isa::Neon,
             Ok("avx2") => Isa::Avx2,
-            _ => Isa::Avx512,
+            Ok("avx512") | Ok("") | Err(_) => Isa::Avx512,
+            Ok(other) => {
+                // Said once, where a typo would otherwise go unnoticed in every figure.
+                eprintln!("ctxfs: CTXFS_KERNELS={other:?} is none of scalar, neon, avx2, avx512: the best this CPU runs is used");
+                Isa::Avx512
+            }
         };
         usable(wanted)
     })
