@@ -116,7 +116,7 @@ impl SafetensorsKv {
             return input(format!("{} has no layers.0.k tensor", path.display()));
         }
         // Layers are numbered from 0 without gaps: one beyond the run is not silently dropped.
-        let beyond = kv.meta.tensors().iter().filter_map(|(name, _)| layer_of(name)).filter(|&l| l >= layers).min();
+        let beyond = kv.meta.tensors().keys().filter_map(|name| layer_of(name)).filter(|&l| l >= layers).min();
         if let Some(l) = beyond {
             return input(format!(
                 "{} has tensors of layer {l} but no layers.{layers}.k: layers must be numbered 0.. without gaps",

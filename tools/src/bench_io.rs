@@ -66,12 +66,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     // blocks the file system has allocated, not holes it must fill first.
     // A file already there is refused, and stays: only the file made here is removed.
     let mut raw = RawFile::create(&raw_path, blocks * bs as u64)?;
+    let scratch = crate::scratch_files::register(&raw_path);
     let result = raw
         .run(Dir::Write, &seq_offsets(blocks * bs as u64), SEQ_OP, write_depth())
         .and_then(|()| raw.sync())
         .and_then(|()| rounds(&args, &store, &name, &mut raw, blocks));
     drop(raw);
     let _ = std::fs::remove_file(&raw_path);
+    drop(scratch);
     let (ours, raw) = result?;
     report(&args, &store, &raw_path, &ours, &raw)
 }

@@ -24,6 +24,7 @@ mod mkfs;
 mod progress;
 mod query;
 mod raw_uring;
+mod scratch_files;
 mod st_write;
 mod units;
 

@@ -31,8 +31,15 @@ impl RawFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("cannot create raw scratch file {} (it must not exist)", path.display()))?;
-        file.set_len(len)?;
-        Ok(RawFile { file, ring: IoUring::new(256)? })
+        // The file is this call's: a failure removes it again.
+        let ready = file.set_len(len).map_err(anyhow::Error::from).and_then(|()| Ok(IoUring::new(256)?));
+        match ready {
+            Ok(ring) => Ok(RawFile { file, ring }),
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                Err(e)
+            }
+        }
     }
 
     /// Opens an existing file (a store) with O_DIRECT, to read it raw.

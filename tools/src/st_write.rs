@@ -45,6 +45,8 @@ impl TensorSpec {
 pub struct StreamWriter {
     out: BufWriter<std::fs::File>,
     tmp: PathBuf,
+    /// Removes `tmp` on Ctrl-C.
+    _scratch: crate::scratch_files::Registered,
     path: PathBuf,
     sizes: Vec<(String, u64)>,
     next: usize,
@@ -72,17 +74,19 @@ impl StreamWriter {
         }
         let tmp = path.with_extension("safetensors.partial");
         let file = std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&(json.len() as u64).to_le_bytes())?;
-        out.write_all(&json)?;
-        Ok(StreamWriter {
-            out,
+        let mut w = StreamWriter {
+            out: BufWriter::with_capacity(1 << 20, file),
+            _scratch: crate::scratch_files::register(&tmp),
             tmp,
             path: path.to_path_buf(),
             sizes: specs.iter().map(|s| (s.name.clone(), s.bytes())).collect(),
             next: 0,
             written: 0,
-        })
+        };
+        // Written through `w`: if the header cannot be, dropping it removes the file.
+        w.out.write_all(&(json.len() as u64).to_le_bytes())?;
+        w.out.write_all(&json)?;
+        Ok(w)
     }
 
     /// Appends bytes of the current tensor; moves to the next tensor when it is complete.

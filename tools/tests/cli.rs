@@ -924,6 +924,30 @@ fn an_interrupted_import_leaves_nothing_visible_and_no_space_lost() {
 }
 
 #[test]
+fn an_interrupted_gen_leaves_no_partial_file() {
+    let dir = tmp();
+    let out = dir.path().join("big.safetensors");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(["gen", p(&out), "--tokens", "262144", "--layers", "8"])
+        .env_remove("CTXFS_DEVICE")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let partial = out.with_extension("safetensors.partial");
+    let started = std::time::Instant::now();
+    while !partial.exists() {
+        assert!(started.elapsed().as_secs() < 60, "gen never started writing");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
 fn a_head_dim_whose_records_need_larger_blocks_is_refused_before_building() {
     let dir = tmp();
     let ctx = dir.path().join("wide.safetensors");
