@@ -60,6 +60,7 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
         "tokens, layers, q heads and kv heads must be positive"
     );
     ensure!(a.head_dim >= 2, "--head-dim must be at least 2: the generator pairs dimensions");
+    ensure!(a.decode_queries > 0, "--decode-queries must be at least 1: the statistics printed are measured on them");
     ensure!(
         a.q_heads.is_multiple_of(a.kv_heads),
         "q heads ({}) must be a multiple of kv heads ({})",

@@ -92,8 +92,14 @@ enum BenchCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Only commands that open a store read the device choice: a bad CTXFS_DEVICE fails them.
+    let opens_no_store = matches!(
+        cli.command,
+        Command::Gen(_) | Command::Bench { which: BenchCommand::Search(_) | BenchCommand::Gpu(_) }
+    );
     let device = match cli.device.map(Ok).unwrap_or_else(DeviceChoice::from_env) {
         Ok(d) => d,
+        Err(_) if opens_no_store => DeviceChoice::Auto,
         Err(e) => {
             eprintln!("ctxfs: {e}");
             return ExitCode::from(2);
