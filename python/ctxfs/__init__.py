@@ -82,6 +82,23 @@ def as_count(x: Any, name: str) -> int:
     return n
 
 
+def as_size(x: Any, name: str) -> int:
+    """A byte count (u64), else InputError."""
+    n = int(x)
+    if not 0 <= n < 2**64:
+        raise InputError(f"{name} is {n}: expected a byte count, 0..2**64")
+    return n
+
+
+def as_window(window: Any) -> tuple[int, int]:
+    """A (first, last) token window, else InputError."""
+    try:
+        first, last = window
+    except (TypeError, ValueError):
+        raise InputError(f"window is {window!r}: expected (first, last) token counts") from None
+    return as_count(first, "window's first tokens"), as_count(last, "window's last tokens")
+
+
 def as_token_ids(ids: Iterable[int], name: str = "token ids") -> list[int]:
     """Token ids as u32s, else InputError naming the first that is not."""
     out = [int(t) for t in ids]
@@ -275,6 +292,9 @@ class Store:
         """Formats ``path`` and opens it for writing: a file is sized to ``size`` bytes
         (needed when it is new or empty; an existing file without ``size`` keeps its size),
         a block device is taken whole. An existing store is overwritten only with ``force``."""
+        size = None if size is None else as_size(size, "size")
+        block_size = as_count(block_size, "block_size")
+        pool, window = as_size(pool, "pool"), as_window(window)
         return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window, resident_budget))
 
     @classmethod
@@ -293,6 +313,7 @@ class Store:
         exactly; ``resident_budget`` is the most a served context may hold resident per byte
         of its KV cache (``warm``: over it, a context is served compact from its PQ codes,
         or refused with ``OverBudgetError`` when even those exceed it)."""
+        pool, window = as_size(pool, "pool"), as_window(window)
         return cls(_native.Store.open(str(path), pool, device, read_only, window, resident_budget))
 
     @property
@@ -375,6 +396,8 @@ class Store:
             num_layers = len(layers)  # type: ignore[arg-type]
         elif num_layers is None:
             raise InputError("layers has no length: pass num_layers")
+        if not 1 <= int(num_layers) <= 0xFFFF or (q_heads is not None and not 1 <= int(q_heads) <= 0xFFFF):
+            raise InputError(f"num_layers {num_layers} and q_heads {q_heads} must be 1..=65535")
         it = iter(layers)
 
         def unpack(index: int, item) -> tuple:

@@ -169,6 +169,14 @@ def test_shapes_numbers_and_pools_are_checked_before_use(store, store_path):
     store.import_kv("gqa", layers, range(N), q_heads=QH, progress=False)
     shape = next(c for c in store.contexts() if c["name"] == "gqa")["shape"]
     assert (shape["q_heads"], shape["kv_heads"]) == (QH, KV)
+    # Out-of-range integers are input errors, not the binding's OverflowError.
+    for call in (
+        lambda: ctxfs.Store.create(store_path + ".new", size=8 << 20, block_size=-1),
+        lambda: ctxfs.Store.open(store_path, read_only=True, window=(-1, 0)),
+        lambda: store.import_kv("many", kv_layers(4), range(N), num_layers=70000, progress=False),
+    ):
+        with pytest.raises(ctxfs.InputError):
+            call()
     # A pool too small to serve is refused before the file is formatted or overwritten.
     for pool in (0, 64 << 10):
         with pytest.raises(ctxfs.InputError, match="too small"):
