@@ -81,7 +81,6 @@ impl LayerQueries {
     }
 }
 
-/// Step `s` of a layer's queries `[q_heads, n, d]` (row after row): each q head's `s`-th row.
 /// What is wrong with a file, in words (the library's own message is its variant's name).
 fn describe_error(e: &safetensors::SafeTensorError) -> String {
     use safetensors::SafeTensorError as E;
@@ -97,6 +96,7 @@ fn describe_error(e: &safetensors::SafeTensorError) -> String {
     }
 }
 
+/// Step `s` of a layer's queries `[q_heads, n, d]` (row after row): each q head's `s`-th row.
 pub fn step_of(queries: &[f32], n: usize, d: usize, s: usize) -> Vec<f32> {
     queries.chunks_exact(n * d).flat_map(|head| head[s * d..(s + 1) * d].iter().copied()).collect()
 }

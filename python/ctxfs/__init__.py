@@ -72,21 +72,15 @@ def as_f32(x: Any, name: str) -> np.ndarray:
 
 
 U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
 
 
-def as_count(x: Any, name: str) -> int:
-    """A non-negative integer argument that fits the store's u32 fields, else InputError."""
+def as_count(x: Any, name: str, most: int = U32_MAX) -> int:
+    """A non-negative integer argument of at most ``most`` (the native field's range: u32
+    unless said), else InputError."""
     n = int(x)
-    if not 0 <= n <= U32_MAX:
-        raise InputError(f"{name} is {n}: expected 0..={U32_MAX}")
-    return n
-
-
-def as_size(x: Any, name: str) -> int:
-    """A byte count (u64), else InputError."""
-    n = int(x)
-    if not 0 <= n < 2**64:
-        raise InputError(f"{name} is {n}: expected a byte count, 0..2**64")
+    if not 0 <= n <= most:
+        raise InputError(f"{name} is {n}: expected 0..={most}")
     return n
 
 
@@ -292,9 +286,9 @@ class Store:
         """Formats ``path`` and opens it for writing: a file is sized to ``size`` bytes
         (needed when it is new or empty; an existing file without ``size`` keeps its size),
         a block device is taken whole. An existing store is overwritten only with ``force``."""
-        size = None if size is None else as_size(size, "size")
+        size = None if size is None else as_count(size, "size", U64_MAX)
         block_size = as_count(block_size, "block_size")
-        pool, window = as_size(pool, "pool"), as_window(window)
+        pool, window = as_count(pool, "pool", U64_MAX), as_window(window)
         return cls(_native.Store.create(str(path), size, block_size, force, pool, device, window, resident_budget))
 
     @classmethod
@@ -313,7 +307,7 @@ class Store:
         exactly; ``resident_budget`` is the most a served context may hold resident per byte
         of its KV cache (``warm``: over it, a context is served compact from its PQ codes,
         or refused with ``OverBudgetError`` when even those exceed it)."""
-        pool, window = as_size(pool, "pool"), as_window(window)
+        pool, window = as_count(pool, "pool", U64_MAX), as_window(window)
         return cls(_native.Store.open(str(path), pool, device, read_only, window, resident_budget))
 
     @property

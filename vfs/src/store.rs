@@ -607,7 +607,7 @@ pub struct Space {
 }
 
 impl Space {
-    pub(crate) fn of(alloc: &Allocator) -> Space {
+    fn of(alloc: &Allocator) -> Space {
         Space {
             total: alloc.total(),
             free: alloc.available(),
@@ -860,15 +860,28 @@ impl Store {
         readers.hold_older_states(dev.as_ref(), &sb, fallback, &mut alloc);
         let snapshot =
             Snapshot { dev: dev.clone(), superblock: sb, contexts, retired, catalog_blocks, _ticket: ticket };
-        Ok(Store {
+        let writer = WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None };
+        Ok(Store::assemble(dev, snapshot, writer, readers, slots))
+    }
+
+    /// A store serving `snapshot`, its writer's state beside it; what it publishes besides
+    /// (the space counts) is derived from them.
+    pub(crate) fn assemble(
+        dev: Arc<dyn BlockDevice>,
+        snapshot: Snapshot,
+        writer: WriterState,
+        readers: Arc<Readers>,
+        slots: Vec<SlotStatus>,
+    ) -> Store {
+        Store {
             dev,
             current: RwLock::new(Arc::new(snapshot)),
-            space: RwLock::new(Space::of(&alloc)),
-            writer: Mutex::new(WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None }),
+            space: RwLock::new(Space::of(&writer.alloc)),
+            writer: Mutex::new(writer),
             writer_thread: Mutex::new(None),
             readers,
             slots,
-        })
+        }
     }
 
     /// The newest committed state. Hold it to read consistently while others commit.

@@ -14,7 +14,7 @@ use crate::format::records::{
 use crate::format::{BlockHeader, BlockKind, BlockRef, Owner, StreamTag, Superblock, FORMAT_VERSION, HEADER_LEN};
 use crate::lock::{Access, StoreLock};
 use crate::store::{
-    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Space, Store, WriterState,
+    chunk_expect, record_chain, ContextMeta, FileStream, LazyStream, Readers, Snapshot, Store, WriterState,
     ALLOC_CHAIN, CATALOG_CHAIN,
 };
 use crate::stream::{check_payload, StreamDraft, StreamId, StreamMap};
@@ -772,28 +772,21 @@ fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Sto
         commit_unix_ms: now_ms(),
     };
     let readers = Arc::new(Readers::with_lock(lock));
-    let alloc = Allocator::new(bitmap, bits_per_chunk(bs));
-    let store = Store {
-        space: std::sync::RwLock::new(Space::of(&alloc)),
-        writer_thread: std::sync::Mutex::new(None),
-        current: std::sync::RwLock::new(Arc::new(Snapshot {
-            dev: dev.clone(),
-            superblock: sb,
-            contexts: BTreeMap::new(),
-            retired: BTreeMap::new(),
-            catalog_blocks: Vec::new(),
-            _ticket: None,
-        })),
-        writer: std::sync::Mutex::new(WriterState {
-            alloc,
-            chunk_refs: Vec::new(),
-            alloc_dir_blocks: Vec::new(),
-            poisoned: None,
-        }),
-        readers,
-        slots: Vec::new(),
-        dev,
+    let snapshot = Snapshot {
+        dev: dev.clone(),
+        superblock: sb,
+        contexts: BTreeMap::new(),
+        retired: BTreeMap::new(),
+        catalog_blocks: Vec::new(),
+        _ticket: None,
     };
+    let writer = WriterState {
+        alloc: Allocator::new(bitmap, bits_per_chunk(bs)),
+        chunk_refs: Vec::new(),
+        alloc_dir_blocks: Vec::new(),
+        poisoned: None,
+    };
+    let store = Store::assemble(dev, snapshot, writer, readers, Vec::new());
     store.begin()?.commit()?;
     store.begin()?.commit()?;
     Ok(store)
