@@ -285,7 +285,8 @@ class Store:
     ) -> "Store":
         """Formats ``path`` and opens it for writing: a file is sized to ``size`` bytes
         (needed when it is new or empty; an existing file without ``size`` keeps its size),
-        a block device is taken whole. An existing store is overwritten only with ``force``."""
+        a block device is taken whole. An existing store, or a file or device holding any nonzero
+        byte in its first MiB, is overwritten only with ``force``."""
         size = None if size is None else as_count(size, "size", U64_MAX)
         block_size = as_count(block_size, "block_size")
         pool, window = as_count(pool, "pool", U64_MAX), as_window(window)

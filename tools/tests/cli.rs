@@ -38,6 +38,26 @@ fn mkfs_creates_a_store_and_refuses_to_overwrite_one() {
     assert_eq!(v["superblock"]["blocks"], 1024);
 }
 
+/// A file that is not a store is someone's data: mkfs leaves it alone without --force, and
+/// formats a file that reads all zeros (one just sized by `truncate`).
+#[test]
+fn mkfs_refuses_a_file_holding_data_without_force() {
+    let dir = tmp();
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, b"not a store").unwrap();
+    let out = ctxfs(&["mkfs", p(&notes), "--size", "16M"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("holds data but no ctxfs store") && err.contains("offset 0"), "{err}");
+    assert_eq!(std::fs::read(&notes).unwrap(), b"not a store", "the file is left as it was");
+    ok(&["mkfs", p(&notes), "--size", "16M", "--force"]);
+
+    let zeros = dir.path().join("zeros.img");
+    std::fs::File::create(&zeros).unwrap().set_len(16 << 20).unwrap();
+    ok(&["mkfs", p(&zeros)]);
+    json(&["inspect", p(&zeros), "--json"]);
+}
+
 /// A store path that does not exist is named in the error, once.
 #[test]
 fn a_missing_store_is_named_in_the_error() {

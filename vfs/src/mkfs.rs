@@ -15,8 +15,9 @@ fn io_at(what: &str, path: &Path, e: io::Error) -> Error {
 }
 
 /// Formats a file or block device (`size` sizes a file, rounded down to whole blocks; a new or
-/// empty file needs one). An existing store is overwritten only with `force`. A file this call
-/// created is removed again on failure.
+/// empty file needs one). An existing store, or a file or device whose first MiB holds
+/// anything, is overwritten only with `force`. A file this call created is removed again on
+/// failure.
 pub fn format_path(
     path: &Path,
     size: Option<u64>,
@@ -63,6 +64,7 @@ pub fn format_path(
         let lock = StoreLock::acquire(path, Access::Write)?;
         if existed && !force {
             refuse_existing_store(path, choice)?;
+            refuse_existing_data(&file, path)?;
         }
         refuse_readers(&lock, "formatting")?;
         let is_block = file.metadata()?.file_type().is_block_device();
@@ -115,6 +117,28 @@ fn format_spdk(path: &Path, size: Option<u64>, block_size: usize, force: bool, c
         )));
     }
     format_locked(dev, lock)
+}
+
+/// Bytes at the start of an existing file or block device that must all be zero for mkfs to
+/// format it without `force`: they cover both superblocks at every block size, and the
+/// signatures other formats put first.
+const PROBE_BYTES: u64 = 1 << 20;
+
+/// Fails when the first [`PROBE_BYTES`] of `file` (not a store that opens) hold anything: it
+/// may be a damaged store that `fsck` should see first, or someone's data mistaken for a store.
+/// A fresh device or a file just sized by `truncate` reads zeros there.
+fn refuse_existing_data(file: &std::fs::File, path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    file.take(PROBE_BYTES).read_to_end(&mut head).map_err(|e| io_at("read", path, e))?;
+    match head.iter().position(|&b| b != 0) {
+        None => Ok(()),
+        Some(at) => Err(Error::InvalidArgument(format!(
+            "{} holds data but no ctxfs store that opens (a nonzero byte at offset {at}); run `ctxfs fsck` if it \
+             was a store, or pass --force to overwrite it",
+            path.display()
+        ))),
+    }
 }
 
 /// Fails when `path` already holds a store: formatting over one takes `force`.
