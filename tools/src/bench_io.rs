@@ -64,16 +64,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let raw_path = args.store.with_extension("bench-raw");
     // The raw file is made once and written whole before the rounds: its timed writes meet
     // blocks the file system has allocated, not holes it must fill first.
-    // A file already there is refused, and stays: only the file made here is removed.
+    // A file already there is refused, and stays: only the file made here is removed, when
+    // `raw` drops.
     let mut raw = RawFile::create(&raw_path, blocks * bs as u64)?;
-    let scratch = crate::scratch_files::register(&raw_path);
     let result = raw
         .run(Dir::Write, &seq_offsets(blocks * bs as u64), SEQ_OP, write_depth())
         .and_then(|()| raw.sync())
         .and_then(|()| rounds(&args, &store, &name, &mut raw, blocks));
     drop(raw);
-    let _ = std::fs::remove_file(&raw_path);
-    drop(scratch);
     let (ours, raw) = result?;
     report(&args, &store, &raw_path, &ours, &raw)
 }

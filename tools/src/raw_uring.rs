@@ -7,11 +7,25 @@ use io_uring::{opcode, types, IoUring};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub struct RawFile {
     file: File,
     ring: IoUring,
+    /// Set when this made the file ([`RawFile::create`]).
+    _scratch: Option<Scratch>,
+}
+
+/// A file [`RawFile::create`] made: removed when it drops, and on Ctrl-C or SIGTERM before.
+struct Scratch {
+    path: PathBuf,
+    _on_signal: crate::scratch_files::Registered,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -21,7 +35,8 @@ pub enum Dir {
 }
 
 impl RawFile {
-    /// Creates (or truncates) `path` to `len` bytes and opens it with O_DIRECT.
+    /// Creates `path` (which must not exist) of `len` bytes and opens it with O_DIRECT; the
+    /// file is removed again when the `RawFile` drops.
     pub fn create(path: &Path, len: u64) -> Result<RawFile> {
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -31,15 +46,10 @@ impl RawFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("cannot create raw scratch file {} (it must not exist)", path.display()))?;
-        // The file is this call's: a failure removes it again.
-        let ready = file.set_len(len).map_err(anyhow::Error::from).and_then(|()| Ok(IoUring::new(256)?));
-        match ready {
-            Ok(ring) => Ok(RawFile { file, ring }),
-            Err(e) => {
-                let _ = std::fs::remove_file(path);
-                Err(e)
-            }
-        }
+        // The file is this call's: a failure below removes it again, as dropping the RawFile does.
+        let scratch = Scratch { path: path.to_path_buf(), _on_signal: crate::scratch_files::register(path) };
+        file.set_len(len)?;
+        Ok(RawFile { file, ring: IoUring::new(256)?, _scratch: Some(scratch) })
     }
 
     /// Opens an existing file (a store) with O_DIRECT, to read it raw.
@@ -49,7 +59,7 @@ impl RawFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(RawFile { file, ring: IoUring::new(256)? })
+        Ok(RawFile { file, ring: IoUring::new(256)?, _scratch: None })
     }
 
     /// Runs every (offset, len) operation with `depth` in flight; `len` ≤ `slot_len`.
