@@ -470,31 +470,15 @@ fn inspect_buffer_loads_every_index_block_and_says_whether_it_fits() {
 }
 
 /// A small generated context: 2 layers, 4 q heads over 2 kv heads, d = 64, seed 3.
-const GEN_SMALL: [&str; 16] = [
-    "--tokens",
-    "2048",
-    "--layers",
-    "2",
-    "--q-heads",
-    "4",
-    "--kv-heads",
-    "2",
-    "--head-dim",
-    "64",
-    "--queries",
-    "100",
-    "--decode-queries",
-    "5",
-    "--seed",
-    "3",
-];
+const GEN_SMALL: &str =
+    "--tokens 2048 --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64 --queries 100 --decode-queries 5 --seed 3";
 
 #[test]
 fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     use safetensors::SafeTensors;
     let dir = tmp();
     let out = dir.path().join("ctx.safetensors");
-    let v = json(&[&["gen", p(&out)][..], &GEN_SMALL, &["--json"]].concat());
+    let v: Value = serde_json::from_str(&gen(&out, &format!("{GEN_SMALL} --json"))).unwrap();
     assert!(v["mahalanobis_ratio"].as_f64().unwrap() > 10.0, "{v}");
     let heads = v["heads"].as_array().unwrap();
     assert_eq!(heads.len(), 4);
@@ -514,7 +498,7 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     assert_eq!((q.dtype(), q.shape()), (safetensors::Dtype::F32, &[4, 5, 64][..]));
     // Same seed, same bytes; nothing half-written is left behind.
     let again = dir.path().join("again.safetensors");
-    ok(&[&["gen", p(&again)][..], &GEN_SMALL].concat());
+    gen(&again, GEN_SMALL);
     assert_eq!(std::fs::read(&again).unwrap(), bytes);
     let bad =
         ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);
@@ -577,26 +561,10 @@ fn import_then_query_matches_exact_attention() {
     let dir = tmp();
     let ctx = dir.path().join("c.safetensors");
     let queries = dir.path().join("c.queries.safetensors");
-    ok(&[
-        "gen",
-        p(&ctx),
-        "--tokens",
-        "3000",
-        "--layers",
-        "2",
-        "--q-heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-        "--queries",
-        "400",
-        "--decode-queries",
-        "3",
-        "--seed",
-        "5",
-    ]);
+    gen(
+        &ctx,
+        "--tokens 3000 --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64 --queries 400 --decode-queries 3 --seed 5",
+    );
     let store = dir.path().join("s.ctxfs");
     ok(&["mkfs", p(&store), "--size", "64M"]);
     let imported = json(&["import", p(&store), p(&ctx), "--name", "book", "--json"]);
@@ -738,22 +706,7 @@ fn import_then_query_matches_exact_attention() {
 fn import_refuses_non_finite_input_and_writes_nothing() {
     let dir = tmp();
     let ctx = dir.path().join("c.safetensors");
-    ok(&[
-        "gen",
-        p(&ctx),
-        "--tokens",
-        "500",
-        "--layers",
-        "1",
-        "--q-heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "32",
-        "--queries",
-        "50",
-    ]);
+    gen(&ctx, "--tokens 500 --layers 1 --q-heads 2 --kv-heads 1 --head-dim 32 --queries 50");
     // Poison one value of layers.0.v with a NaN (f16 0x7e00).
     let mut bytes = std::fs::read(&ctx).unwrap();
     let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
@@ -872,8 +825,7 @@ fn bench_search_reports_every_method_against_exact_attention() {
 /// A context file of many thin layers: large against one head's working set.
 fn thin_layers(dir: &Path) -> std::path::PathBuf {
     let ctx = dir.join("thin.safetensors");
-    let args = ["--tokens", "8192", "--layers", "32", "--q-heads", "1", "--kv-heads", "1", "--head-dim", "64"];
-    ok(&[&["gen", p(&ctx)][..], &args, &["--queries", "256", "--decode-queries", "1"]].concat());
+    gen(&ctx, "--tokens 8192 --layers 32 --q-heads 1 --kv-heads 1 --head-dim 64 --queries 256 --decode-queries 1");
     ctx
 }
 
@@ -971,20 +923,7 @@ fn an_interrupted_gen_leaves_no_partial_file() {
 fn a_head_dim_whose_records_need_larger_blocks_is_refused_before_building() {
     let dir = tmp();
     let ctx = dir.path().join("wide.safetensors");
-    ok(&[
-        "gen",
-        p(&ctx),
-        "--tokens",
-        "1024",
-        "--layers",
-        "1",
-        "--q-heads",
-        "1",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "600",
-    ]);
+    gen(&ctx, "--tokens 1024 --layers 1 --q-heads 1 --kv-heads 1 --head-dim 600");
     let (small, large) = (dir.path().join("4k.ctxfs"), dir.path().join("8k.ctxfs"));
     ok(&["mkfs", p(&small), "--size", "16M"]);
     let out = ctxfs(&["import", p(&small), p(&ctx), "--name", "w"]);
@@ -1147,8 +1086,7 @@ fn query_into_a_closed_pipe_exits_quietly() {
     let dir = tmp();
     // Enough decode queries that the answers overflow the pipe after its reader is gone.
     let ctx = dir.path().join("many.safetensors");
-    let shape = ["--tokens", "2048", "--layers", "1", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64"];
-    ok(&[&["gen", p(&ctx)][..], &shape, &["--queries", "64", "--decode-queries", "256"]].concat());
+    gen(&ctx, "--tokens 2048 --layers 1 --q-heads 2 --kv-heads 1 --head-dim 64 --queries 64 --decode-queries 256");
     let store = dir.path().join("s.ctxfs");
     ok(&["mkfs", p(&store), "--size", "64M"]);
     ok(&["import", p(&store), p(&ctx), "--name", "small"]);
@@ -1195,7 +1133,7 @@ fn query_decode_replays_a_capture_files_decode_steps() {
     assert_ne!(full[0]["output"], prefill[0]["output"], "another query, another output");
     // A generated query file has no decode_q tensors.
     let ctx = dir.path().join("c.safetensors");
-    ok(&["gen", p(&ctx), "--tokens", "3000", "--layers", "1", "--q-heads", "9", "--kv-heads", "3", "--head-dim", "64"]);
+    gen(&ctx, "--tokens 3000 --layers 1 --q-heads 9 --kv-heads 3 --head-dim 64");
     let queries = dir.path().join("c.queries.safetensors");
     let out = ctxfs(&["query", p(&store), "--context", "prose", "--queries", p(&queries), "--decode"]);
     assert!(!out.status.success());

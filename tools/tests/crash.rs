@@ -249,8 +249,7 @@ fn an_import_onto_a_full_file_system_fails_cleanly() {
     };
     let dir = tmp();
     let big = dir.path().join("big.safetensors");
-    let shape = ["--tokens", "8192", "--layers", "8", "--q-heads", "2", "--kv-heads", "2", "--head-dim", "64"];
-    ok(&[&["gen", p(&big)][..], &shape, &["--queries", "64", "--decode-queries", "1"]].concat());
+    gen(&big, "--tokens 8192 --layers 8 --q-heads 2 --kv-heads 2 --head-dim 64 --queries 64 --decode-queries 1");
     let small = small_context(dir.path());
     let store = fs.path().join("s.ctxfs");
     ok(&["mkfs", p(&store), "--size", "256M"]);

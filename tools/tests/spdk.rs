@@ -66,28 +66,9 @@ fn mkfs_import_query_inspect_and_fsck_answer_as_on_the_uring_device() {
     let d = dir.path();
     let ctx = d.join("c.safetensors");
     let queries = d.join("c.queries.safetensors");
-    ok_in(
-        d,
-        &[
-            "gen",
-            p(&ctx),
-            "--tokens",
-            "3000",
-            "--layers",
-            "2",
-            "--q-heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--head-dim",
-            "64",
-            "--queries",
-            "300",
-            "--decode-queries",
-            "3",
-            "--seed",
-            "5",
-        ],
+    gen(
+        &ctx,
+        "--tokens 3000 --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64 --queries 300 --decode-queries 3 --seed 5",
     );
     const SIZE: u64 = 64 << 20;
     let kernel = d.join("kernel.ctxfs").display().to_string();

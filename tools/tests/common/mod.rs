@@ -45,11 +45,15 @@ pub fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
+/// Runs `ctxfs gen OUT` with `flags` (split at spaces), which must succeed; its standard output.
+pub fn gen(out: &Path, flags: &str) -> String {
+    ok(&[&["gen", p(out)][..], &flags.split_whitespace().collect::<Vec<_>>()].concat())
+}
+
 /// A small generated context, for tests that import many times.
 pub fn small_context(dir: &Path) -> std::path::PathBuf {
     let ctx = dir.join("small.safetensors");
-    let shape = ["--tokens", "2048", "--layers", "1", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64"];
-    ok(&[&["gen", p(&ctx)][..], &shape, &["--queries", "64", "--decode-queries", "1"]].concat());
+    gen(&ctx, "--tokens 2048 --layers 1 --q-heads 2 --kv-heads 1 --head-dim 64 --queries 64 --decode-queries 1");
     ctx
 }
 
