@@ -777,6 +777,11 @@ fn an_error_target_is_met_on_real_attention() {
         Err(e @ ctxfs_attention::Error::OverBudget { .. }) => assert!(e.to_string().contains("\"prose\""), "{e}"),
         other => panic!("expected OverBudget, got {other:?}"),
     }
+    // A session is refused as warm is, warmed or not: it would be served beyond the budget.
+    match tiny.open_session("prose", None) {
+        Err(ctxfs_attention::Error::OverBudget { .. }) => {}
+        other => panic!("expected OverBudget, got {:?}", other.map(|_| ())),
+    }
     assert_eq!(tiny.pool_stats().index.resident_pins, 0, "nothing held");
 }
 

@@ -221,6 +221,13 @@ impl Inner {
     }
 }
 
+/// What a compact context holds ([`Db::warm`]): each vector file's blocks, and its parts.
+struct CompactPlan {
+    holds: Vec<Vec<BlockRequest>>,
+    parts: Vec<IndexParts>,
+    residual_streamed: bool,
+}
+
 /// What [`Db::warm`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WarmReport {
@@ -393,44 +400,19 @@ impl Db {
     /// (`WarmReport::compact`), and its sessions scan the codes (`Session::is_compact`). The
     /// codes' residual codes are held where they fit beside them, else read through the pool
     /// (`WarmReport::residual_streamed`). One that does not fit even so, or has no PQ codes,
-    /// is refused with `Error::OverBudget` before any block is held.
+    /// is refused with `Error::OverBudget` before any block is held, as is every session
+    /// over it.
     pub fn warm(&self, name: &str) -> Result<WarmReport> {
         let snap = self.inner.store.snapshot();
         let planned = Planned::of(&snap, name)?;
-        let (kv_bytes, whole, beside) = (planned.kv_bytes, planned.whole, planned.beside);
-        let budget = self.inner.config.resident_budget;
-        let compact = planned.compact(budget);
+        let compact = planned.compact(self.inner.config.resident_budget);
         let files = self.inner.files_of(&snap, name)?;
         let pool = &self.inner.pool;
-        let bs = snap.block_size() as u64;
-        let mut report = WarmReport { kv_bytes, compact, ..WarmReport::default() };
-        if let (true, Some(budget)) = (compact, budget) {
-            let over =
-                |resident_bytes| Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget };
-            let parts =
-                files.iter().map(|(file, what)| IndexParts::read(pool, file, what)).collect::<Result<Vec<_>>>()?;
-            // With the residual codes where they fit, else without them (read through the
-            // pool as a session refines its candidates).
-            let compact_holds = |residual: bool| -> Result<Vec<Vec<BlockRequest>>> {
-                files
-                    .iter()
-                    .zip(&parts)
-                    .map(|((file, _), p)| p.compact(file, residual).ok_or_else(|| over(whole + beside)))
-                    .collect()
-            };
-            // The held frames, and what is held beside them.
-            let bytes = |h: &[Vec<BlockRequest>]| h.iter().map(|b| b.len() as u64 * bs).sum::<u64>() + beside;
-            let fits = |h: &[Vec<BlockRequest>]| bytes(h) as f64 <= budget * kv_bytes as f64;
-            let mut holds = compact_holds(true)?;
-            if !fits(&holds) {
-                let lean = compact_holds(false)?;
-                if !fits(&lean) {
-                    return Err(over(bytes(&lean)));
-                }
-                report.residual_streamed = parts.iter().any(|p| p.residual > 0);
-                holds = lean;
-            }
-            for (((file, _), blocks), p) in files.iter().zip(&holds).zip(&parts) {
+        let mut report = WarmReport { kv_bytes: planned.kv_bytes, compact, ..WarmReport::default() };
+        if compact {
+            let plan = self.compact_plan(name, &planned, &files)?;
+            report.residual_streamed = plan.residual_streamed;
+            for (((file, _), blocks), p) in files.iter().zip(&plan.holds).zip(&plan.parts) {
                 if let Some((pq, held_at)) = p.compact_pq() {
                     let _ = file.compact_pq.set((pq.start, held_at));
                 }
@@ -441,8 +423,50 @@ impl Db {
                 hold(pool, &file.index().to_vec(), &file.resident, &mut report)?;
             }
         }
-        report.resident_bytes = report.held * bs + beside;
+        report.resident_bytes = report.held * snap.block_size() as u64 + planned.beside;
         Ok(report)
+    }
+
+    /// The blocks a compact context (`planned.compact(budget)`) holds under the budget: with
+    /// its residual codes where they fit beside the codes, else without them. One that does
+    /// not fit even so, or has no PQ codes, is refused with `Error::OverBudget`. Reads each
+    /// vector file's index meta block.
+    fn compact_plan(&self, name: &str, planned: &Planned, files: &[(Arc<FileBlocks>, String)]) -> Result<CompactPlan> {
+        let budget = self.inner.config.resident_budget.unwrap_or(f64::INFINITY);
+        let (kv_bytes, beside) = (planned.kv_bytes, planned.beside);
+        let over = |resident_bytes| Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget };
+        let pool = &self.inner.pool;
+        let bs = self.inner.store.snapshot().block_size() as u64;
+        let parts = files.iter().map(|(file, what)| IndexParts::read(pool, file, what)).collect::<Result<Vec<_>>>()?;
+        let holds = |residual: bool| -> Result<Vec<Vec<BlockRequest>>> {
+            files
+                .iter()
+                .zip(&parts)
+                .map(|((file, _), p)| p.compact(file, residual).ok_or_else(|| over(planned.whole + beside)))
+                .collect()
+        };
+        // The held frames, and what is held beside them.
+        let bytes = |h: &[Vec<BlockRequest>]| h.iter().map(|b| b.len() as u64 * bs).sum::<u64>() + beside;
+        let fits = |h: &[Vec<BlockRequest>]| bytes(h) as f64 <= budget * kv_bytes as f64;
+        let with_residual = holds(true)?;
+        if fits(&with_residual) {
+            return Ok(CompactPlan { holds: with_residual, parts, residual_streamed: false });
+        }
+        let lean = holds(false)?;
+        if !fits(&lean) {
+            return Err(over(bytes(&lean)));
+        }
+        let residual_streamed = parts.iter().any(|p| p.residual > 0);
+        Ok(CompactPlan { holds: lean, parts, residual_streamed })
+    }
+
+    /// Refuses a session over `name` that is served compact under the budget but could not
+    /// be held within it (as [`Db::warm`] refuses it), whether or not it is ever warmed.
+    pub(crate) fn check_servable(&self, snap: &Snapshot, name: &str, planned: &Planned) -> Result<()> {
+        if planned.compact(self.inner.config.resident_budget) {
+            self.compact_plan(name, planned, &self.inner.files_of(snap, name)?)?;
+        }
+        Ok(())
     }
 
     /// What serving `name` holds resident, part by part, against its KV bytes (reads each

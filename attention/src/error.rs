@@ -17,7 +17,7 @@ pub enum Error {
     /// Serving a context would hold more of its index resident than
     /// `DbConfig::resident_budget` allows; nothing was held.
     #[error(
-        "context {context:?} would hold {resident_bytes} bytes resident, {:.3} of its {kv_bytes} bytes of KV cache, over the budget of {budget} (DbConfig::resident_budget)",
+        "context {context:?} would hold {resident_bytes} bytes resident, {:.3} of its {kv_bytes} bytes of KV cache, over the resident budget of {budget}",
         *resident_bytes as f64 / (*kv_bytes).max(1) as f64
     )]
     OverBudget { context: String, resident_bytes: u64, kv_bytes: u64, budget: f64 },

@@ -321,7 +321,7 @@ impl Session {
         let shape = match &reuse {
             Some(r) => snap.context_by_id(r.context)?.record().shape,
             None => db.config().model.ok_or_else(|| {
-                Error::Input("no stored context shares a prefix with these tokens, and the DB has no model shape for new sessions (DbConfig::model)".into())
+                Error::Input("no stored context shares a prefix with these tokens, and no model shape is configured for sessions without one: import a context of this model first".into())
             })?,
         };
         let window = db.config().window;
@@ -339,7 +339,11 @@ impl Session {
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
         let compact = match &reuse {
-            Some(r) if config.resident_budget.is_some() => Planned::of(&snap, &r.name)?.compact(config.resident_budget),
+            Some(r) if config.resident_budget.is_some() => {
+                let planned = Planned::of(&snap, &r.name)?;
+                db.check_servable(&snap, &r.name, &planned)?;
+                planned.compact(config.resident_budget)
+            }
             _ => false,
         };
         // The GPU window holds f16; a bf16 context's window stays on the CPU.

@@ -298,6 +298,9 @@ def test_a_resident_budget_is_reported_and_enforced(store, store_path):
     tiny = ctxfs.Store.open(store_path, read_only=True, resident_budget=f["compact_over_kv"] / 2)
     with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):
         tiny.warm("doc")
+    # Never warmed, a session over it is refused too.
+    with pytest.raises(ctxfs.OverBudgetError, match='"doc"'):
+        tiny.open_session("doc")
     assert tiny.pool_stats()["index"]["resident_pins"] == 0
     with pytest.raises(ctxfs.InputError, match="resident budget"):
         ctxfs.Store.open(store_path, read_only=True, resident_budget=0.0)

@@ -135,7 +135,7 @@ fn refuse_existing_data(file: &std::fs::File, path: &Path) -> Result<()> {
         None => Ok(()),
         Some(at) => Err(Error::InvalidArgument(format!(
             "{} holds data but no ctxfs store that opens (a nonzero byte at offset {at}); run `ctxfs fsck` if it \
-             was a store, or pass --force to overwrite it",
+             was a store, or pass --force (force=True in Python) to overwrite it",
             path.display()
         ))),
     }
@@ -146,7 +146,7 @@ fn refuse_existing_store(path: &Path, choice: DeviceChoice) -> Result<()> {
     if let Ok(existing) = Store::open_path_read_only(path, choice) {
         let snap = existing.snapshot();
         return Err(Error::InvalidArgument(format!(
-            "{} already holds a ctxfs store (generation {}, {} contexts); pass --force to overwrite it",
+            "{} already holds a ctxfs store (generation {}, {} contexts); pass --force (force=True in Python) to overwrite it",
             path.display(),
             snap.generation(),
             snap.contexts().count()
