@@ -150,6 +150,7 @@ class Session:
 
     @property
     def shape(self) -> dict:
+        """The context's model shape: layers, q_heads, kv_heads, head_dim, dtype."""
         return dict(self._shape)
 
     @property
@@ -313,6 +314,7 @@ class Store:
 
     @property
     def path(self) -> str:
+        """The store's path, as it was opened."""
         return str(self._native.path)
 
     def contexts(self) -> list[dict]:
@@ -329,6 +331,7 @@ class Store:
         return self._native.fsck()
 
     def delete(self, name: str) -> None:
+        """Deletes a context by name; contexts stored on top of it keep its blocks alive."""
         self._native.delete(name)
 
     def warm(self, name: str) -> dict:
@@ -354,6 +357,8 @@ class Store:
         return self._native.pool_stats()
 
     def gpu_status(self) -> str:
+        """The GPU that attention and the codes' scans run on (its name), or why none is
+        used (e.g. "libcuda not found: no NVIDIA driver on this machine")."""
         return self._native.gpu_status()
 
     def gpu_codes_bytes(self) -> tuple[int, int] | None:

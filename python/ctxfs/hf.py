@@ -5,12 +5,12 @@ every decode step's attention answered from the store.
     ctxfs.hf.import_prefix(model, doc_ids, store, "doc")
     ctxfs.hf.use_ctxfs(model)
     cache = ctxfs.hf.CtxfsCache(store, prompt_ids)
-    out = model.generate(prompt_ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)
 
 ``CtxfsCache`` reuses the longest stored prefix of ``prompt_ids``; ``generate()`` prefills only
 the rest. The attention function reaches the session through ``module.layer_idx`` and the
-cache the current thread last updated (transformers calls ``Cache.update`` right before the
-layer's attention), so threads may run one generation each.
+cache the current thread updated last (transformers calls ``Cache.update`` right before the
+layer's attention, which takes it), so threads may run one generation each.
 """
 
 from __future__ import annotations
@@ -269,9 +269,15 @@ class CtxfsCache(Cache):
 
 def ctxfs_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as ``"ctxfs"``."""
+    # Taken, not read: a later call without a CtxfsCache (whose cache never updated one of
+    # its layers) must not find this one.
     cache: CtxfsCache | None = getattr(_current, "cache", None)
+    _current.cache = None
     if cache is None:
-        raise InputError('attention "ctxfs" needs past_key_values=CtxfsCache(...)')
+        raise InputError(
+            'attention "ctxfs" needs cache=CtxfsCache(...); model.set_attn_implementation("sdpa") '
+            "generates without ctxfs"
+        )
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     with torch.no_grad():
         return cache.attend(module.layer_idx, query, scale), None

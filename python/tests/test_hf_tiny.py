@@ -67,3 +67,13 @@ def test_capture_writes_what_bench_search_reads(tiny_model):
     assert out["tokens"].tolist() == ids[0, :600].tolist()
     cache, _ = hf.capture_prefix(tiny_model, ids[:, :600], progress=False)
     assert torch.allclose(torch.from_numpy(out["layers.0.k"]).float(), cache.layers[1].keys[0].half().float())
+
+
+def test_generating_without_a_ctxfs_cache_after_one_says_what_is_missing(doc_store, tiny_model):
+    """The attention takes the cache its layer's update handed it: a later generate() with
+    transformers' own cache finds none, and says what it needs."""
+    store, doc, _, g = doc_store
+    prompt = torch.cat([doc, torch.randint(0, 256, (1, 4), generator=g)], 1)
+    through_ctxfs(tiny_model, prompt, hf.CtxfsCache(store, prompt), 2)
+    with pytest.raises(ctxfs.InputError, match=r"needs cache=CtxfsCache"):
+        tiny_model.generate(prompt[:, -8:], max_new_tokens=2, do_sample=False)
