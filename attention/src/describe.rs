@@ -81,7 +81,7 @@ pub fn fsck_json(r: &Report) -> Value {
         .collect();
     json!({
         "clean": r.is_clean(), "exit_code": r.exit_code(), "generation": r.active_generation,
-        "fallback_generation": r.fallback_generation, "contexts": r.contexts, "blocks_checked": r.blocks_checked,
+        "fallback_generation": r.fallback_generation, "contexts": r.contexts, "retired_contexts": r.retired_contexts, "blocks_checked": r.blocks_checked,
         "problems": problems, "repaired": r.repaired,
     })
 }

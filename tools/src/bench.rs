@@ -64,7 +64,25 @@ pub fn reset_peak_rss() {
 
 /// A context name no user context has: the benchmark's own scratch data.
 pub fn scratch_name(bench: &str) -> String {
-    format!("bench-{bench}-{}", std::process::id())
+    format!("{SCRATCH_PREFIX}{bench}-{}", std::process::id())
+}
+
+const SCRATCH_PREFIX: &str = "bench-";
+
+/// Deletes the scratch contexts (`bench-io-PID`, `bench-buffer-PID`) a killed benchmark left
+/// behind. Only a store's one writer runs a benchmark, so none of them is in use. Returns
+/// their names.
+pub fn sweep_scratch(store: &Store) -> Result<Vec<String>> {
+    let is_scratch = |name: &str| {
+        name.strip_prefix(SCRATCH_PREFIX)
+            .and_then(|rest| rest.strip_prefix("io-").or_else(|| rest.strip_prefix("buffer-")))
+            .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let stale: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).filter(|n| is_scratch(n)).collect();
+    for name in &stale {
+        drop_scratch(store, name)?;
+    }
+    Ok(stale)
 }
 
 /// Deletes a scratch context (if it is there) and commits once more, so the space it held is

@@ -2,9 +2,10 @@
 //! raw O_DIRECT io_uring loop reading the same blocks of the same file, and hot hits per
 //! second per thread.
 
-use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name};
+use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name, sweep_scratch};
 use crate::progress;
 use crate::raw_uring::{Dir, RawFile};
+use crate::scratch_files::{check_interrupt, defer_interrupts};
 use anyhow::{ensure, Result};
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig, PoolStats};
 use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
@@ -40,6 +41,9 @@ const HOT_HITS: u64 = 500_000;
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     ensure!(args.mib > 0 && args.reads > 0 && args.threads > 0, "--mib, --reads and --threads must be positive");
     let store = Store::open_path(&args.store, choice)?;
+    // Ctrl-C stops the run at its next step, and the scratch context goes.
+    let _deferred = defer_interrupts();
+    sweep_scratch(&store)?;
     let dev = store.device().clone();
     let bs = dev.block_size();
     let blocks = (args.mib << 20) / bs as u64;
@@ -57,27 +61,27 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "stats": ctxfs_attention::describe::pool_json(&stats),
             "device": store.device_info().kind, "mib": args.mib,
         });
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(());
     }
-    println!(
+    outln!(
         "bench buffer: {} MiB of data blocks, {}-byte blocks, device {}, median of {} interleaved rounds",
         args.mib,
         bs,
         store.device_info().kind,
         args.rounds
-    );
-    println!("{:<44} {:>12} {:>12} {:>8}", "", "buffer", "raw", "ratio");
-    println!(
+    )?;
+    outln!("{:<44} {:>12} {:>12} {:>8}", "", "buffer", "raw", "ratio")?;
+    outln!(
         "{:<44} {:>12.0} {:>12.0} {:>8.2}",
         format!("cold 4 KiB random reads, QD{QUEUE_DEPTH} (IOPS)"),
         cold_pool,
         cold_raw,
         ratio_cold
-    );
-    println!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1);
-    println!("{:<44} {:>12.0}", format!("hot hits/s per thread, {} threads", args.threads), hot_n);
-    print!("{}", stats_text(&stats));
+    )?;
+    outln!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1)?;
+    outln!("{:<44} {:>12.0}", format!("hot hits/s per thread, {} threads", args.threads), hot_n)?;
+    out!("{}", stats_text(&stats))?;
     Ok(())
 }
 
@@ -91,6 +95,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     let mut txn = store.begin()?;
     txn.create_context(name, shape, &[])?;
     for _ in 0..blocks {
+        check_interrupt()?;
         txn.append_block(name, 0, 0, FileStream::Data, &payload)?;
         bar.inc(bs as u64);
     }
@@ -126,6 +131,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
         let picks: Vec<usize> = (0..args.reads).map(|_| rng.below(blocks) as usize).collect();
         let t = Instant::now();
         for batch in picks.chunks(QUEUE_DEPTH) {
+            check_interrupt()?;
             let reqs: Vec<BlockRequest> = batch.iter().map(|&i| data_reqs[i]).collect();
             for g in pool.get_many(&reqs) {
                 g?;
@@ -139,6 +145,7 @@ fn measure(store: &Store, args: &Args, name: &str, blocks: u64) -> Result<Measur
     }
 
     // Hot: every index block resident, then threads pin random ones.
+    check_interrupt()?;
     for chunk in hot_reqs.chunks(64) {
         for g in pool.get_many(chunk) {
             g?;

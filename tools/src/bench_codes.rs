@@ -82,20 +82,20 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "scans": scans,
     });
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    println!("each of {GROUP} queries' best {} of d = {d} codes on one core ({} subspaces)", args.best, pq.params().m);
-    println!("{:>10}  {:>14}  {:>14}  {:>7}  same tokens", "tokens", "every score", "kept", "ratio");
+    outln!("each of {GROUP} queries' best {} of d = {d} codes on one core ({} subspaces)", args.best, pq.params().m)?;
+    outln!("{:>10}  {:>14}  {:>14}  {:>7}  same tokens", "tokens", "every score", "kept", "ratio")?;
     for s in v["scans"].as_array().into_iter().flatten() {
-        println!(
+        outln!(
             "{:>10}  {:>11.3} ms  {:>11.3} ms  {:>6.2}×  {}/{GROUP}",
             s["tokens"],
             s["every_score_seconds"].as_f64().unwrap_or(0.0) * 1e3,
             s["kept_seconds"].as_f64().unwrap_or(0.0) * 1e3,
             s["speedup"].as_f64().unwrap_or(0.0),
             s["queries_identical"],
-        );
+        )?;
     }
     Ok(())
 }

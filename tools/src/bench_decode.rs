@@ -311,7 +311,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "seconds_per_head": crate::import::phases_json(r), "knn_gpu_heads": r.knn_gpu_heads,
     })));
     if args.json {
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(());
     }
     let built = if layers == MODEL_LAYERS {
@@ -319,82 +319,82 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     } else {
         format!("{layers} of {MODEL_LAYERS} layers built, the rest extrapolated")
     };
-    println!("bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {built}");
+    outln!("bench decode: {n} tokens, {Q_HEADS} q heads / {KV_HEADS} kv heads, d={HEAD_DIM}; {built}")?;
     let share = match args.resident_budget {
         None => format!("{:.0}% of the data blocks", args.data_cache * 100.0),
         Some(_) => format!("as much again caches key blocks: {:.0}% of both streams", args.data_cache * 100.0),
     };
-    println!(
+    outln!(
         "buffer pool {} MiB: index {} MiB + data cache {} MiB ({share})",
         pool_bytes >> 20,
         index_bytes >> 20,
         cache >> 20
-    );
+    )?;
     if let Some((r, peak)) = &import {
-        println!(
+        outln!(
             "import: {:.1} s, graph and coarse builds {:.2} s per head; peak resident memory {}",
             r.seconds,
             r.build_seconds() / r.heads.max(1) as f64,
             peak.map_or("unknown".to_string(), |b| format!("{} MiB", b >> 20))
-        );
+        )?;
     }
-    print!("{}", crate::inspect::footprint_text(NAME, &footprint));
-    println!(
+    out!("{}", crate::inspect::footprint_text(NAME, &footprint))?;
+    outln!(
         "held resident: resident_bytes / kv_bytes = {:.3}{}, block maps included",
         warmed.resident_over_kv(),
         if warmed.compact { " (served compact: meta, seeds and PQ codes)" } else { "" }
-    );
+    )?;
     if let Some((held, _)) = gpu_codes.filter(|c| c.0 > 0) {
-        println!("the codes' scans ran on the GPU ({gpu_status}), which holds {} MiB of them", held >> 20);
+        outln!("the codes' scans ran on the GPU ({gpu_status}), which holds {} MiB of them", held >> 20)?;
     }
-    println!("{:<44} {:>12}", "32-layer decode step", "seconds");
-    println!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold);
-    println!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady);
+    outln!("{:<44} {:>12}", "32-layer decode step", "seconds")?;
+    outln!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold)?;
+    outln!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady)?;
     if let Some(from_base) = steady_from_base {
-        println!("{:<44} {:>12.4}", format!("  the same extrapolated from {base} layers"), from_base);
+        outln!("{:<44} {:>12.4}", format!("  the same extrapolated from {base} layers"), from_base)?;
     }
-    println!(
+    outln!(
         "{:<44} {:>12.4}",
         format!("  its CPU time ÷ {} threads (no wait on the disk)", attention_threads()),
         cpu_bound
-    );
+    )?;
     if let Some(b) = &baselines {
-        println!("{:<44} {:>12.4}", "exact attention over the same store", b.exact_step);
-        println!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", b.dram_step);
+        outln!("{:<44} {:>12.4}", "exact attention over the same store", b.exact_step)?;
+        outln!("{:<44} {:>12.4}", "exact attention over the KV in DRAM", b.dram_step)?;
         let q = &b.quality;
-        println!(
+        outln!(
             "quality of the steps timed: DIPR recall {:.3}, output error {:.4} (the exact DIPR set's {:.4}), recovery {:.3}, keys scored {:.2}%",
             q.recall,
             q.error,
             q.exact_dipr_error,
             q.recovery,
             q.keys_scored_fraction * 100.0
-        );
+        )?;
     }
-    println!(
+    outln!(
         "I/O per steady step: {:.0} blocks ({:.1} MiB), cold step {} blocks; hit ratio {:.3}; plans {}",
         steady_ios,
         steady_ios * args.block_size as f64 / (1 << 20) as f64,
         ios[0],
         v["hit_ratio"].as_f64().unwrap_or(0.0),
         plans.join(", ")
-    );
-    println!(
+    )?;
+    outln!(
         "steady step split (32 layers, median): search {:.4} s, value reads and sums {:.4} s (waiting for reads {:.4} s), window and merge {:.4} s",
         split[0], split[1], split[2], split[3]
-    );
+    )?;
     if let Some(p) = pool_steady.as_object() {
         let (reads, first) = (&p["reads"], &p["first_reads"]);
-        println!(
+        outln!(
             "pool reads per steady step: {:.0} index blocks ({:.0} never read before), {:.0} data blocks ({:.0} never read before)",
             reads["index"].as_f64().unwrap_or(0.0),
             first["index"].as_f64().unwrap_or(0.0),
             reads["data"].as_f64().unwrap_or(0.0),
             first["data"].as_f64().unwrap_or(0.0),
-        );
+        )?;
     }
     if let Some(d) = disk_steady.as_object() {
-        println!(
+        outln!(
             "disk {} per steady step ({} layers): {:.0} reads ({:.0} more merged into them), {:.2} ms per read, busy {:.0}% of the time",
             d["device"].as_str().unwrap_or("?"),
             layers,
@@ -402,38 +402,41 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             d["read_merges"].as_f64().unwrap_or(0.0),
             d["read_latency_ms"].as_f64().unwrap_or(0.0),
             d["busy_fraction"].as_f64().unwrap_or(0.0) * 100.0
-        );
+        )?;
     }
     if let Some(b) = &baselines {
-        println!(
+        outln!(
             "store_session of {} new tokens on top of the {n}-token book: {:.2} s, {} blocks written ({} layers)",
-            b.stored.tokens, b.stored.seconds, b.stored.blocks, layers
-        );
+            b.stored.tokens,
+            b.stored.seconds,
+            b.stored.blocks,
+            layers
+        )?;
     }
-    println!(
+    outln!(
         "DB open (maps the {} MiB pool) {db_open_s:.2} s; index made resident once per DB open: {} of {} blocks held, read in {warm_s:.2} s ({:.2} s for 32 layers)",
         pool_bytes >> 20,
         warmed.held,
         warmed.blocks,
         per_layer(warm_s)
-    );
+    )?;
     match &baselines {
         Some(b) => {
-            println!(
+            outln!(
                 "first output, context not resident (DB open + index read + session + first step): {first_output:.3} s; raw O_DIRECT load of the {:.2} GB of K+V, attended as it arrives: {:.3} s: {:.2}×",
                 per_base_layer(b.raw_kv_bytes as f64) / 1e9,
                 b.raw_first_output,
                 b.raw_first_output / first_output
-            );
-            println!(
+            )?;
+            outln!(
                 "first output, context resident (session + first step): {resident_first_output:.4} s; exact attention over the KV in DRAM: {:.4} s per step: {:.2}×",
                 b.dram_step,
                 b.dram_step / resident_first_output
-            );
+            )?;
         }
-        None => println!(
+        None => outln!(
             "first output, context not resident (DB open + index read + session + first step): {first_output:.3} s; resident (session + first step): {resident_first_output:.4} s"
-        ),
+        )?,
     }
     Ok(())
 }

@@ -251,7 +251,7 @@ pub fn run(a: Args) -> Result<()> {
     let gbps = |b: f64| b / 1e9;
     if a.json {
         let (major, minor) = gpu.compute_capability();
-        println!(
+        outln!(
             "{}",
             json!({
                 "device": gpu.name(),
@@ -285,51 +285,51 @@ pub fn run(a: Args) -> Result<()> {
                 "pq": pq.as_ref().map_or_else(|e| json!({ "error": e }), Value::clone),
                 "nvrtc": gpu.nvrtc(),
             })
-        );
+        )?;
         return Ok(());
     }
     let (major, minor) = gpu.compute_capability();
-    println!(
+    outln!(
         "GPU: {} (sm_{major}{minor}, {} multiprocessors), memory bandwidth {} ({peak_source}){}",
         gpu.name(),
         gpu.multiprocessors(),
         peak.map_or("unknown".into(), |p| format!("{:.0} GB/s", gbps(p))),
         nominal.map_or(String::new(), |n| format!(", datasheet {:.0} GB/s", gbps(n)))
-    );
-    println!(
+    )?;
+    outln!(
         "window {w} tokens, {qh} q heads / {kvh} kv heads, head dim {d}: {:.2} MB per layer ({:.2} MB keys and values), {} layers",
         bytes as f64 / 1e6,
         kv_bytes as f64 / 1e6,
         a.layers
-    );
-    println!(
+    )?;
+    outln!(
         "window attention + merge per layer, one fused launch: {:.2} µs (graph replay), {:.2} µs (launch by launch); max relative error {max_error:.1e}",
         layer_seconds * 1e6,
         layer_seconds_eager * 1e6
-    );
-    println!(
+    )?;
+    outln!(
         "  as two launches (attend, then merge): {:.2} µs; the attention launch alone: {:.2} µs",
         two_launches_seconds * 1e6,
         attend_seconds * 1e6
-    );
-    println!(
+    )?;
+    outln!(
         "achieved {:.0} GB/s{}",
         gbps(achieved),
         peak.map_or(String::new(), |p| format!(" = {:.1}% of the memory bandwidth", 100.0 * achieved / p))
-    );
+    )?;
     match (&sdpa, sdpa_seconds, speedup) {
-        (Ok(v), Some(s), Some(x)) => println!(
+        (Ok(v), Some(s), Some(x)) => outln!(
             "torch SDPA ({}, torch {}): {:.2} µs per layer (graph replay), {} (launch by launch): ctxfs {x:.2}× as fast",
             v["gqa"].as_str().unwrap_or("?"),
             v["torch"].as_str().unwrap_or("?"),
             s * 1e6,
             sdpa_seconds_eager.map_or("?".into(), |e| format!("{:.2} µs", e * 1e6)),
-        ),
-        (Err(e), _, _) => println!("torch SDPA: {e}"),
-        _ => println!("torch SDPA: the script's output had no timing"),
+        )?,
+        (Err(e), _, _) => outln!("torch SDPA: {e}")?,
+        _ => outln!("torch SDPA: the script's output had no timing")?,
     }
     match &knn {
-        Ok(v) => println!(
+        Ok(v) => outln!(
             "index build kNN, {} queries × {} keys, top {}: GPU {:.1} ms, CPU {:.1} ms on {} threads ({:.1}× as fast); {:.4} of the CPU's lists found",
             v["queries"],
             v["keys"],
@@ -339,13 +339,13 @@ pub fn run(a: Args) -> Result<()> {
             v["cpu_threads"],
             v["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
             v["overlap_with_cpu"].as_f64().unwrap_or(0.0),
-        ),
-        Err(e) => println!("index build kNN: {e}"),
+        )?,
+        Err(e) => outln!("index build kNN: {e}")?,
     }
     match &pq {
         Ok(v) => {
             for scan in v["scans"].as_array().into_iter().flatten() {
-                println!(
+                outln!(
                     "PQ scan of a GQA group ({} q heads), {} tokens' codes: GPU {:.3} ms, CPU {:.3} ms on one core ({:.1}× as fast); {} of {} scores identical",
                     v["queries"],
                     scan["tokens"],
@@ -354,9 +354,9 @@ pub fn run(a: Args) -> Result<()> {
                     scan["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
                     scan["scores_identical"],
                     scan["scores"],
-                );
+                )?;
                 let best = &scan["best"];
-                println!(
+                outln!(
                     "  the best {} of each query alone: GPU {:.3} ms, CPU {:.3} ms ({:.1}× as fast); {} of {} queries chose the same tokens",
                     best["per_query"],
                     best["gpu_seconds"].as_f64().unwrap_or(0.0) * 1e3,
@@ -364,10 +364,10 @@ pub fn run(a: Args) -> Result<()> {
                     best["gpu_vs_cpu_speedup"].as_f64().unwrap_or(0.0),
                     best["queries_identical"],
                     v["queries"],
-                );
+                )?;
             }
         }
-        Err(e) => println!("PQ scan: {e}"),
+        Err(e) => outln!("PQ scan: {e}")?,
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
-use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name};
+use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name, sweep_scratch};
 use crate::progress;
 use crate::raw_uring::{Dir, RawFile};
+use crate::scratch_files::{check_interrupt, defer_interrupts};
 use anyhow::{bail, Result};
 use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
 use serde_json::json;
@@ -54,6 +55,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         );
     }
     let store = Store::open_path(&args.store, choice)?;
+    // Ctrl-C stops the run at its next step, and the scratch context and raw file go.
+    let _deferred = defer_interrupts();
+    sweep_scratch(&store)?;
     let bs = store.device().block_size();
     let blocks = (args.mib << 20) / bs as u64;
     if blocks == 0 || args.random_reads == 0 {
@@ -70,6 +74,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let result = raw
         .run(Dir::Write, &seq_offsets(blocks * bs as u64), SEQ_OP, write_depth())
         .and_then(|()| raw.sync())
+        .and_then(|()| Ok(check_interrupt()?))
         .and_then(|()| rounds(&args, &store, &name, &mut raw, blocks));
     drop(raw);
     let (ours, raw) = result?;
@@ -131,24 +136,24 @@ fn report(args: &Args, store: &Store, raw_path: &std::path::Path, ours: &Figures
             "random_reads": args.random_reads, "rounds": args.rounds, "queue_depth": QUEUE_DEPTH, "device": info.kind,
             "in_flight_bytes": {"sequential_write": write_depth() * SEQ_OP, "sequential_read": read_depth(bs) * SEQ_OP},
         });
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(());
     }
-    println!(
+    outln!(
         "bench io: {} MiB, {}-byte blocks, device {}, median of {} interleaved rounds; raw = O_DIRECT io_uring loop over {}",
         args.mib,
         bs,
         info.kind,
         args.rounds,
         raw_path.display()
-    );
-    println!("{:<28} {:>12} {:>12} {:>8}", "", "ctxfs", "raw", "ratio");
+    )?;
+    outln!("{:<28} {:>12} {:>12} {:>8}", "", "ctxfs", "raw", "ratio")?;
     let row = |what: &str, a: f64, b: f64, unit: &str| {
-        println!("{:<28} {:>9.0} {unit} {:>9.0} {unit} {:>8.2}", what, a, b, ratio(a, b))
+        outln!("{:<28} {:>9.0} {unit} {:>9.0} {unit} {:>8.2}", what, a, b, ratio(a, b))
     };
-    row("sequential write (MiB/s)", ours.seq_write_mib_s, raw.seq_write_mib_s, "  ");
-    row("sequential read (MiB/s)", ours.seq_read_mib_s, raw.seq_read_mib_s, "  ");
-    row(&format!("4 KiB random read, QD{QUEUE_DEPTH} (IOPS)"), ours.random_read_iops, raw.random_read_iops, "  ");
+    row("sequential write (MiB/s)", ours.seq_write_mib_s, raw.seq_write_mib_s, "  ")?;
+    row("sequential read (MiB/s)", ours.seq_read_mib_s, raw.seq_read_mib_s, "  ")?;
+    row(&format!("4 KiB random read, QD{QUEUE_DEPTH} (IOPS)"), ours.random_read_iops, raw.random_read_iops, "  ")?;
     Ok(())
 }
 
@@ -164,6 +169,7 @@ fn write_scratch(store: &Store, name: &str, blocks: u64, bar: &indicatif::Progre
     let mut txn = store.begin()?;
     txn.create_context(name, shape, &[])?;
     for _ in 0..blocks {
+        check_interrupt()?;
         txn.append_block(name, 0, 0, FileStream::Data, &payload)?;
         bar.inc(bs as u64);
     }
@@ -182,6 +188,7 @@ fn measure_store(store: &Store, name: &str, blocks: u64, reads: u64, bar: &indic
     let stream = ctx.stream(0, 0, FileStream::Data)?;
     let t = Instant::now();
     for block in stream.read_range(0, blocks) {
+        check_interrupt()?;
         anyhow::ensure!(block?.payload().len() == max_payload(bs), "short block");
         bar.inc(bs as u64);
     }
@@ -191,6 +198,7 @@ fn measure_store(store: &Store, name: &str, blocks: u64, reads: u64, bar: &indic
     let t = Instant::now();
     let mut done = 0;
     while done < reads {
+        check_interrupt()?;
         let batch: Vec<u64> = (0..QUEUE_DEPTH.min((reads - done) as usize)).map(|_| rng.below(blocks)).collect();
         for r in stream.read_many(&batch) {
             r?;
@@ -209,10 +217,12 @@ fn measure_raw(raw: &mut RawFile, bytes: u64, bs: usize, reads: u64, bar: &indic
     raw.sync()?;
     let seq_write = mib_s(bytes, t.elapsed().as_secs_f64());
     bar.inc(bytes);
+    check_interrupt()?;
     let t = Instant::now();
     raw.run(Dir::Read, &seq_ops, SEQ_OP, read_depth(bs))?;
     let seq_read = mib_s(bytes, t.elapsed().as_secs_f64());
     bar.inc(bytes);
+    check_interrupt()?;
     let mut rng = SplitMix64::new(42);
     let blocks = bytes / bs as u64;
     let random_ops: Vec<u64> = (0..reads).map(|_| rng.below(blocks) * bs as u64).collect();

@@ -992,13 +992,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     bar.finish_and_clear();
     if a.json {
-        println!("{}", json!({"window": [WINDOW.0, WINDOW.1], "datasets": reports}));
+        outln!("{}", json!({"window": [WINDOW.0, WINDOW.1], "datasets": reports}))?;
         return Ok(());
     }
     for r in &reports {
-        print_dataset(r);
+        print_dataset(r)?;
     }
-    print_side_by_side(&reports);
+    print_side_by_side(&reports)?;
     Ok(())
 }
 
@@ -1262,17 +1262,17 @@ fn report(
 }
 
 /// One dataset's report as text: every row, each head, each build, the ratios.
-fn print_dataset(v: &serde_json::Value) {
+fn print_dataset(v: &serde_json::Value) -> std::io::Result<()> {
     let (n, d) = (&v["tokens"], &v["head_dim"]);
-    println!(
+    outln!(
         "bench search on {}: {}; {n} tokens per head, d={d}, {} heads × {} steps of a {}-q-head group, window 128+512; β in q·k/√d units; times per group step",
         v["dataset"].as_str().unwrap_or(""),
         v["about"].as_str().unwrap_or(""),
         v["heads"],
         v["steps_per_head"],
         v["group"]
-    );
-    println!(
+    )?;
+    outln!(
         "{:<32} {:>7} {:>9} {:>9} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8}",
         "method",
         "recall",
@@ -1287,11 +1287,11 @@ fn print_dataset(v: &serde_json::Value) {
         "median µs",
         "p99 µs",
         "vs flat"
-    );
+    )?;
     let empty = Vec::new();
     for r in v["rows"].as_array().unwrap_or(&empty) {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
-        println!(
+        outln!(
             "{:<32} {:>7.3} {:>9.3} {:>9.4} {:>10.4} {:>8.2}% {:>7.0} {:>8.1} {:>8.1} {:>7.1} {:>10.0} {:>10.0} {:>7.1}×",
             r["method"].as_str().unwrap_or(""),
             f("dipr_recall"),
@@ -1306,11 +1306,11 @@ fn print_dataset(v: &serde_json::Value) {
             f("latency_median_us"),
             f("latency_p99_us"),
             f("speedup_vs_flat")
-        );
+        )?;
     }
     for r in v["rows"].as_array().unwrap_or(&empty).iter().filter(|r| !r["target_error"].is_null()) {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
-        println!(
+        outln!(
             "{}: output error ≤ {} on {:.1}% of queries (mean {:.4}); {:.2}× the oracle's tokens (per query: median {:.2}×, mean {:.2}×); estimated error without the tail estimate {:.4}, error ÷ estimate median {:.2}",
             r["method"].as_str().unwrap_or(""),
             f("target_error"),
@@ -1321,10 +1321,10 @@ fn print_dataset(v: &serde_json::Value) {
             f("tokens_vs_oracle_mean"),
             f("estimated_error"),
             f("error_over_estimate_median")
-        );
+        )?;
     }
     for h in v["per_head"].as_array().unwrap_or(&empty) {
-        println!(
+        outln!(
             "{}: flat {:.0} µs, DIPRS {:.0} µs over its steps: {:.1}×; graph DIPRS {:.0} µs: {:.1}×; the DIPR range outside the window {:.2}% of the tokens",
             head_label(h),
             h["flat_us"].as_f64().unwrap_or(0.0),
@@ -1333,10 +1333,10 @@ fn print_dataset(v: &serde_json::Value) {
             h["graph_diprs_us"].as_f64().unwrap_or(0.0),
             h["graph_diprs_vs_flat_speedup"].as_f64().unwrap_or(0.0),
             100.0 * h["dipr_range_share"].as_f64().unwrap_or(0.0)
-        );
+        )?;
     }
     for b in v["build"].as_array().unwrap_or(&empty) {
-        println!(
+        outln!(
             "build {}: {:.1} s (kNN {:.1} s, projection {:.2} s, enhancement {:.2} s), {} training queries",
             head_label(b),
             b["seconds"].as_f64().unwrap_or(0.0),
@@ -1344,9 +1344,9 @@ fn print_dataset(v: &serde_json::Value) {
             b["projection_seconds"].as_f64().unwrap_or(0.0),
             b["enhancement_seconds"].as_f64().unwrap_or(0.0),
             b["training_queries"]
-        );
+        )?;
         let c = &b["coarse_seconds"];
-        println!(
+        outln!(
             "  coarse builds: {}",
             COARSE
                 .iter()
@@ -1354,48 +1354,48 @@ fn print_dataset(v: &serde_json::Value) {
                 .map(|name| format!("{name} {:.2} s", c[name].as_f64().unwrap_or(0.0)))
                 .collect::<Vec<_>>()
                 .join(", ")
-        );
+        )?;
     }
     let r = |k: &str| v["ratios"][k].as_f64().unwrap_or(0.0);
     let (flat_row_ns, scattered_row_ns) = (
         v["row_costs"]["flat_row_ns"].as_f64().unwrap_or(0.0),
         v["row_costs"]["scattered_row_ns"].as_f64().unwrap_or(0.0),
     );
-    println!(
+    outln!(
         "DIPRS (β={}·√d) vs the GQA-batched flat plan, sums over every group step: {:.1}× faster; graph DIPRS {:.1}× (from the last step's best tokens: {:.1}×; with its code cold too: {:.1}×)",
         RowNames::of(v).units,
         r("diprs_vs_flat_speedup"),
         r("graph_diprs_vs_flat_speedup"),
         r("graph_diprs_warm_vs_flat_speedup"),
         r("graph_diprs_all_cold_vs_flat_speedup")
-    );
+    )?;
     let diprs = RowNames::of(v).diprs;
     if let Some(row) = v["rows"].as_array().and_then(|rows| rows.iter().find(|r| r["method"] == diprs.as_str())) {
         let (step, scan) = (row["latency_median_us"].as_f64().unwrap_or(0.0), row["scan_median_us"].as_f64());
         if let Some(scan) = scan {
-            println!(
+            outln!(
                 "DIPRS's median group step {step:.0} µs: the seeds and the scan of the codes {scan:.0} µs (median), the rest the exact scores of the candidates; the flat plan's sum is {:.1}× the seeds' and the scan's, the most DIPRS on the codes could reach",
                 r("diprs_scan_bound_speedup")
-            );
+            )?;
         }
     }
-    println!(
+    outln!(
         "the flat plan's sum is {:.1}× its cost of the DIPR ranges' keys alone (each head's flat time × its range's share of the tokens): the most any search that scores every key of the range could reach",
         r("dipr_range_bound_speedup")
-    );
+    )?;
     for percent in PREFIX_SHARES {
-        println!(
+        outln!(
             "filtered at {percent}% reuse: {:.2}× the latency of a graph built on the prefix alone, {:.1}× faster than a flat scan of the prefix; DIPRS on the codes {:.1}×",
             r(&format!("filtered{percent}_vs_prefix_graph_latency")),
             r(&format!("filtered{percent}_vs_flat_prefix_speedup")),
             r(&format!("codes_filtered{percent}_vs_flat_prefix_speedup"))
-        );
+        )?;
     }
-    println!(
+    outln!(
         "a key row from cold caches: {flat_row_ns:.1} ns per q head in the flat plan, {scattered_row_ns:.0} ns read alone ({PROBE_ROWS} uniformly random rows): {:.1}× a flat row",
         r("scattered_vs_flat_row_cost")
-    );
-    println!();
+    )?;
+    outln!()
 }
 
 /// A head's name in text output: its seed or layer, and kv head.
@@ -1419,17 +1419,25 @@ fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_j
 /// The headline figures of every dataset side by side: the DIPR range at the reference β, on
 /// the codes (DIPRS) and by the graph's walk, then the rows that choose β to meet the error
 /// target.
-fn print_side_by_side(reports: &[serde_json::Value]) {
-    println!(
+fn print_side_by_side(reports: &[serde_json::Value]) -> std::io::Result<()> {
+    outln!(
         "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
-        "dataset", "row", "tokens", "recall", "scored", "out err", "DIPR err", "÷ DIPR", "vs flat"
-    );
+        "dataset",
+        "row",
+        "tokens",
+        "recall",
+        "scored",
+        "out err",
+        "DIPR err",
+        "÷ DIPR",
+        "vs flat"
+    )?;
     for v in reports {
         let names = RowNames::of(v);
         for name in [&names.diprs, &names.graph] {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
-            println!(
+            outln!(
                 "{:<28} {:<22} {:>7} {:>9.3} {:>8.2}% {:>9.4} {:>9.4} {:>7.2}× {:>8.1}×",
                 v["dataset"].as_str().unwrap_or(""),
                 name,
@@ -1440,19 +1448,27 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
                 f("exact_dipr_output_error"),
                 ratio(f("output_error"), f("exact_dipr_output_error")),
                 f("speedup_vs_flat")
-            );
+            )?;
         }
     }
-    println!();
-    println!(
+    outln!()?;
+    outln!(
         "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "dataset", "row", "target", "met", "÷ oracle", "selected", "scored", "estimate", "err÷est"
-    );
+        "dataset",
+        "row",
+        "target",
+        "met",
+        "÷ oracle",
+        "selected",
+        "scored",
+        "estimate",
+        "err÷est"
+    )?;
     for v in reports {
         for name in TARGET_ROWS {
             let Some(row) = row_of(v, name) else { continue };
             let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
-            println!(
+            outln!(
                 "{:<28} {:<22} {:>7} {:>8.1}% {:>8.2}× {:>9.0} {:>8.2}% {:>9.4} {:>9.2}",
                 v["dataset"].as_str().unwrap_or(""),
                 name,
@@ -1463,9 +1479,10 @@ fn print_side_by_side(reports: &[serde_json::Value]) {
                 f("keys_scored_fraction") * 100.0,
                 f("estimated_error"),
                 f("error_over_estimate_median")
-            );
+            )?;
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -24,12 +24,14 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let after = store.space();
     if args.json {
         let v = json!({"deleted": args.name, "generation": generation, "used_blocks_before": before.used, "used_blocks_after": after.used});
-        println!("{v}");
+        outln!("{v}")?;
     } else {
-        println!(
+        outln!(
             "deleted {:?} at generation {generation}: {} blocks in use, were {}",
-            args.name, after.used, before.used
-        );
+            args.name,
+            after.used,
+            before.used
+        )?;
     }
     Ok(())
 }

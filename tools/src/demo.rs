@@ -246,20 +246,20 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         "buffer_hit_ratio": hit_ratio, "pool_bytes": pool_bytes, "fsck_seconds": fsck_s, "fsck_blocks": check.blocks_checked,
     });
     if args.json {
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(());
     }
-    println!("ctxfs demo — store {}", path.display());
-    let row = |k: &str, val: String| println!("  {k:<40} {val}");
-    row("mkfs", format!("{:.2} s ({} MiB)", mkfs_s, size >> 20));
+    outln!("ctxfs demo — store {}", path.display())?;
+    let row = |k: &str, val: String| outln!("  {k:<40} {val}");
+    row("mkfs", format!("{:.2} s ({} MiB)", mkfs_s, size >> 20))?;
     row(
         "generate book",
         format!("{:.1} s ({n} tokens × {layers} layers × {KV_HEADS} kv heads, {Q_HEADS} q heads, d={HEAD_DIM})", gen_s),
-    );
+    )?;
     row(
         "import (check, index, write, commit)",
         format!("{:.1} s, {:.1} MiB/s of KV", import.seconds, mib / import.seconds),
-    );
+    )?;
     row(
         "index build per head",
         format!(
@@ -269,11 +269,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             import.projection.as_secs_f64() / heads,
             import.enhancement.as_secs_f64() / heads
         ),
-    );
+    )?;
     row(
         "session",
         format!("reuses {p} of {} prompt tokens (partial prefix), {:.1} ms to open", prompt.len(), open_s * 1e3),
-    );
+    )?;
     row(
         "buffer pool",
         format!(
@@ -281,19 +281,19 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             pool_bytes >> 20,
             index_bytes >> 20
         ),
-    );
+    )?;
     row(
         "index held resident",
         format!("{} of {} blocks, read in {:.2} s, once per DB open", warm.held, warm.blocks, warm_s),
-    );
-    row("time to first attention output", format!("{:.1} ms", ttft * 1e3));
-    row("plans", plans.join(", "));
+    )?;
+    row("time to first attention output", format!("{:.1} ms", ttft * 1e3))?;
+    row("plans", plans.join(", "))?;
     row(
         "attention per token (all layers)",
         format!("cold {:.2} ms, median {:.2} ms over {steps} steps", step_secs[0] * 1e3, median * 1e3),
-    );
-    row("DIPR recall", format!("{:.3}", v["dipr_recall"].as_f64().unwrap_or(0.0)));
-    row("recovery ratio", format!("{:.3}", v["recovery_ratio"].as_f64().unwrap_or(0.0)));
+    )?;
+    row("DIPR recall", format!("{:.3}", v["dipr_recall"].as_f64().unwrap_or(0.0)))?;
+    row("recovery ratio", format!("{:.3}", v["recovery_ratio"].as_f64().unwrap_or(0.0)))?;
     row(
         "output error vs exact attention",
         format!(
@@ -301,12 +301,12 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             v["output_error"].as_f64().unwrap_or(0.0),
             v["exact_dipr_output_error"].as_f64().unwrap_or(0.0)
         ),
-    );
-    row("keys scored", format!("{:.1}% of the prefix", v["keys_scored_fraction"].as_f64().unwrap_or(0.0) * 100.0));
-    row("blocks read per step", format!("cold {}, median {}", blocks[0], v["blocks_read_median_step"]));
-    row("buffer hit ratio (decode steps)", format!("{:.3}", hit_ratio));
-    row("fsck", format!("{:.2} s, {} blocks, clean", fsck_s, check.blocks_checked));
-    println!();
+    )?;
+    row("keys scored", format!("{:.1}% of the prefix", v["keys_scored_fraction"].as_f64().unwrap_or(0.0) * 100.0))?;
+    row("blocks read per step", format!("cold {}, median {}", blocks[0], v["blocks_read_median_step"]))?;
+    row("buffer hit ratio (decode steps)", format!("{:.3}", hit_ratio))?;
+    row("fsck", format!("{:.2} s, {} blocks, clean", fsck_s, check.blocks_checked))?;
+    outln!()?;
     drop(db);
     crate::inspect::run(crate::inspect::Args::summary_of(path), choice)
 }

@@ -1,3 +1,4 @@
+use crate::units::count;
 use ctxfs_vfs::format::Superblock;
 use ctxfs_vfs::fsck::{self, Report, EXIT_OPERATIONAL};
 use ctxfs_vfs::{device, probe_block_size, Access, BlockDevice, DeviceChoice, Error, StoreLock};
@@ -20,16 +21,21 @@ pub struct Args {
     json: bool,
 }
 
-/// Exit codes follow e2fsck: 0 clean, 1 corrected, 4 left uncorrected, 8 operational error.
+/// e2fsck's exit code for a usage or syntax error.
+pub const EXIT_USAGE: u8 = 16;
+
+/// Exit codes follow e2fsck: 0 clean, 1 corrected, 4 left uncorrected, 8 operational error,
+/// 16 a usage error.
 pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
     match check(&args, choice) {
         Ok(report) => {
-            print(&args, &report);
+            // A reader that stopped reading (`| head`) changes nothing of the verdict.
+            let _ = print(&args, &report);
             ExitCode::from(report.exit_code() as u8)
         }
         Err(e) => {
             if args.json {
-                println!("{}", json!({"exit_code": EXIT_OPERATIONAL, "error": e.to_string()}));
+                let _ = outln!("{}", json!({"exit_code": EXIT_OPERATIONAL, "error": e.to_string()}));
             }
             eprintln!("ctxfs fsck: {e}");
             ExitCode::from(EXIT_OPERATIONAL as u8)
@@ -71,32 +77,35 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
     report
 }
 
-fn print(args: &Args, r: &Report) {
+fn print(args: &Args, r: &Report) -> std::io::Result<()> {
     if args.json {
         let v = ctxfs_attention::describe::fsck_json(r);
-        println!("{v}");
-        return;
+        return outln!("{v}");
     }
     for action in &r.repaired {
-        println!("repaired: {action}");
+        outln!("repaired: {action}")?;
     }
     for p in &r.problems {
         let at = p.block.map(|b| format!("block {b}")).unwrap_or_else(|| "store".into());
         let ctx = p.context.as_ref().map(|c| format!(", context {c:?}")).unwrap_or_default();
         let fix = if p.fix == fsck::Fix::None { String::new() } else { format!(" [repair: {}]", p.fix.name()) };
-        println!("{at}: {} (owner {}{ctx}): {}{fix}", p.kind, p.owner, p.message);
+        outln!("{at}: {} (owner {}{ctx}): {}{fix}", p.kind, p.owner, p.message)?;
     }
     let generation =
         r.active_generation.map(|g| format!("generation {g}")).unwrap_or_else(|| "no valid superblock".into());
     let verdict = match r.exit_code() {
         fsck::EXIT_CLEAN => "clean".to_string(),
         fsck::EXIT_CORRECTED => "errors corrected".to_string(),
-        _ => format!("{} problems left uncorrected", r.problems.len()),
+        _ => format!("{} left uncorrected", count(r.problems.len() as u64, "problem")),
     };
-    println!(
-        "{}: {generation}, {} contexts, {} blocks checked: {verdict}",
+    let retired = match r.retired_contexts {
+        0 => String::new(),
+        n => format!(" ({n} retired)"),
+    };
+    outln!(
+        "{}: {generation}, {}{retired}, {} checked: {verdict}",
         args.store.display(),
-        r.contexts,
-        r.blocks_checked
-    );
+        count(r.contexts as u64, "context"),
+        count(r.blocks_checked, "block")
+    )
 }

@@ -49,7 +49,7 @@ fn f16_bytes(v: &[f16]) -> &[u8] {
 
 pub fn run(a: Args) -> Result<()> {
     let per_head = generate(&a)?;
-    report(&a, &per_head);
+    report(&a, &per_head)?;
     Ok(())
 }
 
@@ -123,7 +123,7 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
     Ok(per_head)
 }
 
-fn report(a: &Args, per_head: &[Generated]) {
+fn report(a: &Args, per_head: &[Generated]) -> std::io::Result<()> {
     let (n, d, m) = (a.tokens, a.head_dim, a.queries.unwrap_or((a.tokens / 4).clamp(1, 4096)));
     let queries_path = a.out.with_extension("queries.safetensors");
     let ratio: Vec<f64> = per_head.iter().map(|h| h.stats.mahalanobis_ratio).collect();
@@ -133,27 +133,31 @@ fn report(a: &Args, per_head: &[Generated]) {
             .iter()
             .map(|h| json!({"layer": h.layer, "kv_head": h.kv_head, "sharpness": h.sharpness, "mahalanobis_ratio": h.stats.mahalanobis_ratio, "tokens_for_90_percent": h.stats.tokens_for_90, "sink_mass": h.stats.sink_mass}))
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({"out": a.out, "queries": queries_path, "tokens": n, "mahalanobis_ratio": mean_ratio, "heads": heads})
-        );
-        return;
+        )?;
+        return Ok(());
     }
-    println!("wrote {} and {}", a.out.display(), queries_path.display());
-    println!(
+    outln!("wrote {} and {}", a.out.display(), queries_path.display())?;
+    outln!(
         "{n} tokens, {} layers, {} q heads / {} kv heads, head dim {d}; {m} prefill and {} decode queries per q head",
-        a.layers, a.q_heads, a.kv_heads, a.decode_queries
-    );
-    println!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys");
-    println!("{:>6} {:>8} {:>10} {:>22} {:>10}", "layer", "kv head", "sharpness", "tokens for 90% mass", "sink mass");
+        a.layers,
+        a.q_heads,
+        a.kv_heads,
+        a.decode_queries
+    )?;
+    outln!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys")?;
+    outln!("{:>6} {:>8} {:>10} {:>22} {:>10}", "layer", "kv head", "sharpness", "tokens for 90% mass", "sink mass")?;
     for h in per_head {
-        println!(
+        outln!(
             "{:>6} {:>8} {:>10.2} {:>22} {:>9.1}%",
             h.layer,
             h.kv_head,
             h.sharpness,
             h.stats.tokens_for_90,
             h.stats.sink_mass * 100.0
-        );
+        )?;
     }
+    Ok(())
 }

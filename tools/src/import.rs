@@ -46,21 +46,26 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "blocks": report.blocks,
             "seconds_per_head": phases_json(&report), "knn_gpu_heads": report.knn_gpu_heads,
         });
-        println!("{v}");
+        outln!("{v}")?;
     } else {
-        println!(
-            "imported {:?}: {n} tokens, {} layers × {} kv heads ({} q heads), head dim {}",
-            args.name, s.layers, s.kv_heads, s.q_heads, s.head_dim
-        );
+        outln!(
+            "imported {:?}: {}, {} × {} ({}), head dim {}",
+            args.name,
+            crate::units::count(n as u64, "token"),
+            crate::units::count(s.layers, "layer"),
+            crate::units::count(s.kv_heads, "kv head"),
+            crate::units::count(s.q_heads, "q head"),
+            s.head_dim
+        )?;
         let phases: Vec<String> = phases.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
-        println!(
+        outln!(
             "{:.1} s, {:.0} MiB/s of KV; seconds per head: {}",
             report.seconds,
             mib / report.seconds,
             phases.join(", ")
-        );
+        )?;
         if report.knn_gpu_heads > 0 {
-            println!("kNN on the GPU for {} of {} heads", report.knn_gpu_heads, report.heads);
+            outln!("kNN on the GPU for {} of {} heads", report.knn_gpu_heads, report.heads)?;
         }
     }
     Ok(())

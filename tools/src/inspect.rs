@@ -1,4 +1,4 @@
-use crate::units::human_bytes;
+use crate::units::{count, human_bytes};
 use anyhow::{bail, Result};
 use ctxfs_attention::describe::{self, context_blocks, hex};
 use ctxfs_vfs::{inspect::live_blocks, DeviceChoice, FileStream, Store};
@@ -125,10 +125,10 @@ fn summary(store: &Store, path: &std::path::Path, json: bool, o: &mut String) ->
         let sh = &c.shape;
         writeln!(
             o,
-            "\n  {:?} (id {}): {} tokens{}, {} layers × {} kv heads ({} q heads), head dim {}, {}; {} blocks, {}",
+            "\n  {:?} (id {}): {}{}, {} × {} ({}), head dim {}, {}; {}, {}",
             c.name,
             c.id,
-            c.token_count(),
+            count(c.token_count(), "token"),
             c.parent
                 .map(|p| format!(
                     " (the first {} of context {}, then {} own)",
@@ -137,12 +137,12 @@ fn summary(store: &Store, path: &std::path::Path, json: bool, o: &mut String) ->
                     c.own_token_count()
                 ))
                 .unwrap_or_default(),
-            sh.layers,
-            sh.kv_heads,
-            sh.q_heads,
+            count(sh.layers, "layer"),
+            count(sh.kv_heads, "kv head"),
+            count(sh.q_heads, "q head"),
             sh.head_dim,
             sh.dtype.name(),
-            blocks,
+            count(blocks, "block"),
             human_bytes(bytes)
         )?;
         writeln!(o, "    vector files (index blocks / data blocks):")?;
@@ -300,7 +300,8 @@ fn buffer(store: &Store, budget: u64, json: bool, o: &mut String) -> Result<()> 
         });
         writeln!(o, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        writeln!(o, "loaded {} index blocks of {} contexts in {secs:.3} s", index_blocks, snap.contexts().count())?;
+        let contexts = count(snap.contexts().count() as u64, "context");
+        writeln!(o, "loaded {} of {contexts} in {secs:.3} s", count(index_blocks as u64, "index block"))?;
         o.push_str(&crate::bench_buffer::stats_text(&stats));
         for (name, f) in &footprints {
             o.push_str(&footprint_text(name, f));
@@ -314,6 +315,6 @@ fn buffer(store: &Store, budget: u64, json: bool, o: &mut String) -> Result<()> 
             writeln!(o, "error: {e}")?;
         }
     }
-    anyhow::ensure!(failed.is_empty(), "the index of {} contexts could not be read", failed.len());
+    anyhow::ensure!(failed.is_empty(), "the index of {} could not be read", count(failed.len() as u64, "context"));
     Ok(())
 }

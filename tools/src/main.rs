@@ -3,6 +3,23 @@
 //! benchmarks (`demo`, `bench`). README.md has a tour; `docs/cli.md` every option, and
 //! `docs/architecture.md` how the crates under this one fit together.
 
+/// `print!` to standard output that returns the write's error where `print!` panics: a closed
+/// pipe reaches `main` as an error, which exits quietly (the reader stopped reading).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout(), $($arg)*)
+    }};
+}
+
+/// `println!` as [`out!`] is `print!`.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($arg)*)
+    }};
+}
+
 mod bench;
 mod bench_buffer;
 mod bench_codes;
@@ -91,7 +108,18 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // fsck's exit codes follow e2fsck's, where a usage error is 16 (clap's is 2, which
+            // there means "corrected, reboot").
+            if subcommand().as_deref() == Some("fsck") && e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::from(fsck_cmd::EXIT_USAGE);
+            }
+            e.exit();
+        }
+    };
     // Only commands that open a store read the device choice: a bad CTXFS_DEVICE fails them.
     let opens_no_store = matches!(
         cli.command,
@@ -133,9 +161,28 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("ctxfs: {}", message(&e));
-            ExitCode::FAILURE
+            // An interrupt the command cleaned up after exits as the signal would have.
+            match e.chain().find_map(|c| c.downcast_ref::<scratch_files::Interrupted>()) {
+                Some(scratch_files::Interrupted(signal)) => ExitCode::from((128 + signal) as u8),
+                None => ExitCode::FAILURE,
+            }
         }
     }
+}
+
+/// The first argument that is neither an option nor `--device`'s value: the subcommand.
+fn subcommand() -> Option<String> {
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--device" => {
+                args.next();
+            }
+            a if a.starts_with('-') => {}
+            _ => return Some(a),
+        }
+    }
+    None
 }
 
 /// The error and its causes, `: `-joined, leaving out a cause whose text the message already

@@ -30,18 +30,18 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             "store": args.store, "block_size": sb.block_size, "blocks": sb.total_blocks, "bytes": bytes,
             "generation": sb.generation, "device": info.kind, "device_note": info.note,
         });
-        println!("{v}");
+        outln!("{v}")?;
     } else {
-        println!(
+        outln!(
             "formatted {}: {} blocks of {} bytes ({}), device {}",
             args.store.display(),
             sb.total_blocks,
             sb.block_size,
             human_bytes(bytes),
             info.kind
-        );
+        )?;
         if let Some(note) = info.note {
-            println!("note: {note}");
+            outln!("note: {note}")?;
         }
     }
     Ok(())

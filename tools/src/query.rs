@@ -162,7 +162,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let mut out = std::io::BufWriter::new(out.lock());
     for &l in &layers {
         if l >= shape.layers as usize {
-            bail!("layer {l} does not exist: the context has {} layers", shape.layers);
+            bail!("layer {l} does not exist: the context has {}", crate::units::count(shape.layers, "layer"));
         }
         let queries = file.layer(l, shape.q_heads as usize, d).map_err(at)?;
         for qi in 0..queries.steps {

@@ -5,11 +5,16 @@
 //! A signal handler may only make async-signal-safe calls, so the paths are held as C strings
 //! in a fixed table of atomic pointers that the handler reads without a lock, and it removes
 //! them with `unlink(2)` before `_exit(2)`.
+//!
+//! What a store transaction wrote (a benchmark's scratch context) cannot be undone from a
+//! handler. While a command holds [`defer_interrupts`], the first signal is only recorded: the
+//! command sees it at its next [`check_interrupt`], returns [`Interrupted`] through its own
+//! clean-up, and `main` exits with 128 + the signal. A second signal exits at once.
 
 use std::ffi::{c_char, CString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Once;
 
 /// Scratch files alive at once, at the most (a command makes one or two).
@@ -49,7 +54,55 @@ impl Drop for Registered {
     }
 }
 
+/// Live [`Deferred`] guards.
+static DEFERRING: AtomicUsize = AtomicUsize::new(0);
+/// The signal recorded while deferring (0: none).
+static PENDING: AtomicI32 = AtomicI32::new(0);
+
+/// While the guard lives, a first SIGINT or SIGTERM is recorded for [`check_interrupt`]
+/// instead of ending the process.
+pub struct Deferred(());
+
+pub fn defer_interrupts() -> Deferred {
+    HANDLER.call_once(install);
+    DEFERRING.fetch_add(1, Ordering::AcqRel);
+    Deferred(())
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        DEFERRING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The signal a deferred interrupt came with, as an error for the command to return.
+#[derive(Debug)]
+pub struct Interrupted(pub i32);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = if self.0 == libc::SIGTERM { "SIGTERM" } else { "SIGINT" };
+        write!(f, "interrupted by {name}")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// Fails with [`Interrupted`] once a deferred signal has come.
+pub fn check_interrupt() -> Result<(), Interrupted> {
+    match PENDING.load(Ordering::Acquire) {
+        0 => Ok(()),
+        signal => Err(Interrupted(signal)),
+    }
+}
+
 extern "C" fn on_signal(signal: libc::c_int) {
+    // Atomics are async-signal-safe: they take no lock.
+    if DEFERRING.load(Ordering::Acquire) > 0
+        && PENDING.compare_exchange(0, signal, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    {
+        return;
+    }
     for p in &PATHS {
         let path = p.load(Ordering::Acquire);
         if !path.is_null() {

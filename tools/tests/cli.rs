@@ -919,6 +919,46 @@ fn an_interrupted_gen_leaves_no_partial_file() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
+/// Ctrl-C stops `bench io` at its next step: its scratch context and raw file go, and it
+/// exits with 130. A scratch context a killed run left (`bench-io-PID`, `bench-buffer-PID`) is
+/// deleted by the next run; a context merely named alike is not.
+#[test]
+fn an_interrupted_bench_leaves_no_scratch_and_the_next_sweeps_a_killed_ones() {
+    let dir = tmp();
+    let store = dir.path().join("b.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "1G"]);
+    let small = small_context(dir.path());
+    for name in ["bench-buffer-77", "bench-io-notes"] {
+        ok(&["import", p(&store), p(&small), "--name", name]);
+    }
+    let child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(["bench", "io", p(&store), "--mib", "256", "--rounds", "50"])
+        .env_remove("CTXFS_DEVICE")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let raw = store.with_extension("bench-raw");
+    let started = std::time::Instant::now();
+    while !raw.exists() {
+        assert!(started.elapsed().as_secs() < 60, "bench io never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("interrupted by SIGINT"), "{}", stderr_of(&out));
+    assert!(!raw.exists());
+    let names: Vec<String> = json(&["inspect", p(&store), "--json"])["contexts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["bench-io-notes"]);
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+}
+
 #[test]
 fn a_head_dim_whose_records_need_larger_blocks_is_refused_before_building() {
     let dir = tmp();
@@ -1109,6 +1149,49 @@ fn query_into_a_closed_pipe_exits_quietly() {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "json {json}: {}", stderr_of(&out));
         assert!(out.stderr.is_empty(), "json {json}: {}", stderr_of(&out));
+    }
+}
+
+/// Every command's report into a pipe its reader closed first: no panic, exit as if read.
+#[test]
+fn reports_into_a_closed_pipe_exit_quietly() {
+    let dir = tmp();
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "16M"]);
+    let gen_out = dir.path().join("g.safetensors");
+    let fresh = dir.path().join("fresh.ctxfs");
+    let commands: [&[&str]; 5] = [
+        &["bench", "search", "--tokens", "4096", "--heads", "1", "--queries", "2", "--seeds", "1"],
+        &[
+            "gen",
+            p(&gen_out),
+            "--tokens",
+            "1024",
+            "--layers",
+            "1",
+            "--q-heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+        ],
+        &["fsck", p(&store)],
+        &["inspect", p(&store)],
+        &["mkfs", p(&fresh), "--size", "16M"],
+    ];
+    for args in commands {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+            .args(args)
+            .env_remove("CTXFS_DEVICE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{args:?}: {:?} {}", out.status, stderr_of(&out));
+        assert!(out.stderr.is_empty(), "{args:?}: {}", stderr_of(&out));
     }
 }
 

@@ -68,7 +68,11 @@ pub struct Problem {
 pub struct Report {
     pub active_generation: Option<u64>,
     pub fallback_generation: Option<u64>,
+    /// Context records in the catalog, retired ones included.
     pub contexts: usize,
+    /// Of those, the retired ones whose records are readable (deleted, kept for the contexts
+    /// stored on top of them).
+    pub retired_contexts: usize,
     pub blocks_checked: u64,
     pub problems: Vec<Problem>,
     /// What repair did.
@@ -696,6 +700,7 @@ fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Prog
     }
     let w = walk(dev, &active, progress);
     report.contexts = w.contexts;
+    report.retired_contexts = w.family.0.values().filter(|n| n.retired).count();
     report.blocks_checked = w.blocks_checked;
     report.problems.extend(w.problems.iter().cloned());
     Ok(Checked { report, active: Some((active, w)), fallback })
