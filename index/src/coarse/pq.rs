@@ -212,11 +212,16 @@ impl PqMeta {
             residual_centroids_per_block: field(11),
             residual_codes_per_block: field(12),
         };
-        let residual_blocks_given = m.residual_centroids_per_block > 0 && m.residual_codes_per_block > 0;
+        // Both residual fields are nonzero exactly when there are residual subspaces.
+        let residual_fields = [m.residual_centroids_per_block, m.residual_codes_per_block];
+        let residual_consistent = match params.residual {
+            0 => residual_fields == [0, 0],
+            _ => residual_fields.iter().all(|&f| f > 0),
+        };
         if check_params(m.dim as usize, &params).is_err()
             || m.centroids_per_block == 0
             || m.codes_per_block == 0
-            || (params.residual > 0) != residual_blocks_given
+            || !residual_consistent
         {
             return Err(format!("pq meta block: inconsistent fields {m:?}"));
         }
@@ -1421,4 +1426,33 @@ fn sum_f64(xs: &[f32]) -> f64 {
         }
     }
     lanes.iter().sum::<f64>() + runs.remainder().iter().map(|&x| x as f64).sum::<f64>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A meta block reads back as written, and one whose residual fields disagree with its
+    /// residual subspaces is refused, whichever of them is set.
+    #[test]
+    fn a_meta_block_with_residual_fields_out_of_step_is_refused() {
+        let meta = |residual: u32, c: u32, t: u32| PqMeta {
+            version: PQ_VERSION,
+            tokens: 40_000,
+            dim: 128,
+            params: PqParams { residual, ..PqParams::scan_codes(128) },
+            centroids_per_block: 15,
+            codes_per_block: 126,
+            sample_stride: SAMPLE_STRIDE,
+            residual_centroids_per_block: c,
+            residual_codes_per_block: t,
+        };
+        for good in [meta(16, 15, 253), meta(0, 0, 0)] {
+            assert_eq!(PqMeta::decode(&good.encode()), Ok(good));
+        }
+        for bad in [meta(0, 15, 0), meta(0, 0, 253), meta(16, 0, 253), meta(16, 15, 0)] {
+            let err = PqMeta::decode(&bad.encode()).unwrap_err();
+            assert!(err.contains("inconsistent fields"), "{err}");
+        }
+    }
 }
