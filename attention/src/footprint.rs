@@ -180,8 +180,8 @@ impl IndexParts {
         let corrupt = |e: String| Error::Corrupt(format!("{what}: {e}"));
         let index = file.index();
         let first = index.first().ok_or_else(|| corrupt("an empty index stream".into()))?;
-        let layout =
-            Layout::decode(pool.get(&first)?.payload()).map_err(|e| corrupt(format!("index meta block: {e}")))?;
+        let layout = Layout::decode(pool.get(&first)?.payload())
+            .map_err(|e| corrupt(format!("index meta block {}: {e}", first.block)))?;
         let graph_end = layout.index_blocks() as usize;
         if graph_end > index.len() {
             return Err(corrupt(format!("{} index blocks for a graph index of {graph_end}", index.len())));

@@ -109,13 +109,13 @@ impl Layout {
     }
     pub fn decode(b: &[u8]) -> Result<Layout, String> {
         if b.len() < 32 || &b[..4] != META_MAGIC {
-            return Err("index meta block: bad magic or length".into());
+            return Err("bad magic or length".into());
         }
         let f = |i: usize| u32::from_le_bytes(b[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes"));
         let element = || match f(7) {
             1 => Ok(DType::F16),
             2 => Ok(DType::Bf16),
-            code => Err(format!("index meta block: unknown element type {code}")),
+            code => Err(format!("unknown element type {code}")),
         };
         let (dtype, seed_stride, seed_values) = match f(0) {
             1 => (DType::F16, 0, false),
@@ -141,7 +141,7 @@ impl Layout {
             || l.rows_per_block == 0
             || (l.tokens > 0 && l.entry >= l.tokens)
         {
-            return Err(format!("index meta block: inconsistent layout {l:?}"));
+            return Err(format!("inconsistent layout {l:?}"));
         }
         // The stream's block count (computed in u32 by the accessors) must fit a u32.
         let (tokens, seed_rows) = (l.tokens as u64, l.seed_rows() as u64);
@@ -150,7 +150,7 @@ impl Layout {
             + tokens.div_ceil(l.rows_per_block as u64)
             + (1 + l.seed_values as u64) * seed_rows.div_ceil(l.rows_per_block as u64);
         if blocks > u32::MAX as u64 {
-            return Err(format!("index meta block: a layout of {blocks} blocks {l:?}"));
+            return Err(format!("a layout of {blocks} blocks {l:?}"));
         }
         Ok(l)
     }
@@ -163,7 +163,7 @@ impl Layout {
         let rows = (self.rows_per_block as u64 * self.dim as u64).saturating_mul(2);
         if record > payload as u64 || rows > payload as u64 {
             return Err(format!(
-                "index meta block: {} records of degree {} or {} rows of dimension {} do not fit a block payload of {payload} bytes",
+                "{} records of degree {} or {} rows of dimension {} do not fit a block payload of {payload} bytes",
                 self.records_per_block, self.degree, self.rows_per_block, self.dim
             ));
         }
@@ -429,10 +429,12 @@ impl<'p> PagedIndex<'p> {
         if hints.len() < blocks.len() {
             return Err(format!("{} frame hints for {} index blocks", hints.len(), blocks.len()));
         }
-        let meta = pool.get(&blocks.first().ok_or("empty index stream")?).map_err(wrap)?;
-        let layout = Layout::decode(meta.payload())?;
+        let first = blocks.first().ok_or("empty index stream")?;
+        let meta = pool.get(&first).map_err(wrap)?;
+        let bad_meta = |e: String| format!("index meta block {}: {e}", first.block);
+        let layout = Layout::decode(meta.payload()).map_err(bad_meta)?;
         drop(meta);
-        layout.check_fits(ctxfs_vfs::max_payload(pool.block_size()))?;
+        layout.check_fits(ctxfs_vfs::max_payload(pool.block_size())).map_err(bad_meta)?;
         // Coarse indexes (quest, infllm, pq runs) may follow the graph index in the stream.
         if blocks.len() < layout.index_blocks() as usize {
             return Err(format!(

@@ -149,7 +149,7 @@ impl Allocator {
     pub fn full(&self, needed: u64) -> crate::Error {
         match self.frozen {
             Some(generation) => crate::Error::HeldForReader { generation },
-            None => crate::Error::StoreFull { needed, free: self.available() },
+            None => crate::Error::StoreFull { needed, free: self.available(), held: self.quarantined() },
         }
     }
 

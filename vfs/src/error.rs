@@ -46,8 +46,8 @@ pub enum Error {
     NoSuchContextId(u32),
     #[error("a context named {0:?} already exists")]
     ContextExists(String),
-    #[error("store is full: {needed} more blocks needed, {free} free (space freed by the last commit becomes free at the next one)")]
-    StoreFull { needed: u64, free: u64 },
+    #[error("store is full: {needed} more blocks needed, {free} free; {held} more were freed but are still held, for open readers of older states or until the next commit, and come free when those readers close")]
+    StoreFull { needed: u64, free: u64, held: u64 },
     #[error("no space can be handed out while another process reads generation {generation} or older of this store, a state older than the one this writer opened (its blocks are not known here); close that reader and reopen")]
     HeldForReader { generation: u64 },
     #[error("store was poisoned by an earlier failed commit ({0}); reopen it to recover the last committed state")]

@@ -34,6 +34,9 @@ pub const READER_PINS: i64 = 1 << 62;
 pub const ROOT_PINS: i64 = READER_PINS + (1 << 61);
 /// Generations and blocks beyond these bounds cannot be pinned.
 const MAX_PINNED: u64 = 1 << 60;
+/// The newest generation a store reaches: the last one a reader can pin. A writer refuses to
+/// commit beyond it (a superblock that claims more is damage: 2^60 commits are out of reach).
+pub const MAX_GENERATION: u64 = MAX_PINNED - 1;
 
 /// What a process may do with a store it opens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -622,6 +622,9 @@ impl Space {
 pub struct SlotStatus {
     pub slot: u64,
     pub result: std::result::Result<Superblock, String>,
+    /// A superblock valid but for describing more blocks than the device has (the second):
+    /// a store file cut short.
+    pub beyond_device: Option<(Superblock, u64)>,
 }
 
 pub struct Store {
@@ -649,21 +652,25 @@ pub(crate) enum AllocSource {
 pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
     let mut out = Vec::new();
     for slot in 0..SUPERBLOCK_SLOTS {
+        let mut beyond_device = None;
         let result = match read_raw(dev, slot) {
             Err(source) => Err(Error::BlockIo { block: slot, source }.to_string()),
             Ok(buf) => match Superblock::decode(&buf, slot) {
                 // Everything sized from a superblock (bitmaps, scans) trusts this bound.
-                Ok(sb) if sb.total_blocks > dev.num_blocks() => Err(format!(
-                    "superblock describes {} blocks but the device has {}",
-                    sb.total_blocks,
-                    dev.num_blocks()
-                )),
+                Ok(sb) if sb.total_blocks > dev.num_blocks() => {
+                    beyond_device = Some((sb, dev.num_blocks()));
+                    Err(format!(
+                        "superblock describes {} blocks but the device has {}",
+                        sb.total_blocks,
+                        dev.num_blocks()
+                    ))
+                }
                 Ok(sb) => Ok(sb),
                 Err(e @ Error::UnsupportedVersion { .. }) => return Err(e),
                 Err(e) => Err(e.to_string()),
             },
         };
-        out.push(SlotStatus { slot, result });
+        out.push(SlotStatus { slot, result, beyond_device });
     }
     Ok(out)
 }
@@ -672,6 +679,20 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
 pub(crate) fn pick(slots: &[SlotStatus]) -> Result<(Superblock, Option<Superblock>)> {
     let mut valid: Vec<Superblock> = slots.iter().filter_map(|s| s.result.as_ref().ok().copied()).collect();
     valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
+    // Every slot intact but longer than the device: a store file cut short, not another file.
+    let newest_cut = slots.iter().filter_map(|s| s.beyond_device).max_by_key(|(sb, _)| sb.generation);
+    if let (true, Some((sb, device_blocks))) = (slots.iter().all(|s| s.beyond_device.is_some()), newest_cut) {
+        let bytes = sb.total_blocks * sb.block_size as u64;
+        return Err(Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "store truncated: its superblocks describe {} blocks of {} bytes ({bytes} bytes), but the device \
+                 has {device_blocks} blocks; extend the file back to {bytes} bytes (truncate -s {bytes}), then run \
+                 ctxfs fsck: the blocks cut off are lost",
+                sb.total_blocks, sb.block_size
+            ),
+        )));
+    }
     match valid.as_slice() {
         [] => Err(Error::NotAStore(format!(
             "no valid superblock ({})",
@@ -709,7 +730,7 @@ pub(crate) fn chunk_expect(chunk: u64, crc: u32, generation: u64) -> Expect {
 pub(crate) fn load_bitmap(dev: &dyn BlockDevice, sb: &Superblock) -> Result<(Bitmap, Vec<BlockRef>, Vec<u64>)> {
     let (blob, dir_blocks) = read_chain(dev, sb.alloc, ALLOC_CHAIN, sb.generation)?;
     let bad = |what: String| Error::damaged(sb.alloc.block, "alloc", "system", BlockFault::Malformed(what));
-    let (total, chunks) = decode_alloc_dir(&blob).map_err(|f| bad(f.to_string()))?;
+    let (total, chunks) = decode_alloc_dir(&blob).map_err(|f| Error::damaged(sb.alloc.block, "alloc", "system", f))?;
     let bpc = bits_per_chunk(dev.block_size());
     if total != sb.total_blocks || chunks.len() as u64 != total.div_ceil(bpc) {
         return Err(bad(format!("directory describes {total} blocks in {} chunks", chunks.len())));
@@ -753,7 +774,7 @@ pub(crate) fn load_catalog(
 ) -> Result<(Contexts, Retired, Vec<u64>)> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
     let bad = |block, what: String| Error::damaged(block, "catalog", "system", BlockFault::Malformed(what));
-    let entries = decode_catalog(&blob).map_err(|f| bad(sb.catalog.block, f.to_string()))?;
+    let entries = decode_catalog(&blob).map_err(|f| Error::damaged(sb.catalog.block, "catalog", "system", f))?;
     let mut contexts = BTreeMap::new();
     let mut retired = BTreeMap::new();
     let mut ids = BTreeSet::new();

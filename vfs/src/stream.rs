@@ -159,7 +159,8 @@ impl StreamMap {
             let b = res?;
             let bad =
                 |what: String| Error::damaged(*block, "extent", expect.owner.to_string(), BlockFault::Malformed(what));
-            let eb = ExtentBlock::decode(b.payload(), dev.num_blocks()).map_err(|f| bad(f.to_string()))?;
+            let eb = ExtentBlock::decode(b.payload(), dev.num_blocks())
+                .map_err(|f| Error::damaged(*block, "extent", expect.owner.to_string(), f))?;
             if eb.first_logical != map.len() {
                 return Err(bad(format!("starts at logical {}, expected {}", eb.first_logical, map.len())));
             }

@@ -141,6 +141,14 @@ impl<'s> Txn<'s> {
             return Err(Error::Poisoned(why.clone()));
         }
         let base = store.snapshot();
+        if base.generation() >= crate::lock::MAX_GENERATION {
+            return Err(Error::InvalidArgument(format!(
+                "generation {} is the last a store reaches ({}): no commit can follow it; the superblock is likely \
+                 damaged (ctxfs fsck)",
+                base.generation(),
+                crate::lock::MAX_GENERATION
+            )));
+        }
         w.alloc.release(base.generation(), store.readers.oldest());
         store.publish_space(&w.alloc);
         *store.lock_writer_thread() = Some(here);

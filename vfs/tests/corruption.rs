@@ -476,3 +476,54 @@ fn a_superblock_claiming_more_blocks_than_the_device_is_invalid() {
     drop(store);
     assert_eq!(fsck::repair(dev.clone(), false).unwrap().exit_code(), fsck::EXIT_CORRECTED);
 }
+
+/// A superblock at the last generation a reader can pin takes no further commit: the writer
+/// refuses before writing anything, and the store stays as it was.
+#[test]
+fn no_commit_follows_the_last_generation() {
+    use ctxfs_vfs::lock::MAX_GENERATION;
+    let (dev, store) = mem_store(512);
+    workload(&store, 5, |_| {}).unwrap();
+    let mut sb = *store.snapshot().superblock();
+    drop(store);
+    // The same slot, so its parity must be kept: MAX_GENERATION is odd.
+    sb.generation = MAX_GENERATION - u64::from(sb.slot() == 0);
+    let mut buf = device::AlignedBuf::zeroed(BS);
+    sb.encode_into(&mut buf);
+    dev.submit(&mut [device::IoOp::Write { block: sb.slot(), buf: &buf }]).pop().unwrap().unwrap();
+    let store = Store::open(dev.clone()).unwrap();
+    let mut commits = 0;
+    let refused = loop {
+        match store.begin() {
+            Ok(txn) => {
+                txn.commit().unwrap();
+                commits += 1;
+            }
+            Err(e) => break e,
+        }
+        assert!(commits <= 1, "committed past generation {}", store.snapshot().generation());
+    };
+    assert!(refused.to_string().contains("last a store reaches"), "{refused}");
+    assert_eq!(store.snapshot().generation(), MAX_GENERATION);
+    drop(store);
+    assert_eq!(Store::open(dev).unwrap().snapshot().generation(), MAX_GENERATION);
+}
+
+/// A store file cut short is refused as truncated, saying how long it must be, not as
+/// "not a store"; extended back, it opens and checks clean (the blocks cut were free).
+#[test]
+fn a_store_file_cut_short_is_refused_as_truncated() {
+    let dir = tmpdir();
+    let img = dir.path().join("cut.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    workload(&store, 7, |_| {}).unwrap();
+    drop(store);
+    let file = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    file.set_len(SIZE - 3 * BS as u64).unwrap();
+    let err = Store::open_path_read_only(&img, DeviceChoice::Uring).err().expect("refused");
+    let text = err.to_string();
+    assert!(text.contains("store truncated") && text.contains(&format!("truncate -s {SIZE}")), "{text}");
+    file.set_len(SIZE).unwrap();
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    assert_eq!(fsck::check(dev.as_ref()).unwrap().exit_code(), fsck::EXIT_CLEAN);
+}

@@ -95,7 +95,7 @@ impl Superblock {
                 found: format_version,
                 oldest: OLDEST_READABLE_VERSION,
                 newest: FORMAT_VERSION,
-                hint: "use the ctxfs release that wrote this store, or export and re-import it",
+                hint: "open it with a ctxfs release that reads that version",
             });
         }
         if h.logical != slot
