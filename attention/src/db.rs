@@ -187,15 +187,18 @@ impl Inner {
         Ok(f)
     }
 
-    /// Rebuilds the prefix trie from the committed contexts.
-    pub fn refresh_trie(&self) -> Result<()> {
+    /// Rebuilds the prefix trie from the committed contexts. A context whose token ids
+    /// cannot be read (a damaged block) is left out: no session reuses it as a prefix, and
+    /// opening it by name reports the damage; the others are served.
+    pub fn refresh_trie(&self) {
         let snap = self.store.snapshot();
         let mut trie = PrefixTrie::default();
         for rec in snap.contexts() {
-            trie.insert(rec.id, &snap.context_by_id(rec.id)?.tokens()?);
+            if let Ok(tokens) = snap.context_by_id(rec.id).and_then(|c| c.tokens()) {
+                trie.insert(rec.id, &tokens);
+            }
         }
         *write(&self.trie) = trie;
-        Ok(())
     }
 
     /// Adds a newly committed context to the prefix trie.
@@ -311,7 +314,7 @@ impl Db {
             device_codes,
             gpu_status,
         };
-        inner.refresh_trie()?;
+        inner.refresh_trie();
         Ok(Db { inner: Arc::new(inner) })
     }
 

@@ -68,6 +68,7 @@ pub fn store_json(store: &Store) -> Value {
         "device": {"kind": info.kind, "path": info.path, "queue_depth": info.queue_depth, "note": info.note},
         "space": {"blocks": sb.total_blocks, "used_blocks": space.used, "free_blocks": space.free, "free_bytes": space.free * bs, "used_bytes": space.used * bs, "reclaimable_blocks": space.reclaimable},
         "contexts": snap.contexts().map(context_json).collect::<Vec<_>>(),
+        "damaged_contexts": snap.damaged_contexts().map(|d| json!({"id": d.entry.id, "name": d.entry.name, "block": d.block, "error": d.why})).collect::<Vec<_>>(),
     })
 }
 

@@ -48,7 +48,7 @@ fn from_store(e: &ctxfs_vfs::Error) -> fn(String) -> PyErr {
         V::StoreFull { .. } | V::HeldForReader { .. } => StoreFullError::new_err,
         V::ContextExists(_) => ExistsError::new_err,
         V::NoSuchContext(_) | V::NoSuchContextId(_) => NotFoundError::new_err,
-        V::Damaged { .. } | V::Poisoned(_) => CorruptError::new_err,
+        V::Damaged { .. } | V::DamagedContext { .. } | V::Poisoned(_) => CorruptError::new_err,
         V::Locked { .. } => LockedError::new_err,
         V::ReadOnly(_) => ReadOnlyError::new_err,
         V::NotAStore(_) | V::UnsupportedVersion { .. } => NotAStoreError::new_err,

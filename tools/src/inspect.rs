@@ -120,6 +120,13 @@ fn summary(store: &Store, path: &std::path::Path, json: bool, o: &mut String) ->
             format!("; retired (deleted, kept for their children): {}", retired.join(", "))
         }
     )?;
+    for d in snap.damaged_contexts() {
+        writeln!(
+            o,
+            "damaged     {:?} (id {}): {} (ctxfs fsck --repair --drop-damaged drops it)",
+            d.entry.name, d.entry.id, d.why
+        )?;
+    }
     for c in snap.contexts() {
         let (blocks, bytes) = context_blocks(c);
         let sh = &c.shape;

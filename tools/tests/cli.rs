@@ -1278,3 +1278,45 @@ fn bench_search_measures_captured_attention_beside_the_generator() {
         assert!((0.0..=1.0).contains(&met) && row["tokens_vs_oracle"].as_f64().unwrap() > 0.0, "{row}");
     }
 }
+
+/// Damage to one context's token ids or record leaves the store's other contexts served,
+/// imported beside and checked; the damaged record is named, listed, and dropped by fsck.
+#[test]
+fn one_damaged_context_leaves_the_others_served() {
+    let dir = tmp();
+    let ctx = small_context(dir.path());
+    let queries = ctx.with_extension("queries.safetensors");
+    let clean = dir.path().join("clean.ctxfs");
+    ok(&["mkfs", p(&clean), "--size", "64M"]);
+    for name in ["a", "b"] {
+        ok(&["import", p(&clean), p(&ctx), "--name", name]);
+    }
+    let blocks: Vec<Value> = serde_json::from_value(json(&["inspect", p(&clean), "--blocks", "--json"])).unwrap();
+    let first_of = |stream: &str| {
+        blocks.iter().find(|b| b["context"] == "a" && b["kind"] == "catalog" && b["stream"] == stream).unwrap()["block"]
+            .as_u64()
+            .unwrap()
+    };
+    for (stream, served_by_name) in [("tokens", true), ("meta", false)] {
+        let store = dir.path().join(format!("{stream}.ctxfs"));
+        std::fs::copy(&clean, &store).unwrap();
+        let block = first_of(stream);
+        std::fs::OpenOptions::new().write(true).open(&store).unwrap().write_all_at(&[0u8; 4096], block * 4096).unwrap();
+        let query =
+            |name: &str| ctxfs(&["query", p(&store), "--context", name, "--queries", p(&queries), "--layer", "0"]);
+        assert!(query("b").status.success(), "{stream}: {}", stderr_of(&query("b")));
+        // Token ids are not needed to answer attention; a damaged record is named.
+        let a = query("a");
+        assert_eq!(a.status.success(), served_by_name, "{stream}: {}", stderr_of(&a));
+        if !served_by_name {
+            assert!(stderr_of(&a).contains(&format!("block {block}")), "{}", stderr_of(&a));
+            let damaged = json(&["inspect", p(&store), "--json"])["damaged_contexts"].clone();
+            assert_eq!(damaged[0]["name"], "a", "{damaged}");
+        }
+        ok(&["import", p(&store), p(&ctx), "--name", "c"]);
+        assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(4), "{stream}");
+        assert_eq!(ctxfs(&["fsck", p(&store), "--repair", "--drop-damaged"]).status.code(), Some(1), "{stream}");
+        assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0), "{stream}");
+        assert!(query("b").status.success() && query("c").status.success());
+    }
+}

@@ -36,6 +36,8 @@ pub enum Error {
     },
     #[error("not a ctxfs store: {0}")]
     NotAStore(String),
+    #[error("context {name:?} (id {id}) cannot be read: {why}; the store's other contexts are served as usual, and `ctxfs fsck --repair --drop-damaged` drops it")]
+    DamagedContext { name: String, id: u32, block: Option<u64>, why: String },
     #[error("unsupported format version {found} (this build reads versions {oldest} to {newest}); {hint}")]
     UnsupportedVersion { found: u32, oldest: u32, newest: u32, hint: &'static str },
     #[error("invalid argument: {0}")]
@@ -83,6 +85,7 @@ impl Error {
     pub fn block(&self) -> Option<u64> {
         match self {
             Error::BlockIo { block, .. } | Error::Damaged { block, .. } => Some(*block),
+            Error::DamagedContext { block, .. } => *block,
             _ => None,
         }
     }

@@ -6,7 +6,9 @@ use crate::blockio::{
 };
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
-use crate::format::records::{bits_per_chunk, decode_alloc_dir, decode_catalog, ContextRecord, ParentLink, StreamRoot};
+use crate::format::records::{
+    bits_per_chunk, decode_alloc_dir, decode_catalog, CatalogEntry, ContextRecord, ParentLink, StreamRoot,
+};
 use crate::format::{BlockKind, BlockRef, Expect, Owner, StreamTag, Superblock, SUPERBLOCK_SLOTS};
 use crate::lock::{Access, StoreLock};
 use crate::stream::{StreamId, StreamMap};
@@ -287,6 +289,7 @@ pub struct Snapshot {
     pub(crate) superblock: Superblock,
     pub(crate) contexts: Contexts,
     pub(crate) retired: Retired,
+    pub(crate) damaged: Arc<Damaged>,
     pub(crate) catalog_blocks: Vec<u64>,
     pub(crate) _ticket: Option<ReaderTicket>,
 }
@@ -310,13 +313,25 @@ impl Snapshot {
         self.retired.values().map(|c| &c.record)
     }
     pub fn context(&self, name: &str) -> Result<Context<'_>> {
-        let meta = self.contexts.get(name).ok_or_else(|| Error::NoSuchContext(name.to_string()))?;
-        Ok(Context { snap: self, meta })
+        match self.contexts.get(name) {
+            Some(meta) => Ok(Context { snap: self, meta }),
+            None => Err(self.damaged_named(name).map_or_else(|| Error::NoSuchContext(name.to_string()), |d| d.error())),
+        }
     }
     /// A context by id, retired ones included: how a child finds its parent.
     pub fn context_by_id(&self, id: u32) -> Result<Context<'_>> {
-        let meta = self.meta_by_id(id).ok_or(Error::NoSuchContextId(id))?;
-        Ok(Context { snap: self, meta })
+        match self.meta_by_id(id) {
+            Some(meta) => Ok(Context { snap: self, meta }),
+            None => Err(self.damaged.get(&id).map_or(Error::NoSuchContextId(id), DamagedContext::error)),
+        }
+    }
+    /// Catalog entries whose context record cannot be read: the store is served around them.
+    pub fn damaged_contexts(&self) -> impl Iterator<Item = &DamagedContext> {
+        self.damaged.values()
+    }
+    /// The damaged entry named `name`, if one is.
+    pub(crate) fn damaged_named(&self, name: &str) -> Option<&DamagedContext> {
+        self.damaged.values().find(|d| d.entry.name == name)
     }
     fn meta_by_id(&self, id: u32) -> Option<&ContextMeta> {
         let live = || self.contexts.values().find(|m| m.record.id == id);
@@ -332,9 +347,10 @@ impl Snapshot {
         if depth > self.contexts.len() + self.retired.len() {
             return Err(child.damaged("parent links form a cycle".into()));
         }
-        let parent = self
-            .meta_by_id(link.id)
-            .ok_or_else(|| child.damaged(format!("parent context {} does not exist", link.id)))?;
+        let parent = self.meta_by_id(link.id).ok_or_else(|| match self.damaged.get(&link.id) {
+            Some(d) => d.error(),
+            None => child.damaged(format!("parent context {} does not exist", link.id)),
+        })?;
         if link.prefix_tokens > parent.record.token_count() {
             return Err(child.damaged(format!(
                 "prefix of {} tokens exceeds the {} tokens of parent context {}",
@@ -764,19 +780,48 @@ fn bitmap_at(dev: &dyn BlockDevice, sb: &Superblock, root: u64) -> Result<Bitmap
 pub(crate) type Contexts = BTreeMap<String, Arc<ContextMeta>>;
 /// Retired contexts by id: they have no name that lookups may find.
 pub(crate) type Retired = BTreeMap<u32, Arc<ContextMeta>>;
+/// Catalog entries whose context record cannot be read, by id.
+pub(crate) type Damaged = BTreeMap<u32, DamagedContext>;
+
+/// A catalog entry whose context record (or what it says) cannot be read. The rest of the
+/// store is served around it: commits carry the entry forward as it is, its name stays taken,
+/// and its blocks stay allocated, until fsck drops it (`--repair --drop-damaged`).
+#[derive(Debug, Clone)]
+pub struct DamagedContext {
+    pub entry: CatalogEntry,
+    /// The block the damage was found in, where one was.
+    pub block: Option<u64>,
+    pub why: String,
+}
+
+impl DamagedContext {
+    pub fn error(&self) -> Error {
+        Error::DamagedContext {
+            name: self.entry.name.clone(),
+            id: self.entry.id,
+            block: self.block,
+            why: self.why.clone(),
+        }
+    }
+}
+
+/// What [`load_catalog`] read.
+pub(crate) struct Catalog {
+    pub contexts: Contexts,
+    pub retired: Retired,
+    pub damaged: Damaged,
+    /// The catalog chain's blocks.
+    pub blocks: Vec<u64>,
+}
 
 /// Reads the catalog and every context record a superblock references; `skip` lists ids to
-/// leave out.
-pub(crate) fn load_catalog(
-    dev: &dyn BlockDevice,
-    sb: &Superblock,
-    skip: &BTreeSet<u32>,
-) -> Result<(Contexts, Retired, Vec<u64>)> {
+/// leave out. A record that cannot be read (or disagrees with its entry) makes its context
+/// damaged, not the catalog: the store is served around it.
+pub(crate) fn load_catalog(dev: &dyn BlockDevice, sb: &Superblock, skip: &BTreeSet<u32>) -> Result<Catalog> {
     let (blob, blocks) = read_chain(dev, sb.catalog, CATALOG_CHAIN, sb.generation)?;
     let bad = |block, what: String| Error::damaged(block, "catalog", "system", BlockFault::Malformed(what));
     let entries = decode_catalog(&blob).map_err(|f| Error::damaged(sb.catalog.block, "catalog", "system", f))?;
-    let mut contexts = BTreeMap::new();
-    let mut retired = BTreeMap::new();
+    let mut catalog = Catalog { contexts: BTreeMap::new(), retired: BTreeMap::new(), damaged: BTreeMap::new(), blocks };
     let mut ids = BTreeSet::new();
     for entry in entries.into_iter().filter(|e| !skip.contains(&e.id)) {
         if entry.id == 0 || entry.id >= sb.next_context_id || !ids.insert(entry.id) {
@@ -785,24 +830,42 @@ pub(crate) fn load_catalog(
                 format!("context {:?} has id {}: repeated or outside 1..{}", entry.name, entry.id, sb.next_context_id),
             ));
         }
-        let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
-        let record = ContextRecord::decode(&rblob)
-            .map_err(|f| Error::damaged(entry.record.block, "catalog", Owner::context(entry.id).to_string(), f))?;
-        if record.id != entry.id || record.name != entry.name {
-            return Err(bad(
-                entry.record.block,
-                format!("record {} {:?} listed as {} {:?}", record.id, record.name, entry.id, entry.name),
-            ));
-        }
-        let meta = Arc::new(ContextMeta::from_record(record, entry.record, rblocks));
-        meta.check_roots(dev.block_size())?;
+        let meta = match load_record(dev, sb, &entry) {
+            Ok(meta) => meta,
+            Err(e) => {
+                let (block, why) = (e.block(), e.to_string());
+                catalog.damaged.insert(entry.id, DamagedContext { entry, block, why });
+                continue;
+            }
+        };
         if meta.record.retired {
-            retired.insert(entry.id, meta);
-        } else if contexts.insert(entry.name.clone(), meta).is_some() {
+            catalog.retired.insert(entry.id, meta);
+        } else if catalog.contexts.insert(entry.name.clone(), meta).is_some() {
             return Err(bad(sb.catalog.block, format!("context name {:?} listed twice", entry.name)));
         }
     }
-    Ok((contexts, retired, blocks))
+    Ok(catalog)
+}
+
+/// One catalog entry's context record, checked against the entry.
+fn load_record(dev: &dyn BlockDevice, sb: &Superblock, entry: &CatalogEntry) -> Result<Arc<ContextMeta>> {
+    let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
+    let record = ContextRecord::decode(&rblob)
+        .map_err(|f| Error::damaged(entry.record.block, "catalog", Owner::context(entry.id).to_string(), f))?;
+    if record.id != entry.id || record.name != entry.name {
+        return Err(Error::damaged(
+            entry.record.block,
+            "catalog",
+            Owner::context(entry.id).to_string(),
+            BlockFault::Malformed(format!(
+                "record {} {:?} listed as {} {:?}",
+                record.id, record.name, entry.id, entry.name
+            )),
+        ));
+    }
+    let meta = Arc::new(ContextMeta::from_record(record, entry.record, rblocks));
+    meta.check_roots(dev.block_size())?;
+    Ok(meta)
 }
 
 impl Store {
@@ -859,7 +922,7 @@ impl Store {
                 dev.block_size()
             )));
         }
-        let (contexts, retired, catalog_blocks) = load_catalog(dev.as_ref(), &sb, skip)?;
+        let catalog = load_catalog(dev.as_ref(), &sb, skip)?;
         let (committed, chunk_refs, alloc_dir_blocks) = match source {
             AllocSource::Persisted => load_bitmap(dev.as_ref(), &sb)?,
             AllocSource::Rebuilt(mut reachable) => {
@@ -879,8 +942,15 @@ impl Store {
             }
         }
         readers.hold_older_states(dev.as_ref(), &sb, fallback, &mut alloc);
-        let snapshot =
-            Snapshot { dev: dev.clone(), superblock: sb, contexts, retired, catalog_blocks, _ticket: ticket };
+        let snapshot = Snapshot {
+            dev: dev.clone(),
+            superblock: sb,
+            contexts: catalog.contexts,
+            retired: catalog.retired,
+            damaged: Arc::new(catalog.damaged),
+            catalog_blocks: catalog.blocks,
+            _ticket: ticket,
+        };
         let writer = WriterState { alloc, chunk_refs, alloc_dir_blocks, poisoned: None };
         Ok(Store::assemble(dev, snapshot, writer, readers, slots))
     }

@@ -228,6 +228,9 @@ impl<'s> Txn<'s> {
         if self.contexts.contains_key(name) {
             return Err(Error::ContextExists(name.to_string()));
         }
+        if let Some(d) = self.base.damaged_named(name) {
+            return Err(d.error());
+        }
         let id = self.next_context_id;
         self.next_context_id =
             id.checked_add(1).ok_or_else(|| Error::InvalidArgument("context ids exhausted".into()))?;
@@ -369,10 +372,17 @@ impl<'s> Txn<'s> {
     pub fn delete_context(&mut self, name: &str) -> Result<()> {
         self.check()?;
         let (id, parent) = match self.contexts.get(name) {
-            None => return Err(Error::NoSuchContext(name.to_string())),
+            None => {
+                return Err(self
+                    .base
+                    .damaged_named(name)
+                    .map_or_else(|| Error::NoSuchContext(name.to_string()), |d| d.error()))
+            }
             Some(slot) => (slot.record().id, slot.record().parent),
         };
-        if self.has_children(id, &[]) {
+        // A damaged record may name this context as its parent: while one is in the catalog,
+        // a deleted context is retired, its blocks kept, and fsck frees what nothing needs.
+        if self.has_children(id, &[]) || !self.base.damaged.is_empty() {
             let d = draft_in(&mut self.contexts, self.store.dev.as_ref(), self.base.generation(), name)?;
             d.record.retired = true;
             let slot = self.contexts.remove(name).expect("drafted above");
@@ -481,10 +491,12 @@ impl<'s> Txn<'s> {
         }
 
         // 2. The catalog, sorted by name; a retired context keeps its name, which may repeat.
+        // Damaged entries go forward as they are: their blocks stay allocated until fsck.
         let mut entries: Vec<CatalogEntry> = metas
             .values()
             .chain(retired.values())
             .map(|m| CatalogEntry { id: m.record.id, name: m.record.name.clone(), record: m.record_ref })
+            .chain(self.base.damaged.values().map(|d| d.entry.clone()))
             .collect();
         entries.sort_by(|a, b| (&a.name, a.id).cmp(&(&b.name, b.id)));
         let blob = encode_catalog(&entries);
@@ -603,6 +615,7 @@ impl<'s> Txn<'s> {
             superblock: sb,
             contexts: metas,
             retired,
+            damaged: self.base.damaged.clone(),
             catalog_blocks,
             _ticket: Some(self.store.readers.ticket(generation)),
         });
@@ -785,6 +798,7 @@ fn format_with(dev: Arc<dyn BlockDevice>, lock: Option<StoreLock>) -> Result<Sto
         superblock: sb,
         contexts: BTreeMap::new(),
         retired: BTreeMap::new(),
+        damaged: Default::default(),
         catalog_blocks: Vec::new(),
         _ticket: None,
     };

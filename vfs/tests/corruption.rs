@@ -150,6 +150,15 @@ fn check_reads(img: &Path, choice: DeviceChoice, live: &[LiveBlock], changed: &[
         }
     };
     let snap = store.snapshot();
+    // A context whose record is damaged is left out, naming the block; the others are served.
+    for d in snap.damaged_contexts() {
+        assert!(
+            d.block.is_some_and(|b| changed.contains(&b)),
+            "context {:?} damaged elsewhere: {}",
+            d.entry.name,
+            d.why
+        );
+    }
     for ctx in snap.contexts() {
         let c = snap.context(&ctx.name).unwrap();
         for layer in 0..ctx.shape.layers {
@@ -386,7 +395,7 @@ fn a_short_bitmap_chunk_is_refused_at_open() {
 }
 
 #[test]
-fn a_token_count_its_blocks_cannot_hold_is_refused_at_open_and_repaired() {
+fn a_token_count_its_blocks_cannot_hold_makes_its_context_damaged_and_is_repaired() {
     // Appending reads the last token block by the record's count: a count beyond the blocks
     // must not reach it.
     let dir = tmpdir();
@@ -403,11 +412,23 @@ fn a_token_count_its_blocks_cannot_hold_is_refused_at_open_and_repaired() {
     let dev = open_dev(&img, DeviceChoice::Uring);
     let token_block = ctxfs_vfs::max_payload(BS) as u64 / 4 * 4;
     tamper(dev.as_ref(), slot, "a", |r| r.tokens.bytes = r.tokens.blocks * token_block + 4);
-    match Store::open(dev.clone()) {
-        Err(e @ Error::Damaged { .. }) => assert!(e.to_string().contains("token stream says"), "{e}"),
+    // The store opens around the damaged context: "a" is refused by name, "b" is served,
+    // and a commit keeps "a" in the catalog, its name taken, for fsck to drop.
+    let store = Store::open(dev.clone()).unwrap();
+    match store.snapshot().context("a") {
+        Err(e @ Error::DamagedContext { .. }) => assert!(e.to_string().contains("token stream says"), "{e}"),
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("a token count beyond its blocks was accepted"),
     }
+    let mut txn = store.begin().unwrap();
+    assert!(matches!(txn.create_context("a", shape(1, 1), &[]), Err(Error::DamagedContext { .. })));
+    create(&mut txn, &mut model, &mut rng, "c", shape(1, 1), 10).unwrap();
+    txn.commit().unwrap();
+    assert_eq!(store.snapshot().damaged_contexts().count(), 1);
+    let mut b_and_c = model.clone();
+    b_and_c.remove("a");
+    assert_matches(&store, &b_and_c);
+    drop(store);
     let report = fsck::check(dev.as_ref()).unwrap();
     assert!(
         report.problems.iter().any(|p| p.context.as_deref() == Some("a") && p.fix == fsck::Fix::DropContext),
