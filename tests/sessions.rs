@@ -1130,3 +1130,50 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
         "recall {with_recall} against {without_recall}"
     );
 }
+
+/// A context whose record says another element type than its vector files' indexes (every
+/// checksum holding: what a writer's bug would leave) is refused by its sessions, naming the
+/// index meta block, and reported by fsck's index check; the other context is served.
+#[test]
+fn an_index_of_another_shape_than_its_record_is_refused_and_reported() {
+    use ctxfs_vfs::FileStream;
+    let dir = tempfile::tempdir().unwrap();
+    let (b, store) = imported(dir.path());
+    let db = open(&store);
+    {
+        let snap = db.store().snapshot();
+        let book = snap.context("book").unwrap();
+        let twin = ctxfs_vfs::ModelShape { dtype: DType::Bf16, ..b.shape };
+        let mut txn = db.store().begin().unwrap();
+        txn.create_context("twin", twin, &book.tokens().unwrap()).unwrap();
+        for layer in 0..b.shape.layers {
+            for head in 0..b.shape.kv_heads {
+                for which in [FileStream::Index, FileStream::Data] {
+                    let s = book.stream(layer, head, which).unwrap();
+                    for l in 0..s.blocks() {
+                        txn.append_block("twin", layer, head, which, s.read(l).unwrap().payload()).unwrap();
+                    }
+                }
+            }
+        }
+        txn.commit().unwrap();
+    }
+    drop(db);
+    let db = open(&store);
+    let mut report = ctxfs_vfs::fsck::Report::default();
+    db.check_indexes(&mut report);
+    let files = (b.shape.layers * b.shape.kv_heads) as usize;
+    assert_eq!(report.problems.len(), files, "{:#?}", report.problems);
+    for p in &report.problems {
+        assert_eq!(p.context.as_deref(), Some("twin"));
+        assert!(
+            p.block.is_some() && p.message.contains("in f16, the record") && p.message.contains("in bf16"),
+            "{p:?}"
+        );
+    }
+    let session = db.open_session("twin", None).unwrap();
+    let err = session.attention(1, &b.decode_step(1, 0)).unwrap_err();
+    assert!(err.to_string().contains("index meta block"), "{err}");
+    let session = db.open_session("book", None).unwrap();
+    session.attention(1, &b.decode_step(1, 0)).unwrap();
+}

@@ -190,7 +190,8 @@ impl IndexParts {
         let (mut runs, mut at, mut residual) = (Vec::new(), graph_end, 0);
         while at < index.len() {
             let meta = pool.get(&index.at(at))?;
-            let run_error = |e: String| corrupt(format!("the coarse run at index block {at}: {e}"));
+            let run_error =
+                |e: String| corrupt(format!("the coarse run at index block {at} (block {}): {e}", index.at(at).block));
             let (kind, blocks) = run_of(meta.payload()).map_err(run_error)?;
             if blocks == 0 || at + blocks > index.len() {
                 return Err(corrupt(format!("a coarse run of {blocks} blocks at block {at} overruns the stream")));

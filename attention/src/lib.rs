@@ -11,6 +11,7 @@
 //! `docs/architecture.md` in the repository follows one decode query from
 //! [`Session::attention`] through the index and the buffer pool to the disk and back.
 
+mod check;
 mod db;
 pub mod describe;
 mod device_codes;

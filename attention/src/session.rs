@@ -680,10 +680,18 @@ impl Session {
             index = index.with_resident(held).map_err(corrupt)?;
         }
         let l = index.layout();
-        if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize {
+        if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize || l.dtype != self.shape.dtype {
+            let meta = file.index().first().map_or(0, |b| b.block);
             return Err(Error::Corrupt(format!(
-                "context {} layer {layer} head {h}: the index holds {} tokens of dimension {}, the context {} of {}",
-                seg.context, l.tokens, l.dim, seg.own, self.shape.head_dim
+                "context {} layer {layer} head {h}: its index meta block {meta} says {} tokens of dimension {} in {}, \
+                 its record {} of {} in {}",
+                seg.context,
+                l.tokens,
+                l.dim,
+                l.dtype.name(),
+                seg.own,
+                self.shape.head_dim,
+                self.shape.dtype.name()
             )));
         }
         Ok(index)

@@ -109,8 +109,13 @@ impl Store {
 
     /// Checks every block of the committed state; `ctxfs fsck --json`'s report as a dict.
     fn fsck(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let report =
-            py.detach(|| ctxfs_vfs::fsck::check(self.db.store().device().as_ref())).map_err(|e| to_py(e.into()))?;
+        let report = py
+            .detach(|| {
+                let mut report = ctxfs_vfs::fsck::check(self.db.store().device().as_ref())?;
+                self.db.check_indexes(&mut report);
+                Ok::<_, ctxfs_vfs::Error>(report)
+            })
+            .map_err(|e| to_py(e.into()))?;
         json_to_py(py, &describe::fsck_json(&report))
     }
 

@@ -1,4 +1,5 @@
 use crate::units::count;
+use ctxfs_attention::{Db, DbConfig};
 use ctxfs_vfs::format::Superblock;
 use ctxfs_vfs::fsck::{self, Report, EXIT_OPERATIONAL};
 use ctxfs_vfs::{device, probe_block_size, Access, BlockDevice, DeviceChoice, Error, StoreLock};
@@ -28,7 +29,8 @@ pub const EXIT_USAGE: u8 = 16;
 /// 16 a usage error.
 pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
     match check(&args, choice) {
-        Ok(report) => {
+        Ok(mut report) => {
+            check_indexes(&args, choice, &mut report);
             // A reader that stopped reading (`| head`) changes nothing of the verdict.
             let _ = print(&args, &report);
             ExitCode::from(report.exit_code() as u8)
@@ -40,6 +42,15 @@ pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
             eprintln!("ctxfs fsck: {e}");
             ExitCode::from(EXIT_OPERATIONAL as u8)
         }
+    }
+}
+
+/// Adds what the block walk cannot judge: each vector file's index against its context's
+/// record (`Db::check_indexes`). Where the store does not open, the walk has said why.
+fn check_indexes(args: &Args, choice: DeviceChoice, report: &mut Report) {
+    let config = DbConfig { pool_bytes: 16 << 20, gpu: false, ..Default::default() };
+    if let Ok(db) = Db::open_read_only(&args.store, choice, config) {
+        db.check_indexes(report);
     }
 }
 

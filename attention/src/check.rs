@@ -1,0 +1,75 @@
+//! What fsck's block walk cannot judge: whether each vector file's index agrees with its
+//! context's record. A block whose checksum holds may still describe another shape (a
+//! writer's bug, or a block written for another file); sessions refuse such a file when they
+//! open it, and `ctxfs fsck` reports it beforehand, naming the block.
+
+use crate::footprint::IndexParts;
+use crate::Db;
+use ctxfs_index::paged::PagedIndex;
+use ctxfs_vfs::format::Owner;
+use ctxfs_vfs::fsck::{Fix, Problem, Report};
+
+impl Db {
+    /// Reads every vector file's index meta blocks (the graph layout and the coarse runs' meta
+    /// blocks: one to four blocks a file) and adds a problem to `report` for each file whose
+    /// index cannot serve its context: unreadable, or of another token count, head dimension
+    /// or element type than the record says. Repair does not fix these; dropping the context
+    /// does.
+    pub fn check_indexes(&self, report: &mut Report) {
+        let snap = self.inner.store.snapshot();
+        let pool = &self.inner.pool;
+        let names = snap.contexts().map(|r| (r, Some(r.name.clone())));
+        for (rec, name) in names.chain(snap.retired_contexts().map(|r| (r, None))) {
+            let shape = rec.shape;
+            for layer in 0..shape.layers {
+                for head in 0..shape.kv_heads {
+                    let mut problem = |block: Option<u64>, message: String| {
+                        report.problems.push(Problem {
+                            block,
+                            kind: "index".into(),
+                            owner: Owner::file(rec.id, layer, head).to_string(),
+                            context: name.clone(),
+                            message,
+                            fix: Fix::None,
+                        })
+                    };
+                    let file = match self.inner.file(&snap, rec.id, layer, head) {
+                        Ok(file) => file,
+                        Err(e) => {
+                            problem(None, e.to_string());
+                            continue;
+                        }
+                    };
+                    let meta = file.index().first().map(|b| b.block);
+                    let layout = PagedIndex::open(pool, file.index(), &file.index_hints).map(|i| *i.layout());
+                    match layout {
+                        Err(e) => problem(meta, e),
+                        Ok(l) => {
+                            // The coarse runs' meta blocks; their errors name the block.
+                            if let Err(e) = IndexParts::read(pool, &file, "index") {
+                                problem(meta, e.to_string());
+                            }
+                            if l.tokens as u64 != rec.own_token_count()
+                                || l.dim != u32::from(shape.head_dim)
+                                || l.dtype != shape.dtype
+                            {
+                                problem(
+                                    meta,
+                                    format!(
+                                        "the index says {} tokens of dimension {} in {}, the record {} of {} in {}",
+                                        l.tokens,
+                                        l.dim,
+                                        l.dtype.name(),
+                                        rec.own_token_count(),
+                                        shape.head_dim,
+                                        shape.dtype.name()
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
