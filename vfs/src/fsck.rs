@@ -2,7 +2,7 @@
 //! reaches and verifies it through its reference; it compares what is reachable with what the
 //! allocator says. `repair` does only safe things: free leaked blocks, mark referenced blocks
 //! allocated, rebuild an unreadable allocator, rewrite a damaged fallback superblock, fall back
-//! to the older state when the newest one's metadata is unreadable, free retired contexts that
+//! to the older state when the newest one's catalog is unreadable, free retired contexts that
 //! no live context descends from, and (only when asked) drop contexts whose blocks are
 //! unreadable, with the contexts that derive from them.
 
@@ -339,10 +339,13 @@ fn walk<'p>(dev: &dyn BlockDevice, sb: &Superblock, progress: Progress<'p>) -> W
 /// each must pass its own checksum, and a block that is exactly what a failed reference
 /// expected (its CRC and header match) sits in the wrong place: a misdirected or swapped write.
 fn scan_unreached(dev: &dyn BlockDevice, sb: &Superblock, w: &mut Walk) {
+    // A block already reported (a damaged record the walk failed on) is not reported again.
+    let named: BTreeSet<u64> = w.problems.iter().filter_map(|p| p.block).collect();
+    let unreached = |b: &u64| !w.reach.get(*b) && !named.contains(b);
     let candidates: Vec<u64> = match &w.persisted {
-        Some(p) => p.iter_ones().filter(|&b| !w.reach.get(b)).collect(),
+        Some(p) => p.iter_ones().filter(unreached).collect(),
         // Without the bitmap free blocks cannot be told apart, so only misplaced blocks count.
-        None => (SUPERBLOCK_SLOTS..sb.total_blocks).filter(|&b| !w.reach.get(b)).collect(),
+        None => (SUPERBLOCK_SLOTS..sb.total_blocks).filter(unreached).collect(),
     };
     let wanted: BTreeMap<u32, (u64, Expect)> = w.failed.iter().map(|&(block, e)| (e.crc, (block, e))).collect();
     for chunk in candidates.chunks(256) {
@@ -691,9 +694,17 @@ fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Prog
     report.fallback_generation = fallback.map(|f| f.generation);
     for s in &slots {
         if let Err(msg) = &s.result {
+            let newer = match claimed_generation(dev, s.slot) {
+                Some(g) if g > active.generation => format!(
+                    " (its header claims generation {g}, newer than the {} served: a commit cut short by a crash \
+                     while its superblock was written, or damage since; that generation's changes are not served)",
+                    active.generation
+                ),
+                _ => String::new(),
+            };
             report.problems.push(superblock_problem(
                 Some(s.slot),
-                format!("fallback superblock unreadable: {msg}"),
+                format!("fallback superblock unreadable: {msg}{newer}"),
                 Fix::RewriteFallbackSuperblock,
             ));
         }
@@ -704,6 +715,14 @@ fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Prog
     report.blocks_checked = w.blocks_checked;
     report.problems.extend(w.problems.iter().cloned());
     Ok(Checked { report, active: Some((active, w)), fallback })
+}
+
+/// The generation an unreadable slot's block header claims, where its magic is intact (header
+/// bytes 32..40, format.md §3): a hint, since the damage may lie there too.
+fn claimed_generation(dev: &dyn BlockDevice, slot: u64) -> Option<u64> {
+    let raw = crate::blockio::read_raw(dev, slot).ok()?;
+    let magic = u32::from_le_bytes(raw[..4].try_into().ok()?);
+    (magic == crate::format::header::BLOCK_MAGIC).then(|| u64::from_le_bytes(raw[32..40].try_into().expect("8 bytes")))
 }
 
 /// Checks a store without changing it.
@@ -768,9 +787,11 @@ fn repair_inner(
     let refuse_readers = || lock.map_or(Ok(()), |l| crate::txn::refuse_readers(l, "repairing"));
     let mut repaired = Vec::new();
 
-    // The newest state's metadata is unreadable but the older one is intact: make the older
-    // one newest again, writing over the damaged slot so the intact one is never at risk.
-    if walk.catalog_damaged || (!walk.record_damaged.is_empty() && !drop_damaged) {
+    // The newest state's catalog is unreadable but the older one is intact: make the older
+    // one newest again, writing over the damaged slot so the intact one is never at risk. A
+    // damaged context record leaves the rest served (`Store::open`); it is dropped only with
+    // `drop_damaged`, as its problem says, not by giving up the newest commit.
+    if walk.catalog_damaged {
         if let Some(older) = first.fallback {
             let older_walk = self::walk(dev.as_ref(), &older, progress);
             if older_walk.problems.is_empty() {
