@@ -548,3 +548,40 @@ fn a_store_file_cut_short_is_refused_as_truncated() {
     let dev = open_dev(&img, DeviceChoice::Uring);
     assert_eq!(fsck::check(dev.as_ref()).unwrap().exit_code(), fsck::EXIT_CLEAN);
 }
+
+/// The record of a context the newest commit created, damaged: `--repair` leaves it for
+/// `--drop-damaged` (what its problem says) and keeps the newest commit, the other contexts
+/// served meanwhile; `--drop-damaged` drops it alone.
+#[test]
+fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
+    let dir = tmpdir();
+    let img = dir.path().join("record.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (mut model, mut rng) = (Model::new(), SplitMix64::new(17));
+    for name in ["old", "new"] {
+        let mut txn = store.begin().unwrap();
+        create(&mut txn, &mut model, &mut rng, name, shape(1, 1), 30).unwrap();
+        txn.commit().unwrap();
+    }
+    let (generation, record) = {
+        let snap = store.snapshot();
+        let live = live_blocks(&snap).unwrap();
+        let id = snap.context("new").unwrap().record().id;
+        let owner = ctxfs_vfs::format::Owner::context(id);
+        let record = live.iter().find(|b| b.owner == owner && b.stream == ctxfs_vfs::format::StreamTag::Meta).unwrap();
+        (snap.generation(), record.block)
+    };
+    drop(store);
+    std::fs::OpenOptions::new().write(true).open(&img).unwrap().write_all_at(&[0u8; BS], record * BS as u64).unwrap();
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    let report = fsck::repair(dev.clone(), false).unwrap();
+    assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "{report:#?}");
+    assert!(report.repaired.is_empty(), "{:?}", report.repaired);
+    let store = Store::open(dev.clone()).unwrap();
+    assert_eq!(store.snapshot().generation(), generation, "the newest commit stays");
+    let mut old = model.clone();
+    old.remove("new");
+    assert_matches(&store, &old);
+    drop(store);
+    assert_matches(&repair_dropping(&dev), &old);
+}
