@@ -41,6 +41,7 @@ import torch
 
 from . import OverBudgetError, Store, texts
 from . import hf
+from .cli import HelpWithDefaults, parse_size
 
 PASSPHRASES = ["indigo-falcon-42", "copper-lantern-17", "velvet-harbor-88", "quartz-meadow-23"]
 
@@ -113,13 +114,12 @@ def generate(model, store, prompt, options, new_tokens, tally, q_heads):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxfs.bench_model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m ctxfs.bench_model", description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--tokens", type=int, default=8192, help="context length (tokens)")
     ap.add_argument("--continuation", type=int, default=64, help="held-out tokens scored per document")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, as shares of the haystack ('' for none)")
     ap.add_argument("--steps", type=int, default=128, help="greedy steps compared with full attention")
-    ap.add_argument("--pool", type=int, default=256 << 20, help="buffer pool bytes")
+    ap.add_argument("--pool", type=parse_size, default="256M", help="buffer pool bytes: 268435456, 256M, 1G")
     ap.add_argument("--dir", help="where the store goes, kept afterwards (default: a scratch directory in the "
                     "current one, removed; O_DIRECT needs a disk file system, not tmpfs)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)} (full is always run)")

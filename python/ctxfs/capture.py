@@ -30,6 +30,7 @@ import torch
 
 from . import texts
 from . import hf
+from .cli import HelpWithDefaults
 
 
 def scale_rope(model, factor: float) -> None:
@@ -63,10 +64,9 @@ def capture(model, ids: torch.Tensor, tokens: int, decode: int, layers: list[int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxfs.capture", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m ctxfs.capture", description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("out", help="the safetensors file to write")
-    ap.add_argument("--kind", choices=texts.KINDS, default="prose")
+    ap.add_argument("--kind", choices=texts.KINDS, default="prose", help="the kind of text")
     ap.add_argument("--tokens", type=int, default=8192, help="prefix length")
     ap.add_argument("--decode", type=int, default=32, help="decode steps captured after the prefix")
     ap.add_argument("--layers", default="1,8,15,22,29", help="layers to keep, comma-separated")

@@ -67,7 +67,7 @@ pub struct Args {
     queries: usize,
     /// Generator seeds, comma-separated. The search's defaults were tuned on seed 1; the
     /// others are data they never saw.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1u64, 2, 3])]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     seeds: Vec<u64>,
     /// A real attention dataset (`python -m ctxfs.capture`: keys, values, prefill and decode
     /// queries of a model's layers), measured beside the generator; repeatable. Each of its
