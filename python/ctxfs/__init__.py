@@ -169,6 +169,7 @@ class Session:
         scale: float | None = None,
         tail: bool | None = None,
         target_error: float | None = None,
+        k: int | None = None,
         return_lse: bool = False,
     ):
         """Attention of one decode step's queries over ``layer``: ``q`` is ``[q_heads,
@@ -184,9 +185,11 @@ class Session:
         (default: on for the optimizer's plans and with a target, off for forced ones).
         ``target_error`` asks for an output error at most this, relative to exact attention's,
         instead of a fixed ``beta``: the range is cut per query where it is estimated to meet
-        it (``stats()["estimated_error_max"]`` is the largest estimate seen)."""
+        it (``stats()["estimated_error_max"]`` is the largest estimate seen). ``k`` is how many
+        tokens the ``topk`` plan retrieves beyond the window (default 100; ``ctxfs query --k``)."""
         layer = as_count(layer, "layer")
         budget = None if budget is None else as_count(budget, "budget")
+        k = None if k is None else as_count(k, "k")
         a = as_f32(q, "q")
         shape = a.shape
         m = self._shape
@@ -206,6 +209,7 @@ class Session:
             scale=scale,
             tail=tail,
             target_error=target_error,
+            k=k,
         )
         self._calls += 1
         self._rows += rows

@@ -11,7 +11,14 @@ _UNITS = {"": 0, "b": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib":
 
 
 class HelpWithDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module's docstring as written, and ``(default: ...)`` after each option's help."""
+    """The module's docstring as written, and ``(default: ...)`` after each option's help
+    where it has a default its help does not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == [] or "(default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def parse_size(text: str) -> int:

@@ -258,8 +258,8 @@ impl Session {
     /// Attention of `rows` decode queries `[rows, q_heads * head_dim]` over `layer`, each row
     /// on its own (as one decode step). `plan` forces a plan; `beta`, `budget` and `scale`
     /// override the optimizer's; `tail` turns the tail estimate on or off; `target_error`
-    /// asks for an output error instead of a fixed β.
-    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None, target_error=None))]
+    /// asks for an output error instead of a fixed β; `k` is how many tokens top-k retrieves.
+    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None, target_error=None, k=None))]
     fn attention<'py>(
         &self,
         py: Python<'py>,
@@ -271,8 +271,12 @@ impl Session {
         scale: Option<f32>,
         tail: Option<bool>,
         target_error: Option<f32>,
+        k: Option<usize>,
     ) -> PyResult<AttentionOut<'py>> {
         let mut opts = AttentionOptions::default();
+        if let Some(k) = k {
+            opts.k = k;
+        }
         if let Some(p) = plan {
             opts.plan = Some(p.parse::<Plan>().map_err(errors::InputError::new_err)?);
         }

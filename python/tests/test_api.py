@@ -80,6 +80,11 @@ def test_full_attention_is_exact_and_sessions_reuse_prefixes(store):
     both = session.attention(1, rows, plan="full")
     assert both.shape == (2, QH, D)
     np.testing.assert_allclose(both[0], out, atol=1e-6)
+    # top-k retrieves k tokens a q head beyond the window, as ctxfs query --k.
+    for k in (5, 40):
+        before = session.stats()["retrieved_tokens"]
+        session.attention(1, q, plan="topk", k=k)
+        assert session.stats()["retrieved_tokens"] - before == QH * k
     # A partial prefix is reused, filtered.
     part, reused = store.create_session(list(range(1000)) + [5])
     assert reused == 1000 and part.stats()["filtered"]
