@@ -45,7 +45,13 @@ impl RawFile {
             .create_new(true)
             .custom_flags(libc::O_DIRECT)
             .open(path)
-            .with_context(|| format!("cannot create raw scratch file {} (it must not exist)", path.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot create raw scratch file {} (it must not exist; a bench io that was killed leaves it \
+                     behind: delete it if so)",
+                    path.display()
+                )
+            })?;
         // The file is this call's: a failure below removes it again, as dropping the RawFile does.
         let scratch = Scratch { path: path.to_path_buf(), _on_signal: crate::scratch_files::register(path) };
         file.set_len(len)?;

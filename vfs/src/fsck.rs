@@ -792,9 +792,24 @@ fn repair_inner(
     // damaged context record leaves the rest served (`Store::open`); it is dropped only with
     // `drop_damaged`, as its problem says, not by giving up the newest commit.
     if walk.catalog_damaged {
+        let mut report = first.report;
         if let Some(older) = first.fallback {
             let older_walk = self::walk(dev.as_ref(), &older, progress);
-            if older_walk.problems.is_empty() {
+            // The older state will do if what is wrong with it is damage to contexts, which
+            // the store serves around (and `drop_damaged` drops), or space to free.
+            let tolerable = |p: &Problem| matches!(p.fix, Fix::DropContext | Fix::FreeRetired | Fix::FreeLeaked);
+            if let Some(bad) = older_walk.problems.iter().find(|p| !tolerable(p)) {
+                report.problems.push(superblock_problem(
+                    Some(older.slot()),
+                    format!(
+                        "cannot fall back to generation {}: its own state is damaged too ({}{})",
+                        older.generation,
+                        bad.block.map(|b| format!("block {b}: ")).unwrap_or_default(),
+                        bad.message
+                    ),
+                    Fix::None,
+                ));
+            } else {
                 refuse_readers()?;
                 let revived = Superblock { generation: active.generation + 2, ..older };
                 debug_assert_eq!(revived.slot(), active.slot());
@@ -809,12 +824,13 @@ fn repair_inner(
                     "fell back to generation {} (as generation {}): generation {} had unreadable metadata",
                     older.generation, revived.generation, active.generation
                 ));
-                let mut after = check_with(dev.as_ref(), progress)?;
-                after.repaired = repaired;
+                // What the revived state still has wrong (a damaged context, space to free)
+                // is repaired there; its catalog is readable, so this does not come back here.
+                let mut after = repair_inner(dev, drop_damaged, progress, lock)?;
+                after.repaired.splice(0..0, repaired);
                 return Ok(after);
             }
         }
-        let mut report = first.report;
         report.repaired = repaired;
         return Ok(report);
     }
@@ -822,7 +838,30 @@ fn repair_inner(
     let dropping: BTreeSet<u32> = if drop_damaged { walk.damaged.keys().copied().collect() } else { BTreeSet::new() };
     let can_rebuild = walk.reach_complete || walk.record_damaged.iter().all(|id| dropping.contains(id));
     if !can_rebuild {
-        return Ok(first.report);
+        let mut report = first.report;
+        // Say why the fixes the problems name were not made.
+        let mut waiting: Vec<&str> = report
+            .problems
+            .iter()
+            .filter(|p| !matches!(p.fix, Fix::None | Fix::DropContext))
+            .map(|p| p.fix.name())
+            .collect();
+        waiting.sort_unstable();
+        waiting.dedup();
+        if !waiting.is_empty() {
+            let ids: Vec<String> = walk.record_damaged.iter().map(u32::to_string).collect();
+            report.problems.push(superblock_problem(
+                None,
+                format!(
+                    "not repaired ({}): the blocks of damaged context(s) {} are unknown, so the allocation cannot \
+                     be judged around them; --drop-damaged drops them first",
+                    waiting.join(", "),
+                    ids.join(", ")
+                ),
+                Fix::None,
+            ));
+        }
+        return Ok(report);
     }
     // A context's tokens begin with its parent's, so a dropped context takes its descendants
     // along; then retired contexts that nothing left descends from go too.

@@ -380,9 +380,10 @@ impl<'s> Txn<'s> {
             }
             Some(slot) => (slot.record().id, slot.record().parent),
         };
-        // A damaged record may name this context as its parent: while one is in the catalog,
-        // a deleted context is retired, its blocks kept, and fsck frees what nothing needs.
-        if self.has_children(id, &[]) || !self.base.damaged.is_empty() {
+        // A damaged record may name this context as its parent if its id is the higher (a
+        // parent is always older): then a deleted context is retired, its blocks kept, and
+        // fsck frees what nothing needs once the damaged one is dropped.
+        if self.has_children(id, &[]) || self.base.damaged.keys().any(|&damaged| damaged > id) {
             let d = draft_in(&mut self.contexts, self.store.dev.as_ref(), self.base.generation(), name)?;
             d.record.retired = true;
             let slot = self.contexts.remove(name).expect("drafted above");

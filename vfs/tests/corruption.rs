@@ -585,3 +585,65 @@ fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
     drop(store);
     assert_matches(&repair_dropping(&dev), &old);
 }
+
+/// The record of one context damaged, then the newest catalog: repair falls back to the older
+/// state, whose only damage is that context (which the store serves around), and with
+/// `--drop-damaged` drops it there. Deleting while it is damaged retires only contexts older
+/// than it (one it may name as parent) and frees the newer.
+#[test]
+fn repair_falls_back_past_a_damaged_record_and_deletes_free_what_it_cannot_name() {
+    let dir = tmpdir();
+    let img = dir.path().join("fallback.img");
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (mut model, mut rng) = (Model::new(), SplitMix64::new(19));
+    for name in ["a", "b"] {
+        let mut txn = store.begin().unwrap();
+        create(&mut txn, &mut model, &mut rng, name, shape(1, 1), 30).unwrap();
+        txn.commit().unwrap();
+    }
+    let block_of = |store: &Store, kind: BlockKind, owner: ctxfs_vfs::format::Owner| {
+        let live = live_blocks(&store.snapshot()).unwrap();
+        live.iter()
+            .find(|b| b.kind == kind && b.owner == owner && b.stream == ctxfs_vfs::format::StreamTag::Meta)
+            .unwrap()
+            .block
+    };
+    let b_record = block_of(&store, BlockKind::Catalog, ctxfs_vfs::format::Owner::context(2));
+    drop(store);
+    let zero = |block: u64| {
+        std::fs::OpenOptions::new().write(true).open(&img).unwrap().write_all_at(&[0u8; BS], block * BS as u64).unwrap()
+    };
+    zero(b_record);
+    model.remove("b");
+    let dev = open_dev(&img, DeviceChoice::Uring);
+    let store = Store::open(dev.clone()).unwrap();
+    // "c" is newer than the damaged "b": deleting it frees its blocks; "a" is older: retired.
+    let used = store.space().used;
+    let mut txn = store.begin().unwrap();
+    create(&mut txn, &mut model, &mut rng, "c", shape(1, 1), 30).unwrap();
+    txn.commit().unwrap();
+    let mut txn = store.begin().unwrap();
+    delete(&mut txn, &mut model, "c").unwrap();
+    txn.commit().unwrap();
+    store.begin().unwrap().commit().unwrap();
+    assert!(store.space().used <= used + 2, "c's blocks were kept: {} against {used}", store.space().used);
+    assert_eq!(store.snapshot().retired_contexts().count(), 0);
+    let mut txn = store.begin().unwrap();
+    delete(&mut txn, &mut model, "a").unwrap();
+    txn.commit().unwrap();
+    assert_eq!(store.snapshot().retired_contexts().count(), 1, "a, which b may name as parent, is kept");
+    let mut txn = store.begin().unwrap();
+    create(&mut txn, &mut model, &mut rng, "d", shape(1, 1), 30).unwrap();
+    txn.commit().unwrap();
+    let catalog = store.snapshot().superblock().catalog.block;
+    drop(store);
+    zero(catalog);
+    // Plain repair falls back (to the state with "c" deleted, "b" still damaged) and leaves
+    // "b" for --drop-damaged, which drops it.
+    let report = fsck::repair(dev.clone(), false).unwrap();
+    assert!(report.repaired.iter().any(|r| r.contains("fell back")), "{report:#?}");
+    assert_eq!(report.exit_code(), fsck::EXIT_UNCORRECTED, "{report:#?}");
+    model.remove("d");
+    assert_matches(&Store::open(dev.clone()).unwrap(), &model);
+    assert_matches(&repair_dropping(&dev), &model);
+}
