@@ -899,24 +899,31 @@ fn an_interrupted_import_leaves_nothing_visible_and_no_space_lost() {
 fn an_interrupted_gen_leaves_no_partial_file() {
     let dir = tmp();
     let out = dir.path().join("big.safetensors");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-        .args(["gen", p(&out), "--tokens", "262144", "--layers", "8"])
-        .env_remove("CTXFS_DEVICE")
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
     let partial = out.with_extension("safetensors.partial");
-    let started = std::time::Instant::now();
-    while !partial.exists() {
-        assert!(started.elapsed().as_secs() < 60, "gen never started writing");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
-    assert!(kill.success());
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130), "{status:?}");
+    let run = interrupted(&["gen", p(&out), "--tokens", "262144", "--layers", "8"], &partial, 0);
+    assert_eq!(run.status.code(), Some(130), "{}", stderr_of(&run));
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Runs ctxfs with `args`, sends it SIGINT `then_ms` after `appears` exists, and returns what
+/// it printed and how it ended.
+fn interrupted(args: &[&str], appears: &Path, then_ms: u64) -> Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(args)
+        .env_remove("CTXFS_DEVICE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !appears.exists() {
+        assert!(started.elapsed().as_secs() < 60, "{args:?} never made {}", appears.display());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(then_ms));
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    child.wait_with_output().unwrap()
 }
 
 /// Ctrl-C stops `bench io` at its next step: its scratch context and raw file go, and it
@@ -931,21 +938,8 @@ fn an_interrupted_bench_leaves_no_scratch_and_the_next_sweeps_a_killed_ones() {
     for name in ["bench-buffer-77", "bench-io-notes"] {
         ok(&["import", p(&store), p(&small), "--name", name]);
     }
-    let child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-        .args(["bench", "io", p(&store), "--mib", "256", "--rounds", "50"])
-        .env_remove("CTXFS_DEVICE")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
     let raw = store.with_extension("bench-raw");
-    let started = std::time::Instant::now();
-    while !raw.exists() {
-        assert!(started.elapsed().as_secs() < 60, "bench io never started");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
-    let out = child.wait_with_output().unwrap();
+    let out = interrupted(&["bench", "io", p(&store), "--mib", "256", "--rounds", "50"], &raw, 500);
     assert_eq!(out.status.code(), Some(130), "{}", stderr_of(&out));
     assert!(stderr_of(&out).contains("interrupted by SIGINT"), "{}", stderr_of(&out));
     assert!(!raw.exists());
