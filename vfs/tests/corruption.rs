@@ -33,6 +33,15 @@ fn build(path: &Path, choice: DeviceChoice, work: Workload) -> (Model, Vec<LiveB
     (model, live)
 }
 
+/// A fresh store on an image file named `name` in a new scratch directory (returned, to keep
+/// it alive), through io_uring.
+fn uring_image(name: &str) -> (tempfile::TempDir, std::path::PathBuf, Store) {
+    let dir = tmpdir();
+    let img = dir.path().join(name);
+    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    (dir, img, store)
+}
+
 fn open_dev(path: &Path, choice: DeviceChoice) -> Arc<dyn BlockDevice> {
     Arc::from(device::open_path(path, choice, BS).unwrap())
 }
@@ -202,9 +211,7 @@ fn fsck_names_every_damaged_block_of_retired_contexts_and_children() {
 
 #[test]
 fn damaged_active_superblock_falls_back_and_repair_revives_the_older_state() {
-    let dir = tmpdir();
-    let img = dir.path().join("sb.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (dir, img, store) = uring_image("sb.img");
     let mut before_last = None;
     let model = workload(&store, 8, |m| before_last = Some(m.clone())).unwrap();
     let slot = store.snapshot().superblock().slot();
@@ -229,9 +236,7 @@ fn damaged_active_superblock_falls_back_and_repair_revives_the_older_state() {
 
 #[test]
 fn repair_falls_back_when_the_newest_catalog_is_damaged() {
-    let dir = tmpdir();
-    let img = dir.path().join("cat.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("cat.img");
     let mut models = Vec::new();
     workload(&store, 9, |m| models.push(m.clone())).unwrap();
     let snap = store.snapshot();
@@ -268,9 +273,7 @@ fn first_extent(r: &mut ctxfs_vfs::ContextRecord) -> Option<&mut ctxfs_vfs::form
 
 #[test]
 fn repair_drops_a_damaged_context_only_when_asked() {
-    let dir = tmpdir();
-    let img = dir.path().join("drop.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("drop.img");
     let model = workload(&store, 10, |_| {}).unwrap();
     let live = live_blocks(&store.snapshot()).unwrap();
     drop(store);
@@ -291,9 +294,7 @@ fn repair_keeps_a_block_a_dropped_context_shares_with_the_catalog() {
     // Found by the fsck_damage fuzzer: a record whose stream root points at the catalog's
     // block is damaged; dropping it freed that block from the allocation, and the commit that
     // then freed the old catalog freed it twice.
-    let dir = tmpdir();
-    let img = dir.path().join("shared.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("shared.img");
     let model = workload(&store, 11, |_| {}).unwrap();
     let snap = store.snapshot();
     let (slot, catalog) = (snap.superblock().slot(), snap.superblock().catalog.block);
@@ -314,9 +315,7 @@ fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner
     // Context `a`'s record is resealed with its first index extent pointing at `b`'s. The
     // block's header names `b`, so `a`'s reference fails verification: `a` is damaged and `b`,
     // whose reference holds, is intact; dropping `a` must leave `b` and its block alone.
-    let dir = tmpdir();
-    let img = dir.path().join("pointed.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("pointed.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(12));
     let mut txn = store.begin().unwrap();
     for name in ["a", "b", "c"] {
@@ -348,9 +347,7 @@ fn repair_drops_the_context_whose_reference_is_wrong_and_keeps_the_block_s_owner
 fn a_commit_over_a_bitmap_that_calls_a_referenced_block_free_is_refused_naming_it() {
     // The state's checksums hold, but its bitmap calls the catalog block free: the next
     // commit frees the old catalog, which the bitmap says was never held.
-    let dir = tmpdir();
-    let img = dir.path().join("bitmap.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("bitmap.img");
     let model = workload(&store, 14, |_| {}).unwrap();
     let snap = store.snapshot();
     let (slot, catalog, generation) = (snap.superblock().slot(), snap.superblock().catalog.block, snap.generation());
@@ -377,9 +374,7 @@ fn a_commit_over_a_bitmap_that_calls_a_referenced_block_free_is_refused_naming_i
 fn a_short_bitmap_chunk_is_refused_at_open() {
     // A chunk one byte short would read the blocks it leaves out as free, to be handed out
     // again over live data.
-    let dir = tmpdir();
-    let img = dir.path().join("short.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("short.img");
     workload(&store, 15, |_| {}).unwrap();
     let slot = store.snapshot().superblock().slot();
     drop(store);
@@ -398,9 +393,7 @@ fn a_short_bitmap_chunk_is_refused_at_open() {
 fn a_token_count_its_blocks_cannot_hold_makes_its_context_damaged_and_is_repaired() {
     // Appending reads the last token block by the record's count: a count beyond the blocks
     // must not reach it.
-    let dir = tmpdir();
-    let img = dir.path().join("tokens.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("tokens.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(13));
     let mut txn = store.begin().unwrap();
     for name in ["a", "b"] {
@@ -470,9 +463,7 @@ fn fsck_never_panics_on_random_damage() {
 fn a_superblock_claiming_more_blocks_than_the_device_is_invalid() {
     // Found by the fsck_damage fuzzer: a valid-CRC superblock claiming 2^56 blocks made fsck
     // size a bitmap from it and abort.
-    let dir = tmpdir();
-    let img = dir.path().join("huge.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("huge.img");
     workload(&store, 12, |_| {}).unwrap();
     let slot = store.snapshot().superblock().slot();
     drop(store);
@@ -534,9 +525,7 @@ fn no_commit_follows_the_last_generation() {
 /// "not a store"; extended back, it opens and checks clean (the blocks cut were free).
 #[test]
 fn a_store_file_cut_short_is_refused_as_truncated() {
-    let dir = tmpdir();
-    let img = dir.path().join("cut.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("cut.img");
     workload(&store, 7, |_| {}).unwrap();
     drop(store);
     let file = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
@@ -554,9 +543,7 @@ fn a_store_file_cut_short_is_refused_as_truncated() {
 /// served meanwhile; `--drop-damaged` drops it alone.
 #[test]
 fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
-    let dir = tmpdir();
-    let img = dir.path().join("record.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("record.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(17));
     for name in ["old", "new"] {
         let mut txn = store.begin().unwrap();
@@ -592,9 +579,7 @@ fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
 /// than it (one it may name as parent) and frees the newer.
 #[test]
 fn repair_falls_back_past_a_damaged_record_and_deletes_free_what_it_cannot_name() {
-    let dir = tmpdir();
-    let img = dir.path().join("fallback.img");
-    let store = file_store(&img, SIZE, DeviceChoice::Uring);
+    let (_dir, img, store) = uring_image("fallback.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(19));
     for name in ["a", "b"] {
         let mut txn = store.begin().unwrap();
