@@ -42,6 +42,15 @@ fn uring_image(name: &str) -> (tempfile::TempDir, std::path::PathBuf, Store) {
     (dir, img, store)
 }
 
+/// Creates a small context of each name, one commit each.
+fn commit_each(store: &Store, model: &mut Model, rng: &mut SplitMix64, names: &[&str]) {
+    for name in names {
+        let mut txn = store.begin().unwrap();
+        create(&mut txn, model, rng, name, shape(1, 1), 30).unwrap();
+        txn.commit().unwrap();
+    }
+}
+
 fn open_dev(path: &Path, choice: DeviceChoice) -> Arc<dyn BlockDevice> {
     Arc::from(device::open_path(path, choice, BS).unwrap())
 }
@@ -545,11 +554,7 @@ fn a_store_file_cut_short_is_refused_as_truncated() {
 fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
     let (_dir, img, store) = uring_image("record.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(17));
-    for name in ["old", "new"] {
-        let mut txn = store.begin().unwrap();
-        create(&mut txn, &mut model, &mut rng, name, shape(1, 1), 30).unwrap();
-        txn.commit().unwrap();
-    }
+    commit_each(&store, &mut model, &mut rng, &["old", "new"]);
     let (generation, record) = {
         let snap = store.snapshot();
         let live = live_blocks(&snap).unwrap();
@@ -581,11 +586,7 @@ fn a_damaged_record_is_dropped_only_when_asked_never_by_falling_back() {
 fn repair_falls_back_past_a_damaged_record_and_deletes_free_what_it_cannot_name() {
     let (_dir, img, store) = uring_image("fallback.img");
     let (mut model, mut rng) = (Model::new(), SplitMix64::new(19));
-    for name in ["a", "b"] {
-        let mut txn = store.begin().unwrap();
-        create(&mut txn, &mut model, &mut rng, name, shape(1, 1), 30).unwrap();
-        txn.commit().unwrap();
-    }
+    commit_each(&store, &mut model, &mut rng, &["a", "b"]);
     let block_of = |store: &Store, kind: BlockKind, owner: ctxfs_vfs::format::Owner| {
         let live = live_blocks(&store.snapshot()).unwrap();
         live.iter()

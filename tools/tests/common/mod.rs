@@ -57,6 +57,12 @@ pub fn small_context(dir: &Path) -> std::path::PathBuf {
     ctx
 }
 
+/// The names of a store's live contexts, as `inspect --json` lists them.
+pub fn context_names(store: &Path) -> Vec<String> {
+    let v = json(&["inspect", p(store), "--json"]);
+    v["contexts"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap().to_string()).collect()
+}
+
 pub fn stderr_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
