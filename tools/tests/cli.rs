@@ -108,13 +108,7 @@ fn mkfs_rejects_bad_input_and_leaves_nothing_behind() {
 fn a_reader_that_closes_the_pipe_early_ends_inspect_quietly() {
     let dir = tmp();
     let store = demo_store(dir.path());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-        .args(["inspect", p(&store), "--blocks"])
-        .env_remove("CTXFS_DEVICE")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_piped(&["inspect", p(&store), "--blocks"]);
     drop(child.stdout.take()); // `| head -0`
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}: {}", out.status, stderr_of(&out));
@@ -909,13 +903,7 @@ fn an_interrupted_gen_leaves_no_partial_file() {
 /// Runs ctxfs with `args`, sends it SIGINT `then_ms` after `appears` exists, and returns what
 /// it printed and how it ended.
 fn interrupted(args: &[&str], appears: &Path, then_ms: u64) -> Output {
-    let child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-        .args(args)
-        .env_remove("CTXFS_DEVICE")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_piped(args);
     let started = std::time::Instant::now();
     while !appears.exists() {
         assert!(started.elapsed().as_secs() < 60, "{args:?} never made {}", appears.display());
@@ -1120,13 +1108,7 @@ fn query_into_a_closed_pipe_exits_quietly() {
         if json {
             args.push("--json");
         }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-            .args(&args)
-            .env_remove("CTXFS_DEVICE")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_piped(&args);
         let mut first = String::new();
         std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
         assert!(!first.is_empty(), "one line came out");
@@ -1165,13 +1147,7 @@ fn reports_into_a_closed_pipe_exit_quietly() {
         &["mkfs", p(&fresh), "--size", "16M"],
     ];
     for args in commands {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ctxfs"))
-            .args(args)
-            .env_remove("CTXFS_DEVICE")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_piped(args);
         drop(child.stdout.take());
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "{args:?}: {:?} {}", out.status, stderr_of(&out));

@@ -13,6 +13,17 @@ pub fn ctxfs_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().expect("run ctxfs")
 }
 
+/// Starts ctxfs with `args` (and `CTXFS_DEVICE` unset), its standard output and error piped.
+pub fn spawn_piped<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_ctxfs"))
+        .args(args)
+        .env_remove("CTXFS_DEVICE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start ctxfs")
+}
+
 pub fn ctxfs(args: &[&str]) -> Output {
     ctxfs_in(Path::new("."), args, &[])
 }
