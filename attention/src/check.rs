@@ -5,9 +5,25 @@
 
 use crate::footprint::IndexParts;
 use crate::Db;
-use ctxfs_index::paged::PagedIndex;
+use ctxfs_index::paged::{Layout, PagedIndex};
 use ctxfs_vfs::format::Owner;
 use ctxfs_vfs::fsck::{Fix, Problem, Report};
+use ctxfs_vfs::ModelShape;
+
+/// What is wrong when an index's layout does not describe the file its record says: `tokens`
+/// of the record's head dimension and element type. Sessions and fsck ask the same.
+pub(crate) fn layout_disagrees(l: &Layout, tokens: u64, shape: &ModelShape) -> Option<String> {
+    (u64::from(l.tokens) != tokens || l.dim != u32::from(shape.head_dim) || l.dtype != shape.dtype).then(|| {
+        format!(
+            "the index says {} tokens of dimension {} in {}, the record {tokens} of {} in {}",
+            l.tokens,
+            l.dim,
+            l.dtype.name(),
+            shape.head_dim,
+            shape.dtype.name()
+        )
+    })
+}
 
 impl Db {
     /// Reads every vector file's index meta blocks (the graph layout and the coarse runs' meta
@@ -49,22 +65,8 @@ impl Db {
                             if let Err(e) = IndexParts::read(pool, &file, "index") {
                                 problem(meta, e.to_string());
                             }
-                            if l.tokens as u64 != rec.own_token_count()
-                                || l.dim != u32::from(shape.head_dim)
-                                || l.dtype != shape.dtype
-                            {
-                                problem(
-                                    meta,
-                                    format!(
-                                        "the index says {} tokens of dimension {} in {}, the record {} of {} in {}",
-                                        l.tokens,
-                                        l.dim,
-                                        l.dtype.name(),
-                                        rec.own_token_count(),
-                                        shape.head_dim,
-                                        shape.dtype.name()
-                                    ),
-                                );
+                            if let Some(why) = layout_disagrees(&l, rec.own_token_count(), &shape) {
+                                problem(meta, why);
                             }
                         }
                     }

@@ -439,7 +439,7 @@ impl Db {
         let (kv_bytes, beside) = (planned.kv_bytes, planned.beside);
         let over = |resident_bytes| Error::OverBudget { context: name.to_string(), resident_bytes, kv_bytes, budget };
         let pool = &self.inner.pool;
-        let bs = self.inner.store.snapshot().block_size() as u64;
+        let bs = self.inner.store.device().block_size() as u64;
         let parts = files.iter().map(|(file, what)| IndexParts::read(pool, file, what)).collect::<Result<Vec<_>>>()?;
         let holds = |residual: bool| -> Result<Vec<Vec<BlockRequest>>> {
             files
@@ -463,13 +463,16 @@ impl Db {
         Ok(CompactPlan { holds: lean, parts, residual_streamed })
     }
 
-    /// Refuses a session over `name` that is served compact under the budget but could not
-    /// be held within it (as [`Db::warm`] refuses it), whether or not it is ever warmed.
-    pub(crate) fn check_servable(&self, snap: &Snapshot, name: &str, planned: &Planned) -> Result<()> {
-        if planned.compact(self.inner.config.resident_budget) {
-            self.compact_plan(name, planned, &self.inner.files_of(snap, name)?)?;
+    /// Whether a session over `name` is served compact under the budget. One that could not
+    /// be held within it is refused, as [`Db::warm`] refuses it, whether or not it is ever
+    /// warmed.
+    pub(crate) fn serves_compact(&self, snap: &Snapshot, name: &str) -> Result<bool> {
+        let planned = Planned::of(snap, name)?;
+        let compact = planned.compact(self.inner.config.resident_budget);
+        if compact {
+            self.compact_plan(name, &planned, &self.inner.files_of(snap, name)?)?;
         }
-        Ok(())
+        Ok(compact)
     }
 
     /// What serving `name` holds resident, part by part, against its KV bytes (reads each

@@ -12,7 +12,6 @@
 use crate::db::{Db, Window};
 use crate::device_codes::DeviceScan;
 use crate::error::{input, Error, Result};
-use crate::footprint::Planned;
 use crate::kv::first_unstorable;
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
@@ -339,11 +338,7 @@ impl Session {
         let values = prefix as u64 * shape.head_dim as u64 * 2 * files as u64;
         let ample = values <= (config.pool_bytes as f64 * config.data_fraction) as u64;
         let compact = match &reuse {
-            Some(r) if config.resident_budget.is_some() => {
-                let planned = Planned::of(&snap, &r.name)?;
-                db.check_servable(&snap, &r.name, &planned)?;
-                planned.compact(config.resident_budget)
-            }
+            Some(r) if config.resident_budget.is_some() => db.serves_compact(&snap, &r.name)?,
             _ => false,
         };
         // The GPU window holds f16; a bf16 context's window stays on the CPU.
@@ -679,20 +674,9 @@ impl Session {
         if let Some(held) = file.resident.get() {
             index = index.with_resident(held).map_err(corrupt)?;
         }
-        let l = index.layout();
-        if l.tokens != seg.own || l.dim as usize != self.shape.head_dim as usize || l.dtype != self.shape.dtype {
+        if let Some(why) = crate::check::layout_disagrees(index.layout(), u64::from(seg.own), &self.shape) {
             let meta = file.index().first().map_or(0, |b| b.block);
-            return Err(Error::Corrupt(format!(
-                "context {} layer {layer} head {h}: its index meta block {meta} says {} tokens of dimension {} in {}, \
-                 its record {} of {} in {}",
-                seg.context,
-                l.tokens,
-                l.dim,
-                l.dtype.name(),
-                seg.own,
-                self.shape.head_dim,
-                self.shape.dtype.name()
-            )));
+            return Err(corrupt(format!("index meta block {meta}: {why}")));
         }
         Ok(index)
     }

@@ -694,7 +694,8 @@ fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Prog
     report.fallback_generation = fallback.map(|f| f.generation);
     for s in &slots {
         if let Err(msg) = &s.result {
-            let newer = match claimed_generation(dev, s.slot) {
+            let raw = crate::blockio::read_raw(dev, s.slot).ok();
+            let newer = match raw.and_then(|b| crate::format::header::claimed_generation(&b)) {
                 Some(g) if g > active.generation => format!(
                     " (its header claims generation {g}, newer than the {} served: a commit cut short by a crash \
                      while its superblock was written, or damage since; that generation's changes are not served)",
@@ -715,14 +716,6 @@ fn check_slots<'p>(dev: &dyn BlockDevice, slots: Vec<SlotStatus>, progress: Prog
     report.blocks_checked = w.blocks_checked;
     report.problems.extend(w.problems.iter().cloned());
     Ok(Checked { report, active: Some((active, w)), fallback })
-}
-
-/// The generation an unreadable slot's block header claims, where its magic is intact (header
-/// bytes 32..40, format.md §3): a hint, since the damage may lie there too.
-fn claimed_generation(dev: &dyn BlockDevice, slot: u64) -> Option<u64> {
-    let raw = crate::blockio::read_raw(dev, slot).ok()?;
-    let magic = u32::from_le_bytes(raw[..4].try_into().ok()?);
-    (magic == crate::format::header::BLOCK_MAGIC).then(|| u64::from_le_bytes(raw[32..40].try_into().expect("8 bytes")))
 }
 
 /// Checks a store without changing it.

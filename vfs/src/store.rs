@@ -315,8 +315,12 @@ impl Snapshot {
     pub fn context(&self, name: &str) -> Result<Context<'_>> {
         match self.contexts.get(name) {
             Some(meta) => Ok(Context { snap: self, meta }),
-            None => Err(self.damaged_named(name).map_or_else(|| Error::NoSuchContext(name.to_string()), |d| d.error())),
+            None => Err(self.missing(name)),
         }
+    }
+    /// The error for a name no live context has: its damaged entry's, if one has it.
+    pub(crate) fn missing(&self, name: &str) -> Error {
+        self.damaged_named(name).map_or_else(|| Error::NoSuchContext(name.to_string()), DamagedContext::error)
     }
     /// A context by id, retired ones included: how a child finds its parent.
     pub fn context_by_id(&self, id: u32) -> Result<Context<'_>> {

@@ -372,12 +372,7 @@ impl<'s> Txn<'s> {
     pub fn delete_context(&mut self, name: &str) -> Result<()> {
         self.check()?;
         let (id, parent) = match self.contexts.get(name) {
-            None => {
-                return Err(self
-                    .base
-                    .damaged_named(name)
-                    .map_or_else(|| Error::NoSuchContext(name.to_string()), |d| d.error()))
-            }
+            None => return Err(self.base.missing(name)),
             Some(slot) => (slot.record().id, slot.record().parent),
         };
         // A damaged record may name this context as its parent if its id is the higher (a

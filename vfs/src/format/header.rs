@@ -198,6 +198,14 @@ pub fn unseal(block: &[u8]) -> Result<(BlockHeader, u32), BlockFault> {
     Ok((BlockHeader { kind, stream, owner, payload_len, logical, generation }, stored))
 }
 
+/// The generation a block's header claims, without its checksum: `None` unless the magic is
+/// intact. A hint about a block that fails [`unseal`], whose damage may lie there too.
+pub fn claimed_generation(block: &[u8]) -> Option<u64> {
+    let field = |at: usize, len: usize| block.get(at..at + len);
+    let generation = u64::from_le_bytes(field(HEADER_LEN - 8, 8)?.try_into().expect("8 bytes"));
+    (field(0, 4)? == BLOCK_MAGIC.to_le_bytes()).then_some(generation)
+}
+
 /// What a reference says a block must be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expect {
