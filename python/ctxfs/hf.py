@@ -55,14 +55,36 @@ def _shape_of(model: Any) -> tuple[int, int, int, int]:
 class _Capture:
     """The prefill queries an import keeps: rows at ``keep`` positions of each layer."""
 
-    def __init__(self, layers: int, keep: np.ndarray):
+    def __init__(self, layers: int, keep: np.ndarray, tokens: int):
         self.keep = keep
+        self.tokens = tokens
         self.rows: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.chunk = (0, 0)
 
 
+def _refuse_unsupported(module: Any, attended: int, kwargs: dict) -> None:
+    """ctxfs serves plain softmax attention over every token: a layer whose attention caps
+    its logits, adds sink logits, or sees only a window shorter than what it attends would
+    get another model's answers."""
+    layer = getattr(module, "layer_idx", "?")
+    if kwargs.get("softcap") is not None:
+        raise InputError(
+            f"layer {layer} caps its attention logits (softcap {kwargs['softcap']}): ctxfs serves plain softmax "
+            "attention only"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise InputError(f"layer {layer} adds attention sink logits: ctxfs serves plain softmax attention only")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < attended:
+        raise InputError(
+            f"layer {layer} attends a sliding window of {window} tokens, shorter than the {attended} here: "
+            "ctxfs serves attention over every token"
+        )
+
+
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     cap: _Capture = _current.capture
+    _refuse_unsupported(module, cap.tokens, kwargs)
     start, end = cap.chunk
     pick = cap.keep[(cap.keep >= start) & (cap.keep < end)] - start
     if len(pick):
@@ -96,7 +118,7 @@ def feed_capturing(model: Any, ids: torch.Tensor, cache: Any, keep: np.ndarray, 
     keeping the queries at the absolute positions ``keep``. Returns, per layer, the kept
     queries ``[q_heads, rows, head_dim]`` in position order (None for a layer with none)."""
     n = ids.shape[1]
-    cap = _Capture(_shape_of(model)[0], keep)
+    cap = _Capture(_shape_of(model)[0], keep, n)
     previous = model.config._attn_implementation
     AttentionInterface.register("ctxfs_capture", _capture_attention)
     AttentionMaskInterface.register("ctxfs_capture", AttentionMaskInterface._global_mapping["sdpa"])
@@ -227,6 +249,11 @@ class CtxfsCache(Cache):
     def session_stats(self) -> dict:
         return self.session.stats()
 
+    def attended(self, layer: int, t: int) -> int:
+        """Tokens the layer's attention for ``t`` new tokens covers: those it holds (the
+        prefix and the tokens added since) and the new ones."""
+        return self.layers[layer].length + t
+
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The layer's attention for ``query`` ``[1, q_heads, t, d]``: over the stored prefix
         and earlier new tokens through the session, and causally among the t new tokens; then
@@ -278,6 +305,7 @@ def ctxfs_attention(module, query, key, value, attention_mask, scaling=None, dro
             'attention "ctxfs" needs cache=CtxfsCache(...); model.set_attn_implementation("sdpa") '
             "generates without ctxfs"
         )
+    _refuse_unsupported(module, cache.attended(module.layer_idx, query.shape[2]), kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     with torch.no_grad():
         return cache.attend(module.layer_idx, query, scale), None

@@ -77,3 +77,36 @@ def test_generating_without_a_ctxfs_cache_after_one_says_what_is_missing(doc_sto
     through_ctxfs(tiny_model, prompt, hf.CtxfsCache(store, prompt), 2)
     with pytest.raises(ctxfs.InputError, match=r"needs cache=CtxfsCache"):
         tiny_model.generate(prompt[:, -8:], max_new_tokens=2, do_sample=False)
+
+
+def _tiny(config_class, **extra):
+    """A tiny seeded model of another family, shaped as the Llama fixture is."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+    return AutoModelForCausalLM.from_config(config_class(**shape, **heads, **extra)).eval()
+
+
+def test_attention_that_is_not_plain_softmax_over_every_token_is_refused(store_path):
+    """Soft-capped logits and a sliding window shorter than the prompt would be served as
+    plain attention over every token: another model's answers. Import and generation say so."""
+    from transformers import Gemma2Config, MistralConfig
+
+    store = ctxfs.Store.create(store_path, size=64 << 20)
+    doc = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(2))
+    gemma2 = _tiny(Gemma2Config, attn_logit_softcapping=50.0, sliding_window=4096)
+    with pytest.raises(ctxfs.InputError, match=r"caps its attention logits \(softcap 50.0\)"):
+        hf.import_prefix(gemma2, doc, store, "capped", progress=False)
+    mistral = _tiny(MistralConfig, sliding_window=100)
+    with pytest.raises(ctxfs.InputError, match="sliding window of 100 tokens, shorter than the 300"):
+        hf.import_prefix(mistral, doc, store, "windowed", progress=False)
+    # A window longer than the prompt attends every token: served; shorter at generation: refused.
+    mistral.config.sliding_window = 4096
+    hf.import_prefix(mistral, doc, store, "doc", progress=False)
+    mistral.config.sliding_window = 200
+    prompt = torch.cat([doc, torch.tensor([[1, 2, 3]])], 1)
+    with pytest.raises(ctxfs.InputError, match="sliding window of 200 tokens, shorter than the 303"):
+        through_ctxfs(mistral, prompt, hf.CtxfsCache(store, prompt), 2)
+    assert [c["name"] for c in store.contexts()] == ["doc"]
