@@ -567,6 +567,26 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
     // A coarse plan needs metadata a bf16 context does not store: refused, not wrong.
     let err = session.attention_with(0, &b.decode_step(0, 0), &opts(Plan::Quest, 0.0)).unwrap_err().to_string();
     assert!(err.contains("no quest index"), "{err}");
+
+    // bf16 holds magnitudes whose f32 sums would overflow: beyond 2^48 nothing is taken,
+    // and scores beyond f32 (a huge scale) are refused, not answered as infinities.
+    let mut huge = vb.clone();
+    huge[4 * 77..4 * 78].copy_from_slice(&1e35f32.to_le_bytes());
+    let views = vec![
+        ("layers.0.k".to_string(), f32s(vec![2, n, d], &kb)),
+        ("layers.0.v".to_string(), f32s(vec![2, n, d], &huge)),
+    ];
+    let path = dir.path().join("huge.safetensors");
+    safetensors::serialize_to_file(views, &None, &path).unwrap();
+    let err = SafetensorsKv::open(&path, DType::Bf16).unwrap().check_values(|_| {}).unwrap_err().to_string();
+    assert!(err.contains("layers.0.v element 77 = 1e35 is beyond 2^48"), "{err}");
+    let mut q = b.decode_step(0, 0);
+    q[5] = 1e20;
+    let err = session.attention_with(0, &q, &opts(Plan::Full, 0.0)).unwrap_err().to_string();
+    assert!(err.contains("q[5] = 1e20 is beyond 2^48"), "{err}");
+    let loud = AttentionOptions { scale: Some(1e38), ..opts(Plan::Full, 0.0) };
+    let err = session.attention_with(0, &b.decode_step(0, 0), &loud).unwrap_err().to_string();
+    assert!(err.contains("overflowed f32"), "{err}");
 }
 
 /// A session's graph DIPRS search starts from the tokens the same q head's last search returned

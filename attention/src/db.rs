@@ -128,8 +128,7 @@ impl DbConfig {
         let data = (frames as f64 * self.data_fraction).round() as u64;
         let least = data.min(frames.saturating_sub(data));
         if least < MIN_AREA_FRAMES {
-            let fraction = self.data_fraction.min(1.0 - self.data_fraction);
-            let needed = (MIN_AREA_FRAMES as f64 / fraction).ceil() as u64 * block_size as u64;
+            let needed = self.least_pool_bytes(block_size);
             return crate::error::input(format!(
                 "a pool of {} bytes is too small: each of its areas needs {MIN_AREA_FRAMES} blocks of {block_size} \
                  bytes; give at least {needed} bytes ({} MiB)",
@@ -138,6 +137,21 @@ impl DbConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl DbConfig {
+    /// The smallest pool [`DbConfig::check`] passes on a store of `block_size` bytes a block.
+    pub fn least_pool_bytes(&self, block_size: usize) -> u64 {
+        let fraction = self.data_fraction.min(1.0 - self.data_fraction);
+        (MIN_AREA_FRAMES as f64 / fraction).ceil() as u64 * block_size as u64
+    }
+
+    /// A DB that imports into or checks a store of `block_size` bytes a block rather than
+    /// serving it: a pool of 16 MiB, or the least that block size takes.
+    pub fn streaming(block_size: usize) -> DbConfig {
+        let config = DbConfig::default();
+        DbConfig { pool_bytes: (16 << 20).max(config.least_pool_bytes(block_size)), ..config }
     }
 }
 

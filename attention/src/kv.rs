@@ -18,14 +18,37 @@ use std::path::Path;
 /// Largest header accepted (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// The first element of `x` that a context stored as `dtype` cannot hold: not finite, or
-/// beyond the type's largest value (it would be stored as infinity).
-pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<usize> {
-    let max = match dtype {
+/// The largest magnitude of a key, value or query element attention takes, 2^48. Its sums
+/// are f32: within it no product of a query and a key (head dim at most 4,096) and no sum of
+/// values (fewer than 2^31 tokens) overflows. bf16 holds larger ones, f16 none.
+pub const MAX_MAGNITUDE: f32 = 281_474_976_710_656.0;
+
+/// The largest magnitude a context stored as `dtype` holds: the type's largest value (beyond
+/// it an element would be stored as infinity), at most [`MAX_MAGNITUDE`].
+pub fn largest_storable(dtype: DType) -> f32 {
+    match dtype {
         DType::F16 => f16::MAX.to_f32(),
         DType::Bf16 => bf16::MAX.to_f32(),
-    };
-    x.iter().position(|x| !x.is_finite() || x.abs() > max)
+    }
+    .min(MAX_MAGNITUDE)
+}
+
+/// The first element of `x` that a context stored as `dtype` cannot hold (not finite, or
+/// beyond [`largest_storable`]), and why, as "= value is …".
+pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<(usize, String)> {
+    let max = largest_storable(dtype);
+    let i = x.iter().position(|x| !x.is_finite() || x.abs() > max)?;
+    let why = if x[i].is_finite() { beyond(dtype) } else { "is not finite".into() };
+    Some((i, format!("= {} {why}", shown(x[i]))))
+}
+
+/// An element as an error message shows it: in exponent form when large.
+pub fn shown(x: f32) -> String {
+    if x.abs() >= 1e7 {
+        format!("{x:e}")
+    } else {
+        x.to_string()
+    }
 }
 
 /// A context's KV cache, one (layer, kv head) at a time.
@@ -64,6 +87,12 @@ impl SafetensorsKv {
     /// Opens and checks a context file: header, tensor names, shapes and dtypes agree. Values
     /// are checked by [`SafetensorsKv::check_values`].
     pub fn open(path: &Path, dtype: DType) -> Result<SafetensorsKv> {
+        Self::open_with_q_heads(path, dtype, None)
+    }
+
+    /// [`SafetensorsKv::open`] for a model of `q_heads` query heads, which a file without
+    /// prefill queries cannot say (it is then one per kv head); a file with them must agree.
+    pub fn open_with_q_heads(path: &Path, dtype: DType, q_heads: Option<usize>) -> Result<SafetensorsKv> {
         let bad = |why: String| Error::Input(format!("{} is not a safetensors file: {why}", path.display()));
         let file =
             std::fs::File::open(path).map_err(|e| Error::Input(format!("cannot open {}: {e}", path.display())))?;
@@ -125,7 +154,20 @@ impl SafetensorsKv {
         }
         let k0 = kv.shape_of("layers.0.k", &[None, None, None])?;
         let (heads, n, d) = (k0[0], k0[1], k0[2]);
-        let q_heads = kv.meta.info("layers.0.q").map_or(heads, |t| t.shape.first().copied().unwrap_or(0));
+        // The q heads: as the first layer with prefill queries has them, as the caller says,
+        // or (neither) one per kv head.
+        let in_file = (0..layers).find_map(|l| {
+            let t = kv.meta.info(&format!("layers.{l}.q"))?;
+            Some((l, t.shape.first().copied().unwrap_or(0)))
+        });
+        let q_heads = match (q_heads, in_file) {
+            (Some(said), Some((l, found))) if said != found => {
+                return input(format!("{}: {said} q heads were given, but layers.{l}.q holds {found}", path.display()));
+            }
+            (Some(said), _) => said,
+            (None, Some((_, found))) => found,
+            (None, None) => heads,
+        };
         if n == 0 || n > u32::MAX as usize / 2 {
             return input(format!("{}: {n} tokens (expected 1..2^31)", path.display()));
         }
@@ -333,9 +375,17 @@ fn element_size(name: &str, dtype: Dtype) -> Result<usize> {
     }
 }
 
+/// Why an element beyond [`largest_storable`] is refused.
+pub fn beyond(stored: DType) -> String {
+    match stored {
+        DType::F16 => "is out of the f16 range (store the context as bf16)".into(),
+        DType::Bf16 => "is beyond 2^48 in magnitude, the most attention takes (its sums are f32)".into(),
+    }
+}
+
 /// Finds the first non-finite element, or one the stored dtype cannot hold, by its bits.
 fn check_finite(name: &str, dtype: Dtype, data: &[u8], first: usize, stored: DType) -> Result<()> {
-    let bad = |i: usize, v: f32, why: &str| input(format!("tensor {name} element {} = {v} {why}", first + i));
+    let bad = |i: usize, v: f32, why: &str| input(format!("tensor {name} element {} = {} {why}", first + i, shown(v)));
     match dtype {
         Dtype::F16 => {
             for (i, c) in data.chunks_exact(2).enumerate() {
@@ -351,23 +401,19 @@ fn check_finite(name: &str, dtype: Dtype, data: &[u8], first: usize, stored: DTy
                 if !v.is_finite() {
                     return bad(i, v.to_f32(), "is not finite");
                 }
-                if stored == DType::F16 && v.to_f32().abs() > f16::MAX.to_f32() {
-                    return bad(i, v.to_f32(), "is out of the f16 range (import with --dtype bf16)");
+                if v.to_f32().abs() > largest_storable(stored) {
+                    return bad(i, v.to_f32(), &beyond(stored));
                 }
             }
         }
         Dtype::F32 => {
-            let limit = match stored {
-                DType::F16 => f16::MAX.to_f32(),
-                DType::Bf16 => bf16::MAX.to_f32(),
-            };
             for (i, c) in data.chunks_exact(4).enumerate() {
                 let v = f32::from_le_bytes(c.try_into().expect("4 bytes"));
                 if !v.is_finite() {
                     return bad(i, v, "is not finite");
                 }
-                if v.abs() > limit {
-                    return bad(i, v, &format!("is out of the {} range", stored.name()));
+                if v.abs() > largest_storable(stored) {
+                    return bad(i, v, &beyond(stored));
                 }
             }
         }

@@ -58,13 +58,26 @@ impl<'a> QueryFile<'a> {
         self.st.tensor(&self.name(layer)).is_ok()
     }
 
+    /// The highest layer the file holds this kind of tensor for.
+    pub fn last_layer(&self) -> Option<usize> {
+        let suffix = format!(".{}", self.tensor);
+        self.st
+            .names()
+            .into_iter()
+            .filter_map(|name| name.strip_prefix("layers.")?.strip_suffix(suffix.as_str())?.parse::<usize>().ok())
+            .max()
+    }
+
     /// Layer `layer`'s queries, checked to be `[q_heads, n, d]` (`d` at least 1).
     pub fn layer(&self, layer: usize, q_heads: usize, d: usize) -> Result<LayerQueries> {
         let name = self.name(layer);
         let t = self.st.tensor(&name).map_err(|_| Error::Input(format!("missing tensor {name}")))?;
         let shape = t.shape();
         if shape.len() != 3 || shape[0] != q_heads || shape[2] != d || d == 0 {
-            return input(format!("{name} has shape {shape:?}, expected [{q_heads}, n, {d}]"));
+            return input(format!(
+                "{name} has shape {shape:?}, expected [{q_heads}, n, {d}]: the context's q heads, any number of \
+                 queries, its head dim"
+            ));
         }
         let steps = shape[1];
         // The header check made the element count fit the data, so this product cannot overflow.

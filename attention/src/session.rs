@@ -12,7 +12,7 @@
 use crate::db::{Db, Window};
 use crate::device_codes::DeviceScan;
 use crate::error::{input, Error, Result};
-use crate::kv::first_unstorable;
+use crate::kv::{first_unstorable, shown, MAX_MAGNITUDE};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
@@ -420,7 +420,8 @@ impl Session {
         }
         if k.is_empty() || !k.len().is_multiple_of(kv * d) || v.len() != k.len() {
             return input(format!(
-                "update of layer {layer}: k has {} and v {} elements; both must be kv_heads ({kv}) × t × head_dim ({d})",
+                "update of layer {layer}: k has {} and v {} elements; both must be kv_heads ({kv}) × t × head_dim ({d}), \
+                 t at least 1",
                 k.len(),
                 v.len()
             ));
@@ -430,12 +431,8 @@ impl Session {
             return input(format!("update of layer {layer}: q has {} elements, expected {qh} × {t} × {d}", q.len()));
         }
         for (name, x) in [("q", q), ("k", k), ("v", v)] {
-            if let Some(i) = first_unstorable(x, s.dtype) {
-                return input(format!(
-                    "update of layer {layer}: {name}[{i}] = {} is not a finite {} value",
-                    x[i],
-                    s.dtype.name()
-                ));
+            if let Some((i, why)) = first_unstorable(x, s.dtype) {
+                return input(format!("update of layer {layer}: {name}[{i}] {why}"));
             }
         }
         let f = &mut self.fresh[layer];
@@ -496,6 +493,13 @@ impl Session {
         }
         if let Some(i) = q.iter().position(|x| !x.is_finite()) {
             return input(format!("attention of layer {layer}: q[{i}] = {} is not finite", q[i]));
+        }
+        if let Some(i) = q.iter().position(|x| x.abs() > MAX_MAGNITUDE) {
+            return input(format!(
+                "attention of layer {layer}: q[{i}] = {} is beyond 2^48 in magnitude, the most attention takes (its \
+                 sums are f32)",
+                shown(q[i])
+            ));
         }
         if let Some(e) = opts.target_error {
             if !(e.is_finite() && e > 0.0) {
@@ -573,6 +577,15 @@ impl Session {
         for (m, report) in merged.into_iter().zip(&mut heads) {
             report.lse = m.lse();
             output.extend_from_slice(&m.o);
+        }
+        // Scores beyond f32's range (a large softmax scale) leave no answer to give.
+        if let Some(h) =
+            (0..qh).find(|&h| !heads[h].lse.is_finite() || output[h * d..(h + 1) * d].iter().any(|x| !x.is_finite()))
+        {
+            return input(format!(
+                "attention of layer {layer}, q head {h}, overflowed f32: its scores (q·k times the scale, {scale}) \
+                 are too large"
+            ));
         }
         let device = if on_gpu { Device::Gpu } else { Device::Cpu };
         Ok(Attention { output, heads, choice, device, micros: started.elapsed().as_micros() as u64 })

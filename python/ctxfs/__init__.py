@@ -424,7 +424,9 @@ class Store:
         kv_heads, n, head_dim = k0.shape
         if n != len(tokens):
             raise InputError(f"layer 0: k holds {n} tokens but {len(tokens)} token ids were given")
-        given = q0.shape[0] if q0 is not None and q0.ndim == 3 else None
+        if q0 is not None and q0.ndim != 3:
+            raise InputError(f"layer 0: q has shape {q0.shape}, expected [q_heads, rows, head_dim]")
+        given = q0.shape[0] if q0 is not None else None
         if q_heads is not None and given is not None and q_heads != given:
             raise InputError(f"q_heads is {q_heads} but layer 0's q has {given} heads")
         q_heads = q_heads or given or kv_heads

@@ -88,12 +88,8 @@ impl PyLayers {
                 }
             };
             for (name, x) in [("k", &keys), ("v", &values), ("q", &queries)] {
-                if let Some(i) = first_unstorable(x, s.dtype) {
-                    return Err(Error::Input(format!(
-                        "layer {layer}: {name}[{i}] = {} is not a finite {} value",
-                        x[i],
-                        s.dtype.name()
-                    )));
+                if let Some((i, why)) = first_unstorable(x, s.dtype) {
+                    return Err(Error::Input(format!("layer {layer}: {name}[{i}] {why}")));
                 }
             }
             Ok(Layer { index: layer, keys, values, queries })

@@ -124,9 +124,15 @@ def test_bad_input_is_refused_and_nothing_is_written(store):
     # Finite in f32, infinite in the f16 the store keeps.
     cases["range"] = ("range", [good[0], (good[1][0], good[1][1].copy(), None)], range(N), ctxfs.InputError)
     cases["range"][1][1][1][0, 5, 7] = 1e6
+    # bf16 holds 1e35, but attention's f32 sums of it would overflow.
+    cases["bf16"] = ("bf16", [good[0], (good[1][0], good[1][1].copy(), None)], range(N), ctxfs.InputError)
+    cases["bf16"][1][1][1][0, 5, 7] = 1e35
+    # A 2-D q says no q heads.
+    cases["q2d"] = ("q2d", [(good[0][0], good[0][1], np.zeros((QH, D), np.float32))], range(N), ctxfs.InputError)
+    messages = {"bf16": r"v\[.*\] = 1e35 is beyond 2\^48", "q2d": r"q has shape \(4, 64\), expected \[q_heads"}
     for name, (ctx, layers, tokens, error) in cases.items():
-        with pytest.raises(error):
-            store.import_kv(ctx, layers, tokens, progress=False)
+        with pytest.raises(error, match=messages.get(name)):
+            store.import_kv(ctx, layers, tokens, progress=False, **({"dtype": "bf16"} if name == "bf16" else {}))
         assert [c["name"] for c in store.contexts()] == ["doc"], name
     assert store.fsck()["exit_code"] == 0
     assert store.inspect()["space"]["used_blocks"] == before

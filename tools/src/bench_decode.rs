@@ -114,7 +114,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             seed: 3,
             json: false,
         })?;
-        let db = Db::open(&path, choice, DbConfig { pool_bytes: 16 << 20, ..Default::default() })?;
+        let db = Db::open(&path, choice, DbConfig::streaming(ctxfs_vfs::probe_block_size(&path)?))?;
         let source = SafetensorsKv::open(&book, DType::F16)?;
         source.check_values(|_| {})?;
         let bar = progress::bar(kv_bytes, "import");

@@ -96,7 +96,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     gen::generate(&gen_args)?;
     let gen_s = t.elapsed().as_secs_f64();
 
-    let db = Db::open(&path, choice, DbConfig { pool_bytes: 16 << 20, ..Default::default() })?;
+    let db = Db::open(&path, choice, DbConfig::streaming(ctxfs_vfs::probe_block_size(&path)?))?;
     let source = SafetensorsKv::open(&book, DType::F16)?;
     source.check_values(|_| {})?;
     let bar = progress::bar(kv_bytes, "import");

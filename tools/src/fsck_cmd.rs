@@ -48,7 +48,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> ExitCode {
 /// Adds what the block walk cannot judge: each vector file's index against its context's
 /// record (`Db::check_indexes`). Where the store does not open, the walk has said why.
 fn check_indexes(args: &Args, choice: DeviceChoice, report: &mut Report) {
-    let config = DbConfig { pool_bytes: 16 << 20, gpu: false, ..Default::default() };
+    let Ok(block_size) = ctxfs_vfs::probe_block_size(&args.store) else {
+        return;
+    };
+    let config = DbConfig { gpu: false, ..DbConfig::streaming(block_size) };
     if let Ok(db) = Db::open_read_only(&args.store, choice, config) {
         db.check_indexes(report);
     }

@@ -59,7 +59,11 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
         a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.q_heads > 0,
         "tokens, layers, q heads and kv heads must be positive"
     );
-    ensure!(a.head_dim >= 2, "--head-dim must be at least 2: the generator pairs dimensions");
+    let most = ctxfs_vfs::format::records::MAX_HEAD_DIM as usize;
+    ensure!(
+        (2..=most).contains(&a.head_dim),
+        "--head-dim must be 2..={most}: the generator pairs dimensions, and a store holds at most {most}"
+    );
     ensure!(a.decode_queries > 0, "--decode-queries must be at least 1: the statistics printed are measured on them");
     ensure!(
         a.q_heads.is_multiple_of(a.kv_heads),
@@ -141,10 +145,11 @@ fn report(a: &Args, per_head: &[Generated]) -> std::io::Result<()> {
     }
     outln!("wrote {} and {}", a.out.display(), queries_path.display())?;
     outln!(
-        "{n} tokens, {} layers, {} q heads / {} kv heads, head dim {d}; {m} prefill and {} decode queries per q head",
-        a.layers,
-        a.q_heads,
-        a.kv_heads,
+        "{}, {}, {} / {}, head dim {d}; {m} prefill and {} decode queries per q head",
+        crate::units::count(n as u64, "token"),
+        crate::units::count(a.layers as u64, "layer"),
+        crate::units::count(a.q_heads as u64, "q head"),
+        crate::units::count(a.kv_heads as u64, "kv head"),
         a.decode_queries
     )?;
     outln!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys")?;

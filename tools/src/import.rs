@@ -19,16 +19,21 @@ pub struct Args {
     /// Element type stored: f16, or bf16 for magnitudes beyond f16's range.
     #[arg(long, default_value = "f16")]
     dtype: DType,
+    /// The model's query heads, for a file without prefill queries (`layers.{l}.q`), which
+    /// cannot say; without it such a file is taken as one per kv head.
+    #[arg(long)]
+    q_heads: Option<usize>,
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
-    let db = Db::open(&args.store, choice, DbConfig { pool_bytes: 16 << 20, ..Default::default() })?;
+    let block_size = ctxfs_vfs::probe_block_size(&args.store)?;
+    let db = Db::open(&args.store, choice, DbConfig::streaming(block_size))?;
     if db.store().snapshot().context(&args.name).is_ok() {
         anyhow::bail!("a context named {:?} already exists", args.name);
     }
-    let source = SafetensorsKv::open(&args.input, args.dtype)?;
+    let source = SafetensorsKv::open_with_q_heads(&args.input, args.dtype, args.q_heads)?;
     let check = progress::bar(source.tensor_bytes(), "check input");
     source.check_values(|b| check.inc(b)).with_context(|| format!("{} holds bad values", args.input.display()))?;
     check.finish_and_clear();

@@ -139,7 +139,17 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let file = if args.decode { file.decode_steps() } else { file };
     let layers: Vec<usize> = match args.layer {
         Some(l) => vec![l],
-        None => (0..shape.layers as usize).filter(|&l| file.has_layer(l)).collect(),
+        None => {
+            if let Some(l) = file.last_layer().filter(|&l| l >= shape.layers as usize) {
+                bail!(
+                    "{} holds layers.{l}.{}, but the context has {}",
+                    args.queries.display(),
+                    file.tensor(),
+                    crate::units::count(shape.layers, "layer")
+                );
+            }
+            (0..shape.layers as usize).filter(|&l| file.has_layer(l)).collect()
+        }
     };
     ensure!(
         !layers.is_empty(),

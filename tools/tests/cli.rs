@@ -722,6 +722,50 @@ fn import_refuses_non_finite_input_and_writes_nothing() {
 }
 
 #[test]
+fn a_file_without_prefill_queries_takes_its_q_heads_from_the_command_line() {
+    let dir = tmp();
+    let (full, ctx) = (dir.path().join("full.safetensors"), dir.path().join("noq.safetensors"));
+    let queries = dir.path().join("full.queries.safetensors");
+    gen(&full, "--tokens 600 --layers 1 --q-heads 4 --kv-heads 2 --head-dim 64 --queries 8 --decode-queries 2");
+    let bytes = std::fs::read(&full).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<_> = st.tensors().into_iter().filter(|(name, _)| name != "layers.0.q").collect();
+    safetensors::serialize_to_file(kept, &None, &ctx).unwrap();
+    // Blocks of 16 KiB: the import sizes its pool for them.
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "64M", "--block-size", "16384"]);
+    let query = |context: &str| ctxfs(&["query", p(&store), "--context", context, "--queries", p(&queries)]);
+
+    // Without --q-heads the file says one per kv head, and the model's queries do not fit.
+    ok(&["import", p(&store), p(&ctx), "--name", "guessed"]);
+    let out = query("guessed");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr_of(&out).contains("expected [2, n, 64]: the context's q heads"), "{}", stderr_of(&out));
+
+    let imported = json(&["import", p(&store), p(&ctx), "--name", "told", "--q-heads", "4", "--json"]);
+    assert_eq!(imported["q_heads"], 4);
+    assert_eq!(lines(&ok(&["query", p(&store), "--context", "told", "--queries", p(&queries), "--json"])).len(), 4 * 2);
+    for (file, q_heads, says) in [
+        (&ctx, "3", "q heads (3) must be a multiple of kv heads (2)"),
+        (&full, "2", "2 q heads were given, but layers.0.q holds 4"),
+    ] {
+        let out = ctxfs(&["import", p(&store), p(file), "--name", "bad", "--q-heads", q_heads]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(stderr_of(&out).contains(says), "{}", stderr_of(&out));
+    }
+    assert_eq!(context_names(&store), ["guessed", "told"]);
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+
+    // A query file for more layers than the context has is refused, not answered in part.
+    let two = dir.path().join("two.safetensors");
+    gen(&two, "--tokens 600 --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64 --queries 8 --decode-queries 2");
+    let two_queries = dir.path().join("two.queries.safetensors");
+    let out = ctxfs(&["query", p(&store), "--context", "told", "--queries", p(&two_queries)]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr_of(&out).contains("holds layers.1.q, but the context has 1 layer"), "{}", stderr_of(&out));
+}
+
+#[test]
 fn bench_search_reports_every_method_against_exact_attention() {
     let args = ["--tokens", "4000", "--head-dim", "64", "--heads", "1", "--queries", "2", "--seeds", "1,5", "--json"];
     let all = json(&[&["bench", "search"][..], &args].concat());
