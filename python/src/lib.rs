@@ -142,7 +142,8 @@ impl Store {
     }
 
     fn pool_stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        json_to_py(py, &describe::pool_json(&self.db.pool_stats()))
+        let v = py.detach(|| describe::pool_json(&self.db.pool_stats()));
+        json_to_py(py, &v)
     }
 
     /// Imports a context. `next_layer(l)` returns layer l's `(k, v, q)`: k and v float32
@@ -193,25 +194,25 @@ impl Store {
         let (mut session, _) = py.detach(|| self.db.create_session(&tokens[..cap])).map_err(|e| to_py(e.into()))?;
         let reused = session.prefix_tokens() as usize;
         session.append_tokens(&tokens[cap..]);
-        Ok((Session { inner: std::sync::RwLock::new(session) }, reused))
+        Ok((Session::new(session), reused))
     }
 
     /// A session on the first `prefix` tokens (all by default) of a named context.
     #[pyo3(signature = (name, prefix=None))]
     fn open_session(&self, py: Python<'_>, name: &str, prefix: Option<u32>) -> PyResult<Session> {
         let session = py.detach(|| self.db.open_session(name, prefix)).map_err(|e| to_py(e.into()))?;
-        Ok(Session { inner: std::sync::RwLock::new(session) })
+        Ok(Session::new(session))
     }
 
     /// The GPU's name when sessions use one, otherwise why they do not.
-    fn gpu_status(&self) -> String {
-        self.db.gpu_status().to_string()
+    fn gpu_status(&self, py: Python<'_>) -> String {
+        py.detach(|| self.db.gpu_status().to_string())
     }
 
     /// Bytes of compact contexts' PQ codes the GPU holds now and the most it may hold;
     /// `None` without a GPU.
-    fn gpu_codes_bytes(&self) -> Option<(u64, u64)> {
-        self.db.gpu_codes_bytes()
+    fn gpu_codes_bytes(&self, py: Python<'_>) -> Option<(u64, u64)> {
+        py.detach(|| self.db.gpu_codes_bytes())
     }
 }
 
@@ -237,9 +238,18 @@ fn write_report(py: Python<'_>, r: &ctxfs_attention::WriteReport) -> PyResult<Py
 #[pyclass(module = "ctxfs._native", frozen)]
 struct Session {
     inner: std::sync::RwLock<ctxfs_attention::Session>,
+    /// The session's shape, which never changes: read without its lock.
+    shape: ModelShape,
 }
 
 impl Session {
+    fn new(session: ctxfs_attention::Session) -> Session {
+        Session { shape: session.shape(), inner: std::sync::RwLock::new(session) }
+    }
+
+    // The lock is only ever taken with the GIL released (`py.detach`), and no Python runs
+    // while it is held: a thread holding the GIL and waiting for the lock would otherwise
+    // wait for a holder that waits for the GIL.
     fn read(&self) -> std::sync::RwLockReadGuard<'_, ctxfs_attention::Session> {
         self.inner.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -285,7 +295,7 @@ impl Session {
         opts.scale = scale;
         opts.tail = tail;
         opts.target_error = target_error;
-        let shape = self.read().shape();
+        let shape = self.shape;
         let width = shape.q_heads as usize * shape.head_dim as usize;
         let q = slice("q", &q)?;
         if q.is_empty() || !q.len().is_multiple_of(width) {
@@ -338,8 +348,8 @@ impl Session {
     }
 
     /// Ids of tokens generated after the prompt, in order.
-    fn append_tokens(&self, ids: Vec<u32>) {
-        self.write().append_tokens(&ids);
+    fn append_tokens(&self, py: Python<'_>, ids: Vec<u32>) {
+        py.detach(|| self.write().append_tokens(&ids));
     }
 
     /// Persists the session's own tokens as context `name`, on top of the prefix it reused.
@@ -352,14 +362,13 @@ impl Session {
     #[pyo3(signature = (layer, plan=None))]
     fn plan(&self, py: Python<'_>, layer: usize, plan: Option<&str>) -> PyResult<Py<PyAny>> {
         let forced = plan.map(|p| p.parse::<Plan>().map_err(errors::InputError::new_err)).transpose()?;
-        let session = self.read();
-        if layer >= session.shape().layers as usize {
+        if layer >= self.shape.layers as usize {
             return Err(errors::InputError::new_err(format!(
                 "layer {layer} does not exist: the model has {} layers",
-                session.shape().layers
+                self.shape.layers
             )));
         }
-        let c = session.choice(layer, Request { forced, error_target: None });
+        let c = py.detach(|| self.read().choice(layer, Request { forced, error_target: None }));
         json_to_py(
             py,
             &serde_json::json!({"plan": c.label(), "reason": c.reason, "filtered": c.filtered, "forced": c.forced, "error_target": c.error_target, "budgeted": c.budgeted}),
@@ -369,9 +378,16 @@ impl Session {
     /// What the session holds: its shape, reused prefix, window and own tokens, and where
     /// attention runs.
     fn info(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let v = py.detach(|| self.info_json());
+        json_to_py(py, &v)
+    }
+}
+
+impl Session {
+    fn info_json(&self) -> serde_json::Value {
         let s = self.read();
-        let shape = s.shape();
-        let v = serde_json::json!({
+        let shape = self.shape;
+        serde_json::json!({
             "shape": {"layers": shape.layers, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": shape.dtype.name()},
             "prefix_tokens": s.prefix_tokens(),
             "reused_context": s.reused_context().map(|(n, _)| n),
@@ -380,8 +396,7 @@ impl Session {
             "new_tokens": s.new_tokens().len(),
             "updated_rows": (0..shape.layers as usize).map(|l| s.updated_rows(l)).collect::<Vec<_>>(),
             "device": s.device(),
-        });
-        json_to_py(py, &v)
+        })
     }
 }
 

@@ -2,6 +2,8 @@
 exact numpy reference, errors refused before anything is written, threads."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -249,6 +251,50 @@ def test_threads_serve_sessions_in_parallel(store):
     assert not errors and len(results) == 80
     for r in results:
         np.testing.assert_array_equal(r, alone)
+
+
+SHARED_SESSION_THREADS = """
+import sys, threading
+import numpy as np, ctxfs
+store = ctxfs.Store.open(sys.argv[1], read_only=True)
+session, _ = store.create_session(list(range({N})) + [1])
+q = np.random.default_rng(6).standard_normal(({QH}, {D}), dtype=np.float32)
+kv = np.ones(({KV}, 1, {D}), np.float32)
+stop = threading.Event()
+
+def loop(call):
+    while not stop.is_set():
+        call()
+
+askers = [threading.Thread(target=loop, args=(c,)) for c in
+          (lambda: session.plan(0), lambda: session.stats(), lambda: session.append_tokens([7]))]
+writer = threading.Thread(target=lambda: [session.update(0, None, kv, kv) for _ in range(200)])
+for t in askers + [writer]:
+    t.start()
+for _ in range(200):
+    session.attention(1, q, plan="quest")
+writer.join()
+stop.set()
+for t in askers:
+    t.join()
+print(session.stats()["updated_rows"][0])
+"""
+
+
+def test_one_session_shared_by_threads_that_read_write_and_ask_never_deadlocks(store):
+    """Threads asking a session its plan and stats, appending tokens and updating it, beside
+    attention on the main thread: every call returns (no thread waits for the session's lock
+    while holding the GIL, and none runs Python while holding the lock). A deadlock would hold
+    the GIL, so the threads run in a process of their own, which a timeout can end."""
+    script = SHARED_SESSION_THREADS.format(N=N, QH=QH, D=D, KV=KV)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(store.path)], capture_output=True, text=True, timeout=180
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("threads sharing one session deadlocked")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["200"]
 
 
 def test_an_error_target_is_met_and_reported(store):
