@@ -86,7 +86,8 @@ pub fn book_of_dim(dir: &Path, n: usize, layers: u16, q_heads: u16, kv_heads: u1
 pub fn mkfs(dir: &Path, mib: u64) -> PathBuf {
     let path = dir.join("store.ctxfs");
     std::fs::File::create(&path).and_then(|f| f.set_len(mib << 20)).expect("create the store file");
-    let dev = device::open_path(&path, DeviceChoice::Auto, 4096).expect("open the store file");
+    let dev =
+        device::open_path(&path, DeviceChoice::Auto, 4096, ctxfs_vfs::Access::Write).expect("open the store file");
     ctxfs_vfs::format(std::sync::Arc::from(dev)).expect("format");
     path
 }

@@ -19,7 +19,8 @@ fn frame_buffers_take_the_memory_of_the_blocks_they_hold() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("store.img");
     std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
-    let dev: Arc<dyn ctxfs_vfs::BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::Uring, BS).unwrap());
+    let dev: Arc<dyn ctxfs_vfs::BlockDevice> =
+        Arc::from(device::open_path(&path, DeviceChoice::Uring, BS, ctxfs_vfs::Access::Write).unwrap());
     let store = ctxfs_vfs::format(dev.clone()).unwrap();
     let shape = ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: DType::F16 };
     let mut txn = store.begin().unwrap();

@@ -76,7 +76,8 @@ fn build(dev: Arc<dyn BlockDevice>, contexts: u32, tokens: usize) -> Store {
 fn real_store(dir: &tempfile::TempDir, mib: u64, contexts: u32, tokens: usize) -> (Arc<Counting>, Store) {
     let path = dir.path().join("store.img");
     std::fs::File::create(&path).unwrap().set_len(mib << 20).unwrap();
-    let inner: Arc<dyn BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::Uring, BS).unwrap());
+    let inner: Arc<dyn BlockDevice> =
+        Arc::from(device::open_path(&path, DeviceChoice::Uring, BS, ctxfs_vfs::Access::Write).unwrap());
     let dev = Arc::new(Counting { inner, submits: AtomicU64::new(0), ops: AtomicU64::new(0) });
     let store = build(dev.clone(), contexts, tokens);
     (dev, store)

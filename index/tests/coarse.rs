@@ -478,7 +478,7 @@ fn store_runs(dev: Arc<dyn BlockDevice>, d: usize, runs: &[Vec<Vec<u8>>]) -> (St
 fn file_device(dir: &tempfile::TempDir) -> Arc<dyn BlockDevice> {
     let path = dir.path().join("coarse.img");
     std::fs::File::create(&path).unwrap().set_len(32 << 20).unwrap();
-    Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap())
+    Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096, ctxfs_vfs::Access::Write).unwrap())
 }
 
 #[test]

@@ -37,7 +37,8 @@ fn uring_index(dim: usize, blocks: &[Vec<u8>]) -> (tempfile::TempDir, Store, Vec
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("idx.img");
     std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
-    let dev: Arc<dyn BlockDevice> = Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> =
+        Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096, ctxfs_vfs::Access::Write).unwrap());
     let (store, reqs) = store_index(dev, dim, blocks);
     (dir, store, reqs)
 }
@@ -360,8 +361,9 @@ fn a_key_block_read_brings_the_value_block_beside_it_and_nothing_else() {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let path = dir.path().join("pairs.img");
         std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
-        let dev: Arc<dyn BlockDevice> =
-            Arc::from(ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096).unwrap());
+        let dev: Arc<dyn BlockDevice> = Arc::from(
+            ctxfs_vfs::device::open_path(&path, DeviceChoice::Uring, 4096, ctxfs_vfs::Access::Write).unwrap(),
+        );
         let (store, reqs, data) = store_side_by_side(dev, &index, &value_blocks, keys_from, paired);
         let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
         let hints = hints_for(&reqs);

@@ -113,7 +113,7 @@ fn time_choices(
     std::fs::File::create(path)
         .and_then(|f| f.set_len(bytes))
         .with_context(|| format!("creating {}", path.display()))?;
-    let dev = ctxfs_vfs::device::open_path(path, choice, BLOCK)?;
+    let dev = ctxfs_vfs::device::open_path(path, choice, BLOCK, ctxfs_vfs::Access::Write)?;
     let store = ctxfs_vfs::format(Arc::from(dev))?;
     let shape = ModelShape { layers: 1, q_heads: GROUP as u16, kv_heads: 1, head_dim: d as u16, dtype: DType::F16 };
     let mut txn = store.begin()?;

@@ -75,8 +75,9 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
         Err(e) => return Err(e),
     };
     // A repair writes: it is the store's one writer. A check reads a pinned state beside one.
-    let lock = StoreLock::acquire(&args.store, if args.repair { Access::Write } else { Access::Read })?;
-    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&args.store, choice, block_size)?);
+    let access = if args.repair { Access::Write } else { Access::Read };
+    let lock = StoreLock::acquire(&args.store, access)?;
+    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&args.store, choice, block_size, access)?);
     let bar = crate::progress::blocks_bar(0, if args.repair { "fsck --repair" } else { "fsck" });
     let progress = |done: u64, total: u64| {
         bar.set_length(total);

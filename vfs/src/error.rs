@@ -54,7 +54,7 @@ pub enum Error {
     HeldForReader { generation: u64 },
     #[error("store was poisoned by an earlier failed commit ({0}); reopen it to recover the last committed state")]
     Poisoned(String),
-    #[error("{path} is open for writing by {}; a store has one writer at a time (readers may open it read-only beside it)", holder.map_or("another open store".to_string(), |pid| format!("process {pid}")))]
+    #[error("{path} is open for writing by {}; a store has one writer at a time (readers may open it read-only beside it)", holder.map_or("another open store of this process (or a session or DB still holding one)".to_string(), |pid| format!("process {pid}")))]
     Locked { path: String, holder: Option<u32> },
     #[error("the store is open read-only: {0} needs it opened for writing")]
     ReadOnly(&'static str),

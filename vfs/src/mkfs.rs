@@ -89,7 +89,8 @@ pub fn format_path(
             }
         }
         drop(file);
-        let dev = device::open_path(path, choice, block_size).map_err(|e| io_at("open with O_DIRECT", path, e))?;
+        let dev = device::open_path(path, choice, block_size, Access::Write)
+            .map_err(|e| io_at("open with O_DIRECT", path, e))?;
         format_locked(Arc::from(dev), lock)
     })();
     // A file this call created goes again, unless another process formatting it holds it.
@@ -107,7 +108,7 @@ fn format_spdk(path: &Path, size: Option<u64>, block_size: usize, force: bool, c
         refuse_existing_store(path, choice)?;
     }
     let dev: Arc<dyn BlockDevice> =
-        Arc::from(device::open_path(path, choice, block_size).map_err(|e| io_at("open", path, e))?);
+        Arc::from(device::open_path(path, choice, block_size, Access::Write).map_err(|e| io_at("open", path, e))?);
     let lock = StoreLock::acquire(path, Access::Write)?;
     let bytes = dev.num_blocks() * block_size as u64;
     if let Some(size) = size.filter(|&s| s / block_size as u64 * block_size as u64 != bytes) {

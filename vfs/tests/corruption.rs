@@ -52,7 +52,7 @@ fn commit_each(store: &Store, model: &mut Model, rng: &mut SplitMix64, names: &[
 }
 
 fn open_dev(path: &Path, choice: DeviceChoice) -> Arc<dyn BlockDevice> {
-    Arc::from(device::open_path(path, choice, BS).unwrap())
+    Arc::from(device::open_path(path, choice, BS, ctxfs_vfs::Access::Write).unwrap())
 }
 
 fn read_raw(path: &Path, block: u64) -> Vec<u8> {

@@ -54,7 +54,8 @@ fn open_refuses_a_store_of_another_format_version() {
     let path = dir.path().join("v3.img");
     drop(file_store(&path, 1 << 20, DeviceChoice::Uring));
     // Rewrite both superblocks as version 3, with valid checksums.
-    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&path, DeviceChoice::File, BS).unwrap());
+    let dev: Arc<dyn BlockDevice> =
+        Arc::from(device::open_path(&path, DeviceChoice::File, BS, ctxfs_vfs::Access::Write).unwrap());
     for slot in 0..2u64 {
         let raw = fsck::raw_block(dev.as_ref(), slot).unwrap();
         let (h, _) = ctxfs_vfs::format::header::unseal(&raw).unwrap();

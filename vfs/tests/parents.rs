@@ -14,7 +14,7 @@ use std::sync::Arc;
 const SIZE: u64 = 8 << 20;
 
 fn open_dev(path: &Path) -> Arc<dyn BlockDevice> {
-    Arc::from(device::open_path(path, DeviceChoice::Uring, BS).unwrap())
+    Arc::from(device::open_path(path, DeviceChoice::Uring, BS, ctxfs_vfs::Access::Write).unwrap())
 }
 
 /// The live blocks context `id` owns: its record chain and all its streams.

@@ -241,3 +241,40 @@ fn a_resizing_format_is_refused_while_another_store_reads_and_changes_nothing() 
     drop(r);
     intact(&reader(&path).snapshot(), "a", 7);
 }
+
+/// How this process has `path` open: the access mode (`O_RDONLY`, `O_WRONLY` or `O_RDWR`)
+/// of every file descriptor on it, from /proc.
+fn access_modes(path: &Path) -> Vec<i32> {
+    let path = path.canonicalize().unwrap();
+    let mut modes = Vec::new();
+    for fd in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::read_link(fd.path()).is_ok_and(|target| target == path) {
+            let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.file_name().to_string_lossy()));
+            let Ok(info) = info else { continue };
+            let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
+            modes.push(i32::from_str_radix(flags, 8).unwrap() & libc::O_ACCMODE);
+        }
+    }
+    modes
+}
+
+#[test]
+fn a_reader_opens_the_store_for_reading_only() {
+    let dir = tmpdir();
+    let path = dir.path().join("s.ctxfs");
+    for choice in common::REAL_DEVICES {
+        drop(file_store(&path, 4 << 20, choice));
+        put(&writer(&path), "a", 1);
+        let store = Store::open_path_read_only(&path, choice).unwrap();
+        // A file the process may not write (read-only, on a read-only mount, another user's)
+        // serves it.
+        let modes = access_modes(&path);
+        assert!(!modes.is_empty() && modes.iter().all(|&m| m == libc::O_RDONLY), "{choice:?}: {modes:?}");
+        intact(&store.snapshot(), "a", 1);
+        assert!(matches!(store.begin(), Err(Error::ReadOnly(_))));
+        drop(store);
+        let store = writer(&path);
+        assert!(access_modes(&path).contains(&libc::O_RDWR), "{choice:?}");
+        drop(store);
+    }
+}

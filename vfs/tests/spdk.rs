@@ -81,7 +81,7 @@ fn bdev(dir: &Path, kind: Kind, size: u64) -> Bdev {
 }
 
 fn open_dev(b: &Bdev) -> Arc<dyn BlockDevice> {
-    Arc::from(device::open_path(&b.path(), DeviceChoice::Auto, BS).unwrap())
+    Arc::from(device::open_path(&b.path(), DeviceChoice::Auto, BS, ctxfs_vfs::Access::Write).unwrap())
 }
 
 fn format(b: &Bdev) -> Store {
@@ -399,7 +399,7 @@ impl Faulty {
         write_config(&config, &call);
         // Opening a path loads its config (once per process): that runs the injection.
         let path = PathBuf::from(format!("spdk:{}#{}", config.display(), self.ee));
-        drop(device::open_path(&path, DeviceChoice::Auto, BS).unwrap());
+        drop(device::open_path(&path, DeviceChoice::Auto, BS, ctxfs_vfs::Access::Write).unwrap());
     }
 }
 
@@ -462,7 +462,8 @@ fn other_block_sizes() {
     let dir = tmpdir();
     // A store of 16 KiB blocks on a bdev of 512-byte blocks; the block size is probed.
     let b = bdev_with(dir.path(), Kind::Aio, 8 << 20, 512);
-    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(&b.path(), DeviceChoice::Auto, 16384).unwrap());
+    let dev: Arc<dyn BlockDevice> =
+        Arc::from(device::open_path(&b.path(), DeviceChoice::Auto, 16384, ctxfs_vfs::Access::Write).unwrap());
     assert_eq!(dev.num_blocks(), 512);
     let store = ctxfs_vfs::format(dev).unwrap();
     let mut txn = store.begin().unwrap();
@@ -477,11 +478,16 @@ fn other_block_sizes() {
     assert_eq!(stream.read(0).unwrap().payload(), &[7; 9000][..]);
     // A bdev whose blocks are larger than the store's: refused, saying why.
     let b = bdev_with(dir.path(), Kind::Uring, 8 << 20, 8192);
-    let err = device::open_path(&b.path(), DeviceChoice::Auto, 4096).err().unwrap();
+    let err = device::open_path(&b.path(), DeviceChoice::Auto, 4096, ctxfs_vfs::Access::Write).err().unwrap();
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("block size mismatch"), "{err}");
     // With the bdev's own block size it works, and the probe finds it.
-    drop(ctxfs_vfs::format(Arc::from(device::open_path(&b.path(), DeviceChoice::Auto, 8192).unwrap())).unwrap());
+    drop(
+        ctxfs_vfs::format(Arc::from(
+            device::open_path(&b.path(), DeviceChoice::Auto, 8192, ctxfs_vfs::Access::Write).unwrap(),
+        ))
+        .unwrap(),
+    );
     assert_eq!(Store::open_path(&b.path(), DeviceChoice::Auto).unwrap().device().block_size(), 8192);
 }
 
@@ -489,7 +495,9 @@ fn other_block_sizes() {
 fn bad_paths_configs_and_bdevs_are_named() {
     let dir = tmpdir();
     let d = dir.path();
-    let open = |path: String| device::open_path(Path::new(&path), DeviceChoice::Auto, BS).err().expect(&path);
+    let open = |path: String| {
+        device::open_path(Path::new(&path), DeviceChoice::Auto, BS, ctxfs_vfs::Access::Write).err().expect(&path)
+    };
     let err = open(format!("spdk:{}", d.join("x.json").display()));
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("spdk:CONFIG.json#BDEV"), "{err}");

@@ -43,7 +43,7 @@ fn encode_v1(r: &ContextRecord) -> Vec<u8> {
 }
 
 fn open_dev(path: &Path) -> Arc<dyn BlockDevice> {
-    Arc::from(device::open_path(path, DeviceChoice::Uring, BS).unwrap())
+    Arc::from(device::open_path(path, DeviceChoice::Uring, BS, ctxfs_vfs::Access::Write).unwrap())
 }
 
 fn slot_versions(dev: &dyn BlockDevice) -> Vec<u32> {

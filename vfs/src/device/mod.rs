@@ -20,6 +20,7 @@ pub use spdk::SpdkDevice;
 pub use spdk_config::SpdkPath;
 pub use uring::UringDevice;
 
+use crate::lock::Access;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
@@ -171,21 +172,24 @@ impl DeviceChoice {
     }
 }
 
-/// Opens `path` (a regular file or a block device) with O_DIRECT.
-pub(crate) fn open_direct(path: &Path, create: bool) -> io::Result<File> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(create)
-        .truncate(false)
-        .custom_flags(libc::O_DIRECT)
-        .open(path);
+/// Opens `path` (a regular file or a block device) with O_DIRECT; for writing too with
+/// [`Access::Write`] (a reader needs no write permission: a read-only file, mount or another
+/// user's store serves it).
+pub(crate) fn open_direct(path: &Path, access: Access) -> io::Result<File> {
+    let file = OpenOptions::new().read(true).write(access == Access::Write).custom_flags(libc::O_DIRECT).open(path);
     match file {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
             io::ErrorKind::Unsupported,
             format!("{}: the file system does not support O_DIRECT", path.display()),
         )),
-        other => other,
+        Err(e) => {
+            let what = match access {
+                Access::Write => "reading and writing",
+                Access::Read => "reading",
+            };
+            Err(io::Error::new(e.kind(), format!("{}: cannot open for {what}: {e}", path.display())))
+        }
+        ok => ok,
     }
 }
 
@@ -201,12 +205,18 @@ pub(crate) fn byte_len(file: &File) -> io::Result<u64> {
     }
 }
 
-/// Opens a store path with the chosen real device; `spdk:CONFIG.json#BDEV` opens that SPDK bdev.
-pub fn open_path(path: &Path, choice: DeviceChoice, block_size: usize) -> io::Result<Box<dyn BlockDevice>> {
+/// Opens a store path with the chosen real device, for `access`; `spdk:CONFIG.json#BDEV`
+/// opens that SPDK bdev.
+pub fn open_path(
+    path: &Path,
+    choice: DeviceChoice,
+    block_size: usize,
+    access: Access,
+) -> io::Result<Box<dyn BlockDevice>> {
     if let Some(spec) = SpdkPath::parse(path) {
         return open_spdk(path, spec, block_size);
     }
-    let file = open_direct(path, false)?;
+    let file = open_direct(path, access)?;
     open_file(path, file, choice, block_size)
 }
 
@@ -276,17 +286,20 @@ pub fn refusal_note(e: &io::Error) -> Option<String> {
 }
 
 /// Reads the first `len` bytes of a path with O_DIRECT; used to find the superblocks before
-/// the block size is known.
+/// the block size is known. Errors name the path.
 pub fn read_prefix(path: &Path, len: usize) -> io::Result<AlignedBuf> {
     use std::os::unix::fs::FileExt;
     if let Some(spec) = SpdkPath::parse(path) {
-        return read_spdk_prefix(path, spec, len);
+        return read_spdk_prefix(path, spec, len)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())));
     }
-    let file = open_direct(path, false)?;
+    let file = open_direct(path, Access::Read)?;
     let mut buf = AlignedBuf::zeroed(len);
     let mut done = 0;
     while done < len {
-        let n = file.read_at(&mut buf[done..], done as u64)?;
+        let n = file
+            .read_at(&mut buf[done..], done as u64)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         if n == 0 {
             break;
         }
@@ -310,7 +323,7 @@ mod tests {
     #[cfg(not(feature = "spdk"))]
     #[test]
     fn spdk_paths_say_what_is_missing() {
-        let err = open_path(Path::new("spdk:bdev.json#aio0"), DeviceChoice::Auto, 4096).err().unwrap();
+        let err = open_path(Path::new("spdk:bdev.json#aio0"), DeviceChoice::Auto, 4096, Access::Write).err().unwrap();
         assert_eq!(err.kind(), io::ErrorKind::Unsupported);
         assert!(err.to_string().contains("feature `spdk`"), "{err}");
         let err = read_prefix(Path::new("spdk:bdev.json"), 8192).err().unwrap();

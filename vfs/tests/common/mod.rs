@@ -287,7 +287,7 @@ pub fn mem_store(blocks: u64) -> (Arc<MemDevice>, Store) {
 /// A store on a real file, through the chosen real device.
 pub fn file_store(path: &Path, size: u64, choice: DeviceChoice) -> Store {
     std::fs::File::create(path).unwrap().set_len(size).unwrap();
-    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(path, choice, BS).unwrap());
+    let dev: Arc<dyn BlockDevice> = Arc::from(device::open_path(path, choice, BS, ctxfs_vfs::Access::Write).unwrap());
     ctxfs_vfs::format(dev).unwrap()
 }
 
