@@ -97,9 +97,22 @@ fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Re
     let tokens = (n * 4).div_ceil(payload) as u64;
     let needed = per_head * shape.files() as u64 + tokens;
     let needed = needed + needed / 50 + 16;
-    let free = db.store().space().free;
-    if needed > free {
-        return Err(Error::Full(format!("this write needs about {needed} blocks, the store has {free} free")));
+    let mut space = db.store().space();
+    let mut held = String::new();
+    if needed > space.free && needed <= space.free + space.reclaimable {
+        // Freed by the last commit: one more releases them, unless readers hold them.
+        db.store().reclaim()?;
+        space = db.store().space();
+        held = format!(
+            "; {} more were freed but are held for open readers of older states, and come free when they close",
+            space.reclaimable
+        );
+    }
+    if needed > space.free {
+        return Err(Error::Full(format!(
+            "this write needs about {needed} blocks, the store has {} free{held}",
+            space.free
+        )));
     }
     Ok(needed)
 }

@@ -83,7 +83,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
 
 /// Raw write depth: the bytes a store transaction keeps in flight, in `SEQ_OP` operations.
 fn write_depth() -> usize {
-    (ctxfs_vfs::WRITE_BATCH_BYTES / SEQ_OP).max(1)
+    (ctxfs_vfs::WRITE_IN_FLIGHT_BYTES / SEQ_OP).max(1)
 }
 
 /// Raw sequential read depth: the bytes a store range read keeps in flight.
@@ -161,6 +161,36 @@ fn mib_s(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / (1 << 20) as f64 / secs
 }
 
+/// Progress and the Ctrl-C check once per raw operation's worth of blocks: per block, the
+/// bar's clock would be timed with the store. The rest is reported when dropped.
+struct Ticker<'a> {
+    bar: &'a indicatif::ProgressBar,
+    block_size: u64,
+    unreported: u64,
+}
+
+impl<'a> Ticker<'a> {
+    fn new(bar: &'a indicatif::ProgressBar, block_size: usize) -> Self {
+        Ticker { bar, block_size: block_size as u64, unreported: 0 }
+    }
+
+    fn block(&mut self) -> Result<()> {
+        self.unreported += 1;
+        if self.unreported * self.block_size >= SEQ_OP as u64 {
+            check_interrupt()?;
+            self.bar.inc(self.unreported * self.block_size);
+            self.unreported = 0;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Ticker<'_> {
+    fn drop(&mut self) {
+        self.bar.inc(self.unreported * self.block_size);
+    }
+}
+
 /// Writes the scratch context: `blocks` data blocks in one transaction.
 fn write_scratch(store: &Store, name: &str, blocks: u64, bar: &indicatif::ProgressBar) -> Result<()> {
     let bs = store.device().block_size();
@@ -168,11 +198,12 @@ fn write_scratch(store: &Store, name: &str, blocks: u64, bar: &indicatif::Progre
     let shape = ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: DType::F16 };
     let mut txn = store.begin()?;
     txn.create_context(name, shape, &[])?;
+    let mut ticks = Ticker::new(bar, bs);
     for _ in 0..blocks {
-        check_interrupt()?;
         txn.append_block(name, 0, 0, FileStream::Data, &payload)?;
-        bar.inc(bs as u64);
+        ticks.block()?;
     }
+    drop(ticks);
     txn.commit()?;
     Ok(())
 }
@@ -187,11 +218,12 @@ fn measure_store(store: &Store, name: &str, blocks: u64, reads: u64, bar: &indic
     let ctx = snap.context(name)?;
     let stream = ctx.stream(0, 0, FileStream::Data)?;
     let t = Instant::now();
+    let mut ticks = Ticker::new(bar, bs);
     for block in stream.read_range(0, blocks) {
-        check_interrupt()?;
         anyhow::ensure!(block?.payload().len() == max_payload(bs), "short block");
-        bar.inc(bs as u64);
+        ticks.block()?;
     }
+    drop(ticks);
     let seq_read = mib_s(blocks * bs as u64, t.elapsed().as_secs_f64());
 
     let mut rng = SplitMix64::new(42);

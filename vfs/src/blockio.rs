@@ -7,8 +7,9 @@ use crate::format::codec::{Dec, Enc};
 use crate::format::header::{payload, seal, verify};
 use crate::format::records::chain_capacity;
 use crate::format::{BlockHeader, BlockKind, BlockRef, Expect, Owner, StreamTag, HEADER_LEN};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// One block inside a (possibly multi-block) read buffer. Blocks of one coalesced read share
 /// the buffer, so splitting a read into blocks copies nothing.
@@ -63,27 +64,26 @@ pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Resu
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
 /// verifies each. One result per request, in request order.
 pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<BlockBuf>> {
-    read_many_pooled(dev, reqs, &mut Vec::new())
+    let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
+    read_raw_runs(dev, &blocks, None).into_iter().zip(reqs).map(|(raw, req)| verified(raw, req)).collect()
 }
 
-/// [`read_many`] with buffers from a [`ReadPool`].
-pub fn read_many_pooled(dev: &dyn BlockDevice, reqs: &[(u64, Expect)], pool: &mut ReadPool) -> Vec<Result<BlockBuf>> {
-    let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
-    read_raw_many_pooled(dev, &blocks, pool)
-        .into_iter()
-        .zip(reqs)
-        .map(|(raw, (block, expect))| {
-            let raw = raw?;
-            let header = verify(raw.bytes(), expect).map_err(|f| damaged(*block, expect, f))?;
-            Ok(BlockBuf { raw, header })
-        })
-        .collect()
+/// A block read raw, checked against what its reference says.
+pub fn verified(raw: Result<RawBlock>, (block, expect): &(u64, Expect)) -> Result<BlockBuf> {
+    let raw = raw?;
+    let header = verify(raw.bytes(), expect).map_err(|f| damaged(*block, expect, f))?;
+    Ok(BlockBuf { raw, header })
 }
 
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, without
 /// checking them. One result per requested block, in request order.
 pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<RawBlock>> {
-    read_raw_many_pooled(dev, blocks, &mut Vec::new())
+    read_raw_runs(dev, blocks, None)
+}
+
+/// [`read_raw_many`] with buffers from a [`ReadPool`].
+pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut ReadPool) -> Vec<Result<RawBlock>> {
+    read_raw_runs(dev, blocks, Some(pool))
 }
 
 /// Read buffers kept for reuse by a sequential reader: a buffer goes back into service once
@@ -91,10 +91,12 @@ pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<RawBlo
 /// read fault in and zero new pages.
 pub type ReadPool = Vec<Arc<AlignedBuf>>;
 
-/// [`read_raw_many`], taking its buffers from `pool` where it can and leaving them there.
-pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut ReadPool) -> Vec<Result<RawBlock>> {
-    /// Longest coalesced read: 1 MiB of 4 KiB blocks.
-    const MAX_RUN: usize = 256;
+/// Longest coalesced read: 1 MiB of 4 KiB blocks.
+const MAX_RUN: usize = 256;
+
+/// Reads `blocks` as runs of consecutive device blocks, into buffers of the run's size, or
+/// taken from `pool` (and left there) where there is one.
+fn read_raw_runs(dev: &dyn BlockDevice, blocks: &[u64], pool: Option<&mut ReadPool>) -> Vec<Result<RawBlock>> {
     let bs = dev.block_size();
     let mut sorted = blocks.to_vec();
     sorted.sort_unstable();
@@ -107,17 +109,32 @@ pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut Re
             _ => runs.push((b, 1)),
         }
     }
-    let mut spare: Vec<AlignedBuf> = pool.drain(..).filter_map(|b| Arc::try_unwrap(b).ok()).collect();
-    let mut bufs: Vec<AlignedBuf> = runs
-        .iter()
-        .map(|&(_, n)| match spare.iter().position(|b| b.len() == n * bs) {
-            Some(i) => spare.swap_remove(i),
-            None => AlignedBuf::zeroed(n * bs),
-        })
-        .collect();
+    let mut pool = pool;
+    let mut bufs: Vec<AlignedBuf> = match pool.as_deref_mut() {
+        None => runs.iter().map(|&(_, n)| AlignedBuf::zeroed(n * bs)).collect(),
+        Some(pool) => {
+            // A buffer whose blocks a caller still holds stays in the pool for a later read.
+            let (idle, busy): (Vec<_>, Vec<_>) = pool.drain(..).partition(|b| Arc::strong_count(b) == 1);
+            let mut idle: Vec<AlignedBuf> = idle.into_iter().filter_map(|b| Arc::try_unwrap(b).ok()).collect();
+            // Each run takes the smallest idle buffer that holds it.
+            idle.sort_by_key(|b| b.len());
+            let bufs = runs
+                .iter()
+                .map(|&(_, n)| match idle.iter().position(|b| b.len() >= n * bs) {
+                    Some(i) => idle.remove(i),
+                    None => AlignedBuf::zeroed(n * bs),
+                })
+                .collect();
+            *pool = busy;
+            bufs
+        }
+    };
     let mut io: Vec<std::io::Result<()>> = {
-        let mut ops: Vec<IoOp<'_>> =
-            runs.iter().zip(bufs.iter_mut()).map(|(&(block, _), buf)| IoOp::Read { block, buf }).collect();
+        let mut ops: Vec<IoOp<'_>> = runs
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(block, n), buf)| IoOp::Read { block, buf: &mut buf[..n * bs] })
+            .collect();
         dev.submit(&mut ops)
     };
     // A failed coalesced read is retried block by block, so one bad block fails alone.
@@ -137,7 +154,9 @@ pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut Re
         io[r] = Ok(());
     }
     let bufs: Vec<Arc<AlignedBuf>> = bufs.into_iter().map(Arc::new).collect();
-    pool.extend(bufs.iter().cloned());
+    if let Some(pool) = pool {
+        pool.extend(bufs.iter().cloned());
+    }
     blocks
         .iter()
         .map(|&block| {
@@ -158,68 +177,154 @@ pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut Re
 }
 
 /// Writes waiting to go to the device, gathered so that consecutive blocks go out as one
-/// operation and a batch goes out as one submission.
+/// operation and a batch goes out as one submission. A full batch is written by a thread of
+/// its own while the next ones are sealed: a transaction keeps the device busy while it
+/// checksums, with up to [`WriteQueue::IN_FLIGHT_BYTES`] in flight, as a sliding window of
+/// batches. A batch in flight holds blocks of the open transaction only (blocks freed in it
+/// are not handed out again before it commits), so nothing else reads or writes them meanwhile.
 pub struct WriteQueue {
-    block_size: usize,
+    dev: Arc<dyn BlockDevice>,
     capacity: usize,
     buf: AlignedBuf,
     addrs: Vec<u64>,
+    /// Batches being written, oldest first.
+    in_flight: VecDeque<JoinHandle<WrittenBatch>>,
+    /// Buffers of batches written, for the next ones to fill.
+    spare: Vec<AlignedBuf>,
+}
+
+/// A batch back from its writing thread: the buffer to reuse and how the write went.
+struct WrittenBatch {
+    buf: AlignedBuf,
+    written: Result<()>,
 }
 
 impl WriteQueue {
-    /// 4 MiB per batch; `ctxfs bench io` gives its raw baseline as many bytes in flight.
-    pub const BATCH_BYTES: usize = 4 << 20;
+    /// 1 MiB per batch (one submission).
+    pub const BATCH_BYTES: usize = 1 << 20;
+    /// 4 MiB in flight at most; `ctxfs bench io` gives its raw baseline as many bytes in flight.
+    pub const IN_FLIGHT_BYTES: usize = 4 << 20;
 
-    pub fn new(block_size: usize) -> Self {
-        let capacity = (Self::BATCH_BYTES / block_size).max(1);
-        WriteQueue { block_size, capacity, buf: AlignedBuf::zeroed(0), addrs: Vec::new() }
+    pub fn new(dev: Arc<dyn BlockDevice>) -> Self {
+        let capacity = (Self::BATCH_BYTES / dev.block_size()).max(1);
+        WriteQueue {
+            dev,
+            capacity,
+            buf: AlignedBuf::zeroed(0),
+            addrs: Vec::new(),
+            in_flight: VecDeque::new(),
+            spare: Vec::new(),
+        }
     }
 
-    pub fn is_full(&self) -> bool {
-        self.addrs.len() == self.capacity
+    pub fn block_size(&self) -> usize {
+        self.dev.block_size()
     }
 
-    /// Seals a block into the queue and returns its CRC. The caller flushes when full.
-    pub fn push(&mut self, block: u64, header: &BlockHeader, data: &[u8]) -> u32 {
-        assert!(!self.is_full(), "write queue overflow");
-        let at = self.addrs.len() * self.block_size;
+    /// Seals a block into the queue and returns its CRC. A full batch goes to the device
+    /// first; its failure, or the failure of a batch written before it, is returned.
+    pub fn push(&mut self, block: u64, header: &BlockHeader, data: &[u8]) -> Result<u32> {
+        if self.addrs.len() == self.capacity {
+            self.send()?;
+        }
+        let bs = self.block_size();
+        let at = self.addrs.len() * bs;
         if at == self.buf.len() {
             // Grow by doubling, so small transactions stay small.
             let blocks = (2 * self.addrs.len()).clamp(16, self.capacity);
-            let mut bigger = AlignedBuf::zeroed(blocks * self.block_size);
+            let mut bigger = AlignedBuf::zeroed(blocks * bs);
             bigger[..at].copy_from_slice(&self.buf);
             self.buf = bigger;
         }
         self.addrs.push(block);
-        seal(&mut self.buf[at..at + self.block_size], header, data)
+        Ok(seal(&mut self.buf[at..at + bs], header, data))
     }
 
-    /// Submits every queued write; on failure names the first block that failed.
-    pub fn flush(&mut self, dev: &dyn BlockDevice) -> Result<()> {
-        if self.addrs.is_empty() {
-            return Ok(());
+    /// Starts writing the queued batch on a thread of its own, once the window has room.
+    fn send(&mut self) -> Result<()> {
+        let window = (Self::IN_FLIGHT_BYTES / Self::BATCH_BYTES).max(1);
+        while self.in_flight.len() >= window {
+            self.settle_oldest()?;
         }
-        let bs = self.block_size;
-        let mut spans: Vec<(u64, usize, usize)> = Vec::new(); // (device block, first slot, count)
-        for (slot, &b) in self.addrs.iter().enumerate() {
-            match spans.last_mut() {
-                Some((start, _, n)) if *start + *n as u64 == b => *n += 1,
-                _ => spans.push((b, slot, 1)),
-            }
-        }
-        let results = {
-            let mut ops: Vec<IoOp<'_>> = spans
-                .iter()
-                .map(|&(block, slot, n)| IoOp::Write { block, buf: &self.buf[slot * bs..(slot + n) * bs] })
-                .collect();
-            dev.submit(&mut ops)
-        };
-        self.addrs.clear();
-        for (res, &(block, _, _)) in results.into_iter().zip(&spans) {
-            res.map_err(|source| Error::BlockIo { block, source })?;
-        }
+        // A transaction that filled one batch is likely to fill the next: its buffer is
+        // made whole at once rather than grown.
+        let whole = self.capacity * self.block_size();
+        let next = self.spare.pop().unwrap_or_else(|| AlignedBuf::zeroed(whole));
+        let buf = std::mem::replace(&mut self.buf, next);
+        let addrs = std::mem::take(&mut self.addrs);
+        let dev = self.dev.clone();
+        let writer = std::thread::Builder::new().name("ctxfs-write".into()).spawn(move || {
+            let written = write_batch(dev.as_ref(), &buf, &addrs);
+            WrittenBatch { buf, written }
+        })?;
+        self.in_flight.push_back(writer);
         Ok(())
     }
+
+    /// Waits for the oldest batch in flight and returns how its write went.
+    fn settle_oldest(&mut self) -> Result<()> {
+        let Some(writer) = self.in_flight.pop_front() else {
+            return Ok(());
+        };
+        let WrittenBatch { buf, written } = writer
+            .join()
+            .map_err(|_| Error::Io(std::io::Error::other("the thread writing a batch of blocks panicked")))?;
+        self.spare.push(buf);
+        written
+    }
+
+    /// Waits for every batch in flight; returns the first failure, in the order they were sent.
+    pub fn settle(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        while !self.in_flight.is_empty() {
+            let written = self.settle_oldest();
+            if first.is_ok() {
+                first = written;
+            }
+        }
+        first
+    }
+
+    /// Writes every queued block and waits until the device has them all (not durably:
+    /// that is [`BlockDevice::flush`]); on failure names the first block that failed.
+    pub fn finish(&mut self) -> Result<()> {
+        self.settle()?;
+        let written = write_batch(self.dev.as_ref(), &self.buf, &self.addrs);
+        self.addrs.clear();
+        written
+    }
+}
+
+impl Drop for WriteQueue {
+    /// Batches still in flight are waited for: their blocks may be handed out again as soon
+    /// as the transaction that wrote them is gone.
+    fn drop(&mut self) {
+        let _ = self.settle();
+    }
+}
+
+/// Writes `addrs.len()` sealed blocks from `buf` (block `i` to device block `addrs[i]`), runs
+/// of consecutive blocks as one operation each; on failure names the first block that failed.
+fn write_batch(dev: &dyn BlockDevice, buf: &[u8], addrs: &[u64]) -> Result<()> {
+    let bs = dev.block_size();
+    let mut spans: Vec<(u64, usize, usize)> = Vec::new(); // (device block, first slot, count)
+    for (slot, &b) in addrs.iter().enumerate() {
+        match spans.last_mut() {
+            Some((start, _, n)) if *start + *n as u64 == b => *n += 1,
+            _ => spans.push((b, slot, 1)),
+        }
+    }
+    let results = {
+        let mut ops: Vec<IoOp<'_>> = spans
+            .iter()
+            .map(|&(block, slot, n)| IoOp::Write { block, buf: &buf[slot * bs..(slot + n) * bs] })
+            .collect();
+        dev.submit(&mut ops)
+    };
+    for (res, &(block, _, _)) in results.into_iter().zip(&spans) {
+        res.map_err(|source| Error::BlockIo { block, source })?;
+    }
+    Ok(())
 }
 
 /// Where a chain's blocks are and what their headers say.
@@ -238,14 +343,13 @@ pub fn chain_blocks(block_size: usize, len: usize) -> usize {
 /// Returns the reference to the first block.
 pub fn write_chain(
     queue: &mut WriteQueue,
-    dev: &dyn BlockDevice,
     id: ChainId,
     generation: u64,
     blob: &[u8],
     blocks: &[u64],
 ) -> Result<BlockRef> {
-    let cap = chain_capacity(dev.block_size());
-    assert_eq!(blocks.len(), chain_blocks(dev.block_size(), blob.len()));
+    let cap = chain_capacity(queue.block_size());
+    assert_eq!(blocks.len(), chain_blocks(queue.block_size(), blob.len()));
     let mut next = BlockRef::default();
     for (pos, &block) in blocks.iter().enumerate().rev() {
         let piece = &blob[(pos * cap).min(blob.len())..((pos + 1) * cap).min(blob.len())];
@@ -260,10 +364,7 @@ pub fn write_chain(
             logical: pos as u64,
             generation,
         };
-        if queue.is_full() {
-            queue.flush(dev)?;
-        }
-        next = BlockRef { block, crc: queue.push(block, &header, &e.0) };
+        next = BlockRef { block, crc: queue.push(block, &header, &e.0)? };
     }
     Ok(next)
 }

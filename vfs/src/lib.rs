@@ -49,8 +49,8 @@ mod txn;
 pub use alloc::Bitmap;
 pub use blockio::{max_payload, BlockBuf};
 
-/// Bytes a transaction's sequential writes keep in flight (one submission of merged runs).
-pub const WRITE_BATCH_BYTES: usize = blockio::WriteQueue::BATCH_BYTES;
+/// Bytes a transaction's sequential writes keep in flight, at most (batches of 1 MiB).
+pub const WRITE_IN_FLIGHT_BYTES: usize = blockio::WriteQueue::IN_FLIGHT_BYTES;
 pub use device::{BlockDevice, DeviceChoice, DeviceInfo};
 pub use error::{BlockFault, Error, Result};
 pub use format::records::{ContextRecord, DType, ModelShape, ParentLink};

@@ -2,7 +2,8 @@
 
 use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{
-    max_payload, read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool,
+    max_payload, read_chain, read_many, read_raw, read_raw_many, read_raw_many_pooled, read_verified, verified,
+    BlockBuf, ChainId, RawBlock, ReadPool,
 };
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
@@ -16,6 +17,7 @@ use crate::txn::Txn;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
+use std::thread::JoinHandle;
 
 /// Which stream of a vector file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -457,7 +459,7 @@ impl<'a> Context<'a> {
 
     fn stream_of(&self, lazy: &'a LazyStream) -> Result<StreamReader<'a>> {
         let map = lazy.map(self.snap.dev.as_ref(), self.snap.generation())?;
-        Ok(StreamReader { dev: self.snap.dev.as_ref(), lazy, map, generation: self.snap.generation() })
+        Ok(StreamReader { dev: &self.snap.dev, lazy, map, generation: self.snap.generation() })
     }
 }
 
@@ -495,7 +497,7 @@ impl StreamRefs {
 
 /// Reads one stream's blocks; every block is verified against the CRC its extent recorded.
 pub struct StreamReader<'a> {
-    dev: &'a dyn BlockDevice,
+    dev: &'a Arc<dyn BlockDevice>,
     lazy: &'a LazyStream,
     map: Arc<StreamMap>,
     generation: u64,
@@ -539,7 +541,7 @@ impl StreamReader<'_> {
 
     pub fn read(&self, logical: u64) -> Result<BlockBuf> {
         let (block, expect) = self.request(logical)?;
-        read_verified(self.dev, block, &expect)
+        read_verified(self.dev.as_ref(), block, &expect)
     }
 
     /// Reads a set of blocks in one batch; one result per requested block.
@@ -554,7 +556,7 @@ impl StreamReader<'_> {
                 }
             }
         }
-        let mut read = read_many(self.dev, &reqs).into_iter();
+        let mut read = read_many(self.dev.as_ref(), &reqs).into_iter();
         (0..logicals.len())
             .map(|i| errors.remove(&i).map_or_else(|| read.next().expect("one per request"), Err))
             .collect()
@@ -566,42 +568,106 @@ impl StreamReader<'_> {
             stream: self,
             next: first,
             end: (first + count).min(self.blocks()),
+            batch: Vec::new().into_iter().zip(Vec::new()),
+            ahead: None,
             pool: Vec::new(),
-            batch: Vec::new().into_iter(),
         }
     }
 }
 
-/// Sequential reads of a stream in large batches, reusing its read buffers.
+/// Sequential reads of a stream in large batches, reusing its read buffers. While the caller
+/// takes one batch's blocks, each verified as it is taken, a thread reads the next: the
+/// device streams without waiting for the checksums or the caller.
 pub struct RangeReader<'a> {
     stream: &'a StreamReader<'a>,
     next: u64,
     end: u64,
+    batch: std::iter::Zip<std::vec::IntoIter<Result<RawBlock>>, std::vec::IntoIter<(u64, Expect)>>,
+    ahead: Option<Ahead>,
+    /// The buffers, while no batch is being read.
     pool: ReadPool,
-    batch: std::vec::IntoIter<Result<BlockBuf>>,
+}
+
+/// The batch after the one being taken: what its blocks must be, and their raw bytes.
+struct Ahead {
+    reqs: Vec<(u64, Expect)>,
+    read: AheadRead,
+}
+
+enum AheadRead {
+    Reading(JoinHandle<(Vec<Result<RawBlock>>, ReadPool)>),
+    /// Read by the caller's thread, where no thread could be started.
+    Read(Vec<Result<RawBlock>>),
 }
 
 impl RangeReader<'_> {
     /// Blocks a range read keeps in flight: 8 MiB of 4 KiB blocks, read as 1 MiB operations,
     /// enough to stream. `ctxfs bench io` gives its raw baseline as many bytes in flight.
     pub const BATCH_BLOCKS: u64 = 2048;
-}
 
-impl Iterator for RangeReader<'_> {
-    type Item = Result<BlockBuf>;
-    fn next(&mut self) -> Option<Result<BlockBuf>> {
-        if let Some(b) = self.batch.next() {
-            return Some(b);
-        }
+    /// Starts reading the next batch, if the range has one.
+    fn read_ahead(&mut self) {
         if self.next >= self.end {
-            return None;
+            return;
         }
         let last = (self.next + Self::BATCH_BLOCKS).min(self.end);
         let reqs: Vec<(u64, Expect)> =
             (self.next..last).map(|l| self.stream.locate(l).expect("within the stream")).collect();
         self.next = last;
-        self.batch = read_many_pooled(self.stream.dev, &reqs, &mut self.pool).into_iter();
-        self.batch.next()
+        let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
+        let dev = self.stream.dev.clone();
+        let mut pool = std::mem::take(&mut self.pool);
+        let job_blocks = blocks.clone();
+        let job = move || {
+            let raw = read_raw_many_pooled(dev.as_ref(), &job_blocks, &mut pool);
+            (raw, pool)
+        };
+        let read = match std::thread::Builder::new().name("ctxfs-read".into()).spawn(job) {
+            Ok(reader) => AheadRead::Reading(reader),
+            Err(_) => AheadRead::Read(read_raw_many(self.stream.dev.as_ref(), &blocks)),
+        };
+        self.ahead = Some(Ahead { reqs, read });
+    }
+}
+
+impl Iterator for RangeReader<'_> {
+    type Item = Result<BlockBuf>;
+    fn next(&mut self) -> Option<Result<BlockBuf>> {
+        if let Some((raw, req)) = self.batch.next() {
+            return Some(verified(raw, &req));
+        }
+        if self.ahead.is_none() {
+            self.read_ahead();
+        }
+        let Ahead { reqs, read } = self.ahead.take()?;
+        let raw = match read {
+            AheadRead::Read(raw) => raw,
+            AheadRead::Reading(reader) => match reader.join() {
+                Ok((raw, pool)) => {
+                    self.pool = pool;
+                    raw
+                }
+                Err(_) => {
+                    self.next = self.end;
+                    let why = "the thread reading a batch of blocks panicked";
+                    return Some(Err(Error::Io(std::io::Error::other(why))));
+                }
+            },
+        };
+        self.batch = raw.into_iter().zip(reqs);
+        self.read_ahead();
+        let (raw, req) = self.batch.next()?;
+        Some(verified(raw, &req))
+    }
+}
+
+impl Drop for RangeReader<'_> {
+    /// A read still in flight is waited for: it reads blocks of the reader's snapshot, which
+    /// the reader keeps pinned only as long as it lives.
+    fn drop(&mut self) {
+        if let Some(Ahead { read: AheadRead::Reading(reader), .. }) = self.ahead.take() {
+            let _ = reader.join();
+        }
     }
 }
 
@@ -901,7 +967,7 @@ impl Store {
         // before the lock is held.
         let block_size = probe_block_size(path)?;
         let lock = StoreLock::acquire(path, access)?;
-        Self::open_locked(Arc::from(device::open_path(path, choice, block_size)?), lock)
+        Self::open_locked(Arc::from(device::open_path(path, choice, block_size, access)?), lock)
     }
 
     /// Opens a store on a device under a lock taken on its path (mkfs formats under one).
@@ -1008,6 +1074,17 @@ impl Store {
         *self.space.read().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Commits once, changing nothing, when blocks the last commit freed are held because the
+    /// fallback state (the one before the newest) still references them: after it they can
+    /// be handed out, unless an open reader of an older state holds them. A write that needs
+    /// that space takes it so. Returns the blocks free after.
+    pub fn reclaim(&self) -> Result<u64> {
+        if self.space().reclaimable > 0 {
+            self.begin()?.commit()?;
+        }
+        Ok(self.space().free)
+    }
+
     pub(crate) fn publish_space(&self, alloc: &Allocator) {
         *self.space.write().unwrap_or_else(|p| p.into_inner()) = Space::of(alloc);
     }
@@ -1028,9 +1105,7 @@ impl Store {
 /// Finds a store's block size: slot 0 names it; if slot 0 is damaged, slot 1 is looked for at
 /// each possible block size.
 pub fn probe_block_size(path: &Path) -> Result<usize> {
-    // The path goes into the error: "No such file or directory" alone names no file.
-    let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let prefix = device::read_prefix(path, 2 * MAX_BLOCK_SIZE)?;
     let mut errors = Vec::new();
     if let Some(bs) = Superblock::peek_block_size(&prefix).map(|b| b as usize) {
         if device::check_block_size(bs).is_ok() {
@@ -1065,8 +1140,9 @@ mod tests {
         let dir = tempfile::tempdir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target")).unwrap();
         let path = dir.path().join("s.img");
         std::fs::File::create(&path).unwrap().set_len(1 << 20).unwrap();
-        let dev =
-            || -> Arc<dyn BlockDevice> { Arc::from(device::open_path(&path, DeviceChoice::Uring, 4096).unwrap()) };
+        let dev = || -> Arc<dyn BlockDevice> {
+            Arc::from(device::open_path(&path, DeviceChoice::Uring, 4096, Access::Write).unwrap())
+        };
         drop(crate::format(dev()).unwrap());
         let writer = Store::open_path(&path, DeviceChoice::Uring).unwrap();
         let first = writer.snapshot().generation();

@@ -320,10 +320,7 @@ impl StreamDraft {
             logical,
             generation,
         };
-        if queue.is_full() {
-            queue.flush(dev)?;
-        }
-        let crc = queue.push(block, &header, data);
+        let crc = queue.push(block, &header, data)?;
         self.map.push(block, crc);
         self.bytes += data.len() as u64;
         self.mark_dirty(logical);
@@ -369,10 +366,7 @@ impl StreamDraft {
                 logical: (keep + i) as u64,
                 generation,
             };
-            if queue.is_full() {
-                queue.flush(dev)?;
-            }
-            let crc = queue.push(block, &header, &payload);
+            let crc = queue.push(block, &header, &payload)?;
             self.extent_refs.push(BlockRef { block, crc });
             self.map.extent_first.push(eb.first_logical);
         }

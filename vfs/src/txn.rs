@@ -157,7 +157,7 @@ impl<'s> Txn<'s> {
         Ok(Txn {
             generation: base.generation() + 1,
             next_context_id: base.superblock.next_context_id,
-            queue: WriteQueue::new(store.dev.block_size()),
+            queue: WriteQueue::new(store.dev.clone()),
             store,
             w,
             base,
@@ -473,7 +473,7 @@ impl<'s> Txn<'s> {
         let dev = self.dev();
         let generation = self.generation;
         let bs = dev.block_size();
-        let mut queue = std::mem::replace(&mut self.queue, WriteQueue::new(0x1000));
+        let mut queue = std::mem::replace(&mut self.queue, WriteQueue::new(self.store.dev.clone()));
         let alloc = &mut self.w.alloc;
 
         // 1. Remaining tokens, extent blocks and records of every changed context.
@@ -500,7 +500,7 @@ impl<'s> Txn<'s> {
             alloc.free(b);
         }
         let catalog_blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-        let catalog = write_chain(&mut queue, dev, CATALOG_CHAIN, generation, &blob, &catalog_blocks)?;
+        let catalog = write_chain(&mut queue, CATALOG_CHAIN, generation, &blob, &catalog_blocks)?;
 
         // 3. The allocator: new copies of changed bitmap chunks and a new directory. Taking
         // blocks for them changes the bitmap too, so repeat until every change has a block.
@@ -546,17 +546,14 @@ impl<'s> Txn<'s> {
                 logical: c,
                 generation,
             };
-            if queue.is_full() {
-                queue.flush(dev)?;
-            }
-            chunk_refs[c as usize] = BlockRef { block, crc: queue.push(block, &header, &bits) };
+            chunk_refs[c as usize] = BlockRef { block, crc: queue.push(block, &header, &bits)? };
         }
         debug_assert!(chunk_refs
             .iter()
             .enumerate()
             .all(|(c, r)| chunk_expect(c as u64, r.crc, generation).kind == BlockKind::Alloc && r.block >= 2));
         let alloc_root =
-            write_chain(&mut queue, dev, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
+            write_chain(&mut queue, ALLOC_CHAIN, generation, &encode_alloc_dir(total, &chunk_refs), &dir_blocks)?;
 
         // A block the committed state references but its bitmap calls free was freed above:
         // committing would persist the disagreement, and the block could be handed out twice.
@@ -574,7 +571,7 @@ impl<'s> Txn<'s> {
         }
 
         // 4. Everything new is written and durable before the superblock points at it.
-        queue.flush(dev)?;
+        queue.finish()?;
         dev.flush()?;
 
         // 5. The commit point.
@@ -652,7 +649,7 @@ fn write_slot(
     }
     let blob = d.record.encode();
     let blocks = alloc_blocks(alloc, chain_blocks(bs, blob.len()))?;
-    let record_ref = write_chain(queue, dev, record_chain(d.record.id), generation, &blob, &blocks)?;
+    let record_ref = write_chain(queue, record_chain(d.record.id), generation, &blob, &blocks)?;
     let ContextDraft { record, tokens, files, .. } = *d;
     let mut meta = ContextMeta::from_record(record, record_ref, blocks);
     // The new snapshot starts with the maps already in memory.
@@ -716,6 +713,9 @@ fn alloc_blocks(alloc: &mut Allocator, n: usize) -> Result<Vec<u64>> {
 
 impl Drop for Txn<'_> {
     fn drop(&mut self) {
+        // A batch still in flight is written before `w` (a field) unlocks the writer: the
+        // next transaction may be handed this one's blocks.
+        let _ = self.queue.settle();
         if !self.done {
             self.w.alloc.abort();
         }

@@ -114,6 +114,88 @@ fn read_errors_name_the_block_and_fsck_reports_them() {
     assert!(report.damaged_blocks().contains(&bad));
 }
 
+/// Blocks a transaction keeps in flight at most: its batches go to the device on threads of
+/// their own while the next are sealed.
+const IN_FLIGHT_BLOCKS: u64 = (ctxfs_vfs::WRITE_IN_FLIGHT_BYTES / BS) as u64;
+
+/// A context of one data stream of `blocks` blocks, block `i` filled with byte `i`.
+fn long_stream(txn: &mut ctxfs_vfs::Txn<'_>, name: &str, blocks: u64) -> Result<(), Error> {
+    txn.create_context(name, shape(1, 1), &[1])?;
+    for i in 0..blocks {
+        txn.append_block(name, 0, 0, ctxfs_vfs::FileStream::Data, &[i as u8; 100])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_batch_that_fails_while_later_ones_are_sealed_fails_its_transaction() {
+    let (mem, store) = mem_store(5 * IN_FLIGHT_BLOCKS);
+    let mut txn = store.begin().unwrap();
+    long_stream(&mut txn, "kept", 10).unwrap();
+    txn.commit().unwrap();
+
+    mem.set_faults(FaultPlan { bad_write_blocks: (0..5 * IN_FLIGHT_BLOCKS).collect(), ..Default::default() });
+    let mut txn = store.begin().unwrap();
+    txn.create_context("lost", shape(1, 1), &[1]).unwrap();
+    // The first full batch goes out while later ones are sealed, and is waited for once the
+    // window is full: its failure shows there, naming a block it wrote.
+    let mut failed_at = None;
+    for i in 0..3 * IN_FLIGHT_BLOCKS {
+        if let Err(e) = txn.append_block("lost", 0, 0, ctxfs_vfs::FileStream::Data, &[1; 100]) {
+            assert!(matches!(e, Error::BlockIo { .. }), "push {i}: {e}");
+            failed_at = Some(i);
+            break;
+        }
+    }
+    assert!(failed_at.is_some_and(|i| i <= 2 * IN_FLIGHT_BLOCKS), "failed at {failed_at:?}");
+    assert!(matches!(txn.commit(), Err(Error::Poisoned(_))));
+
+    mem.set_faults(FaultPlan::default());
+    let names: Vec<String> = store.snapshot().contexts().map(|r| r.name.clone()).collect();
+    assert_eq!(names, ["kept"]);
+    let mut txn = store.begin().unwrap();
+    long_stream(&mut txn, "after", 3 * IN_FLIGHT_BLOCKS).unwrap();
+    txn.commit().unwrap();
+    drop(store);
+    let (dev, store) = reopen(&mem);
+    let snap = store.snapshot();
+    let stream = snap.context("after").unwrap().stream(0, 0, ctxfs_vfs::FileStream::Data).unwrap();
+    for (i, block) in stream.read_range(0, stream.blocks()).enumerate() {
+        assert_eq!(block.unwrap().payload(), [i as u8; 100], "block {i}");
+    }
+    drop(snap);
+    let report = fsck::check(dev.as_ref()).unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
+}
+
+#[test]
+fn a_range_read_names_a_bad_block_of_a_batch_read_ahead_and_gives_the_rest() {
+    let (mem, store) = mem_store(3 * ctxfs_vfs::RangeReader::BATCH_BLOCKS);
+    let mut txn = store.begin().unwrap();
+    let blocks = 2 * ctxfs_vfs::RangeReader::BATCH_BLOCKS + 7;
+    long_stream(&mut txn, "long", blocks).unwrap();
+    txn.commit().unwrap();
+    let snap = store.snapshot();
+    let stream = snap.context("long").unwrap().stream(0, 0, ctxfs_vfs::FileStream::Data).unwrap();
+    // In the second batch: read on a thread while the caller takes the first.
+    let bad_logical = ctxfs_vfs::RangeReader::BATCH_BLOCKS + 3;
+    let (bad, _) = stream.locate(bad_logical).unwrap();
+    mem.set_faults(FaultPlan { bad_read_blocks: [bad].into(), ..Default::default() });
+    let read: Vec<_> = stream.read_range(0, blocks).collect();
+    assert_eq!(read.len() as u64, blocks);
+    for (i, block) in read.iter().enumerate() {
+        match block {
+            Ok(b) => assert_eq!(b.payload(), [i as u8; 100], "block {i}"),
+            Err(e) => assert_eq!((i as u64, e.block()), (bad_logical, Some(bad)), "{e}"),
+        }
+    }
+    assert!(read[bad_logical as usize].is_err());
+    // A reader dropped halfway waits for the batch it was reading ahead.
+    let mut partial = stream.read_range(0, blocks);
+    assert!(partial.next().is_some_and(|b| b.is_ok()));
+    drop(partial);
+}
+
 #[test]
 fn random_read_errors_never_give_wrong_bytes() {
     let (mem, store) = mem_store(1024);
