@@ -902,9 +902,9 @@ fn import_streams_a_file_larger_than_its_memory_and_buffer_budget() {
         .unwrap();
     let (status, peak) = peak_rss_kib(&mut child);
     assert!(status.success());
-    // The import's buffer pool is 16 MiB, a transaction writes one 4 MiB batch while it
-    // fills the next, and one head is held at a time: its peak stays within 40 MiB while it
-    // reads 67 MiB.
+    // The import's buffer pool is 16 MiB, its writes hold 5 MiB (4 in flight, 1 being
+    // sealed), and one head is held at a time: its peak stays within 40 MiB while it reads
+    // 67 MiB.
     assert!(file_kib > 60 * 1024, "{file_kib} KiB");
     assert!(peak < 40 * 1024, "peak RSS {peak} KiB for a {file_kib} KiB file");
     let v = json(&["inspect", p(&store), "--json"]);

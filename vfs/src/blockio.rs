@@ -64,26 +64,27 @@ pub fn read_verified(dev: &dyn BlockDevice, block: u64, expect: &Expect) -> Resu
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, and
 /// verifies each. One result per request, in request order.
 pub fn read_many(dev: &dyn BlockDevice, reqs: &[(u64, Expect)]) -> Vec<Result<BlockBuf>> {
-    let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
-    read_raw_runs(dev, &blocks, None).into_iter().zip(reqs).map(|(raw, req)| verified(raw, req)).collect()
+    read_many_pooled(dev, reqs, &mut Vec::new())
 }
 
-/// A block read raw, checked against what its reference says.
-pub fn verified(raw: Result<RawBlock>, (block, expect): &(u64, Expect)) -> Result<BlockBuf> {
-    let raw = raw?;
-    let header = verify(raw.bytes(), expect).map_err(|f| damaged(*block, expect, f))?;
-    Ok(BlockBuf { raw, header })
+/// [`read_many`] with buffers from a [`ReadPool`].
+pub fn read_many_pooled(dev: &dyn BlockDevice, reqs: &[(u64, Expect)], pool: &mut ReadPool) -> Vec<Result<BlockBuf>> {
+    let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
+    read_raw_many_pooled(dev, &blocks, pool)
+        .into_iter()
+        .zip(reqs)
+        .map(|(raw, (block, expect))| {
+            let raw = raw?;
+            let header = verify(raw.bytes(), expect).map_err(|f| damaged(*block, expect, f))?;
+            Ok(BlockBuf { raw, header })
+        })
+        .collect()
 }
 
 /// Reads many blocks in one submission, coalescing runs of consecutive device blocks, without
 /// checking them. One result per requested block, in request order.
 pub fn read_raw_many(dev: &dyn BlockDevice, blocks: &[u64]) -> Vec<Result<RawBlock>> {
-    read_raw_runs(dev, blocks, None)
-}
-
-/// [`read_raw_many`] with buffers from a [`ReadPool`].
-pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut ReadPool) -> Vec<Result<RawBlock>> {
-    read_raw_runs(dev, blocks, Some(pool))
+    read_raw_many_pooled(dev, blocks, &mut Vec::new())
 }
 
 /// Read buffers kept for reuse by a sequential reader: a buffer goes back into service once
@@ -91,12 +92,10 @@ pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut Re
 /// read fault in and zero new pages.
 pub type ReadPool = Vec<Arc<AlignedBuf>>;
 
-/// Longest coalesced read: 1 MiB of 4 KiB blocks.
-const MAX_RUN: usize = 256;
-
-/// Reads `blocks` as runs of consecutive device blocks, into buffers of the run's size, or
-/// taken from `pool` (and left there) where there is one.
-fn read_raw_runs(dev: &dyn BlockDevice, blocks: &[u64], pool: Option<&mut ReadPool>) -> Vec<Result<RawBlock>> {
+/// [`read_raw_many`], taking its buffers from `pool` where it can and leaving them there.
+pub fn read_raw_many_pooled(dev: &dyn BlockDevice, blocks: &[u64], pool: &mut ReadPool) -> Vec<Result<RawBlock>> {
+    /// Longest coalesced read: 1 MiB of 4 KiB blocks.
+    const MAX_RUN: usize = 256;
     let bs = dev.block_size();
     let mut sorted = blocks.to_vec();
     sorted.sort_unstable();
@@ -109,32 +108,17 @@ fn read_raw_runs(dev: &dyn BlockDevice, blocks: &[u64], pool: Option<&mut ReadPo
             _ => runs.push((b, 1)),
         }
     }
-    let mut pool = pool;
-    let mut bufs: Vec<AlignedBuf> = match pool.as_deref_mut() {
-        None => runs.iter().map(|&(_, n)| AlignedBuf::zeroed(n * bs)).collect(),
-        Some(pool) => {
-            // A buffer whose blocks a caller still holds stays in the pool for a later read.
-            let (idle, busy): (Vec<_>, Vec<_>) = pool.drain(..).partition(|b| Arc::strong_count(b) == 1);
-            let mut idle: Vec<AlignedBuf> = idle.into_iter().filter_map(|b| Arc::try_unwrap(b).ok()).collect();
-            // Each run takes the smallest idle buffer that holds it.
-            idle.sort_by_key(|b| b.len());
-            let bufs = runs
-                .iter()
-                .map(|&(_, n)| match idle.iter().position(|b| b.len() >= n * bs) {
-                    Some(i) => idle.remove(i),
-                    None => AlignedBuf::zeroed(n * bs),
-                })
-                .collect();
-            *pool = busy;
-            bufs
-        }
-    };
+    let mut spare: Vec<AlignedBuf> = pool.drain(..).filter_map(|b| Arc::try_unwrap(b).ok()).collect();
+    let mut bufs: Vec<AlignedBuf> = runs
+        .iter()
+        .map(|&(_, n)| match spare.iter().position(|b| b.len() == n * bs) {
+            Some(i) => spare.swap_remove(i),
+            None => AlignedBuf::zeroed(n * bs),
+        })
+        .collect();
     let mut io: Vec<std::io::Result<()>> = {
-        let mut ops: Vec<IoOp<'_>> = runs
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&(block, n), buf)| IoOp::Read { block, buf: &mut buf[..n * bs] })
-            .collect();
+        let mut ops: Vec<IoOp<'_>> =
+            runs.iter().zip(bufs.iter_mut()).map(|(&(block, _), buf)| IoOp::Read { block, buf }).collect();
         dev.submit(&mut ops)
     };
     // A failed coalesced read is retried block by block, so one bad block fails alone.
@@ -154,9 +138,7 @@ fn read_raw_runs(dev: &dyn BlockDevice, blocks: &[u64], pool: Option<&mut ReadPo
         io[r] = Ok(());
     }
     let bufs: Vec<Arc<AlignedBuf>> = bufs.into_iter().map(Arc::new).collect();
-    if let Some(pool) = pool {
-        pool.extend(bufs.iter().cloned());
-    }
+    pool.extend(bufs.iter().cloned());
     blocks
         .iter()
         .map(|&block| {

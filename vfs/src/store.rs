@@ -2,8 +2,7 @@
 
 use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{
-    max_payload, read_chain, read_many, read_raw, read_raw_many, read_raw_many_pooled, read_verified, verified,
-    BlockBuf, ChainId, RawBlock, ReadPool,
+    max_payload, read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool,
 };
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
@@ -17,7 +16,6 @@ use crate::txn::Txn;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
-use std::thread::JoinHandle;
 
 /// Which stream of a vector file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -459,7 +457,7 @@ impl<'a> Context<'a> {
 
     fn stream_of(&self, lazy: &'a LazyStream) -> Result<StreamReader<'a>> {
         let map = lazy.map(self.snap.dev.as_ref(), self.snap.generation())?;
-        Ok(StreamReader { dev: &self.snap.dev, lazy, map, generation: self.snap.generation() })
+        Ok(StreamReader { dev: self.snap.dev.as_ref(), lazy, map, generation: self.snap.generation() })
     }
 }
 
@@ -497,7 +495,7 @@ impl StreamRefs {
 
 /// Reads one stream's blocks; every block is verified against the CRC its extent recorded.
 pub struct StreamReader<'a> {
-    dev: &'a Arc<dyn BlockDevice>,
+    dev: &'a dyn BlockDevice,
     lazy: &'a LazyStream,
     map: Arc<StreamMap>,
     generation: u64,
@@ -541,7 +539,7 @@ impl StreamReader<'_> {
 
     pub fn read(&self, logical: u64) -> Result<BlockBuf> {
         let (block, expect) = self.request(logical)?;
-        read_verified(self.dev.as_ref(), block, &expect)
+        read_verified(self.dev, block, &expect)
     }
 
     /// Reads a set of blocks in one batch; one result per requested block.
@@ -556,7 +554,7 @@ impl StreamReader<'_> {
                 }
             }
         }
-        let mut read = read_many(self.dev.as_ref(), &reqs).into_iter();
+        let mut read = read_many(self.dev, &reqs).into_iter();
         (0..logicals.len())
             .map(|i| errors.remove(&i).map_or_else(|| read.next().expect("one per request"), Err))
             .collect()
@@ -568,106 +566,42 @@ impl StreamReader<'_> {
             stream: self,
             next: first,
             end: (first + count).min(self.blocks()),
-            batch: Vec::new().into_iter().zip(Vec::new()),
-            ahead: None,
             pool: Vec::new(),
+            batch: Vec::new().into_iter(),
         }
     }
 }
 
-/// Sequential reads of a stream in large batches, reusing its read buffers. While the caller
-/// takes one batch's blocks, each verified as it is taken, a thread reads the next: the
-/// device streams without waiting for the checksums or the caller.
+/// Sequential reads of a stream in large batches, reusing its read buffers.
 pub struct RangeReader<'a> {
     stream: &'a StreamReader<'a>,
     next: u64,
     end: u64,
-    batch: std::iter::Zip<std::vec::IntoIter<Result<RawBlock>>, std::vec::IntoIter<(u64, Expect)>>,
-    ahead: Option<Ahead>,
-    /// The buffers, while no batch is being read.
     pool: ReadPool,
-}
-
-/// The batch after the one being taken: what its blocks must be, and their raw bytes.
-struct Ahead {
-    reqs: Vec<(u64, Expect)>,
-    read: AheadRead,
-}
-
-enum AheadRead {
-    Reading(JoinHandle<(Vec<Result<RawBlock>>, ReadPool)>),
-    /// Read by the caller's thread, where no thread could be started.
-    Read(Vec<Result<RawBlock>>),
+    batch: std::vec::IntoIter<Result<BlockBuf>>,
 }
 
 impl RangeReader<'_> {
     /// Blocks a range read keeps in flight: 8 MiB of 4 KiB blocks, read as 1 MiB operations,
     /// enough to stream. `ctxfs bench io` gives its raw baseline as many bytes in flight.
     pub const BATCH_BLOCKS: u64 = 2048;
-
-    /// Starts reading the next batch, if the range has one.
-    fn read_ahead(&mut self) {
-        if self.next >= self.end {
-            return;
-        }
-        let last = (self.next + Self::BATCH_BLOCKS).min(self.end);
-        let reqs: Vec<(u64, Expect)> =
-            (self.next..last).map(|l| self.stream.locate(l).expect("within the stream")).collect();
-        self.next = last;
-        let blocks: Vec<u64> = reqs.iter().map(|r| r.0).collect();
-        let dev = self.stream.dev.clone();
-        let mut pool = std::mem::take(&mut self.pool);
-        let job_blocks = blocks.clone();
-        let job = move || {
-            let raw = read_raw_many_pooled(dev.as_ref(), &job_blocks, &mut pool);
-            (raw, pool)
-        };
-        let read = match std::thread::Builder::new().name("ctxfs-read".into()).spawn(job) {
-            Ok(reader) => AheadRead::Reading(reader),
-            Err(_) => AheadRead::Read(read_raw_many(self.stream.dev.as_ref(), &blocks)),
-        };
-        self.ahead = Some(Ahead { reqs, read });
-    }
 }
 
 impl Iterator for RangeReader<'_> {
     type Item = Result<BlockBuf>;
     fn next(&mut self) -> Option<Result<BlockBuf>> {
-        if let Some((raw, req)) = self.batch.next() {
-            return Some(verified(raw, &req));
+        if let Some(b) = self.batch.next() {
+            return Some(b);
         }
-        if self.ahead.is_none() {
-            self.read_ahead();
+        if self.next >= self.end {
+            return None;
         }
-        let Ahead { reqs, read } = self.ahead.take()?;
-        let raw = match read {
-            AheadRead::Read(raw) => raw,
-            AheadRead::Reading(reader) => match reader.join() {
-                Ok((raw, pool)) => {
-                    self.pool = pool;
-                    raw
-                }
-                Err(_) => {
-                    self.next = self.end;
-                    let why = "the thread reading a batch of blocks panicked";
-                    return Some(Err(Error::Io(std::io::Error::other(why))));
-                }
-            },
-        };
-        self.batch = raw.into_iter().zip(reqs);
-        self.read_ahead();
-        let (raw, req) = self.batch.next()?;
-        Some(verified(raw, &req))
-    }
-}
-
-impl Drop for RangeReader<'_> {
-    /// A read still in flight is waited for: it reads blocks of the reader's snapshot, which
-    /// the reader keeps pinned only as long as it lives.
-    fn drop(&mut self) {
-        if let Some(Ahead { read: AheadRead::Reading(reader), .. }) = self.ahead.take() {
-            let _ = reader.join();
-        }
+        let last = (self.next + Self::BATCH_BLOCKS).min(self.end);
+        let reqs: Vec<(u64, Expect)> =
+            (self.next..last).map(|l| self.stream.locate(l).expect("within the stream")).collect();
+        self.next = last;
+        self.batch = read_many_pooled(self.stream.dev, &reqs, &mut self.pool).into_iter();
+        self.batch.next()
     }
 }
 
