@@ -517,22 +517,25 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
         .collect();
     let m = queries[0].len() / d;
     let (kb, vb, qb) = (bytes(&keys), bytes(&values), bytes(&queries));
-    let f32s =
-        |shape: Vec<usize>, data| safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, data).unwrap();
-    let views = vec![
-        ("layers.0.k".to_string(), f32s(vec![2, n, d], &kb)),
-        ("layers.0.v".to_string(), f32s(vec![2, n, d], &vb)),
-        ("layers.0.q".to_string(), f32s(vec![4, m, d], &qb)),
-    ];
-    let path = dir.path().join("wide.safetensors");
-    safetensors::serialize_to_file(views, &None, &path).unwrap();
-    let err = SafetensorsKv::open(&path, DType::F16).unwrap().check_values(|_| {}).unwrap_err().to_string();
+    // A context file of f32 keys and values `[2, n, d]` (and queries `[4, m, d]`), and what
+    // checking it as `dtype` says.
+    let checked = |file: &str, v: &[u8], q: Option<&[u8]>, dtype: DType| -> Option<String> {
+        let f32s = |shape: Vec<usize>, data| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, data).unwrap()
+        };
+        let mut views = vec![("layers.0.k", f32s(vec![2, n, d], &kb)), ("layers.0.v", f32s(vec![2, n, d], v))];
+        views.extend(q.map(|q| ("layers.0.q", f32s(vec![4, m, d], q))));
+        let path = dir.path().join(file);
+        safetensors::serialize_to_file(views, &None, &path).unwrap();
+        SafetensorsKv::open(&path, dtype).unwrap().check_values(|_| {}).err().map(|e| e.to_string())
+    };
+    let err = checked("wide.safetensors", &vb, Some(&qb), DType::F16).unwrap();
     assert!(err.contains("out of the f16 range"), "{err}");
+    assert_eq!(checked("wide.safetensors", &vb, Some(&qb), DType::Bf16), None);
 
     let store = mkfs(dir.path(), 128);
     let db = open(&store);
-    let src = SafetensorsKv::open(&path, DType::Bf16).unwrap();
-    src.check_values(|_| {}).unwrap();
+    let src = SafetensorsKv::open(&dir.path().join("wide.safetensors"), DType::Bf16).unwrap();
     db.import("wide", &src, |_| {}).unwrap();
     drop(db);
     let db = open(&store);
@@ -572,13 +575,7 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
     // and scores beyond f32 (a huge scale) are refused, not answered as infinities.
     let mut huge = vb.clone();
     huge[4 * 77..4 * 78].copy_from_slice(&1e35f32.to_le_bytes());
-    let views = vec![
-        ("layers.0.k".to_string(), f32s(vec![2, n, d], &kb)),
-        ("layers.0.v".to_string(), f32s(vec![2, n, d], &huge)),
-    ];
-    let path = dir.path().join("huge.safetensors");
-    safetensors::serialize_to_file(views, &None, &path).unwrap();
-    let err = SafetensorsKv::open(&path, DType::Bf16).unwrap().check_values(|_| {}).unwrap_err().to_string();
+    let err = checked("huge.safetensors", &huge, None, DType::Bf16).unwrap();
     assert!(err.contains("layers.0.v element 77 = 1e35 is beyond 2^48"), "{err}");
     let mut q = b.decode_step(0, 0);
     q[5] = 1e20;

@@ -1024,10 +1024,7 @@ fn import_into_a_full_store_is_refused_before_writing() {
 #[test]
 fn a_second_writer_is_refused_naming_the_holder_and_readers_work_beside_it() {
     let dir = tmp();
-    let ctx = small_context(dir.path());
-    let store = dir.path().join("s.ctxfs");
-    ok(&["mkfs", p(&store), "--size", "64M"]);
-    ok(&["import", p(&store), p(&ctx), "--name", "a"]);
+    let (ctx, store) = small_store(dir.path(), "64M", "a");
     let before = json(&["inspect", p(&store), "--json"]);
     let writer = ctxfs_vfs::Store::open_path(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
     let holder = format!("open for writing by process {}", std::process::id());
@@ -1098,11 +1095,8 @@ fn concurrent_imports_are_both_kept_or_the_second_is_refused() {
 #[test]
 fn the_space_a_delete_freed_is_taken_by_the_next_import_that_needs_it() {
     let dir = tmp();
-    let ctx = small_context(dir.path());
     // Room for one such context, not two.
-    let store = dir.path().join("s.ctxfs");
-    ok(&["mkfs", p(&store), "--size", "1200K"]);
-    ok(&["import", p(&store), p(&ctx), "--name", "a"]);
+    let (ctx, store) = small_store(dir.path(), "1200K", "a");
     let out = ctxfs(&["import", p(&store), p(&ctx), "--name", "b"]);
     assert!(stderr_of(&out).contains("store full"), "{}", stderr_of(&out));
     // The fallback state still holds a's blocks after the delete: the import commits once
@@ -1116,10 +1110,7 @@ fn the_space_a_delete_freed_is_taken_by_the_next_import_that_needs_it() {
 #[test]
 fn a_reader_keeps_its_snapshot_while_writer_processes_reuse_space() {
     let dir = tmp();
-    let ctx = small_context(dir.path());
-    let store = dir.path().join("s.ctxfs");
-    ok(&["mkfs", p(&store), "--size", "128M"]);
-    ok(&["import", p(&store), p(&ctx), "--name", "a"]);
+    let (ctx, store) = small_store(dir.path(), "128M", "a");
     let reader = ctxfs_vfs::Store::open_path_read_only(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
     let snap = reader.snapshot();
     let digest = context_digest(&snap, "a");

@@ -176,11 +176,8 @@ fn a_session_killed_while_storing_is_all_or_nothing() {
 #[test]
 fn a_session_store_into_a_full_store_changes_nothing() {
     let dir = tmp();
-    let ctx = small_context(dir.path());
-    let store = dir.path().join("s.ctxfs");
     // Room for the base context and little more.
-    ok(&["mkfs", p(&store), "--size", "2M"]);
-    ok(&["import", p(&store), p(&ctx), "--name", BASE]);
+    let (_, store) = small_store(dir.path(), "2M", BASE);
     let before = (json(&["inspect", p(&store), "--json"]), digests(&store));
     let db = Db::open(&store, DeviceChoice::Auto, db_config()).unwrap();
     let mut session = db.open_session(BASE, None).unwrap();

@@ -68,6 +68,16 @@ pub fn small_context(dir: &Path) -> std::path::PathBuf {
     ctx
 }
 
+/// A store of `size` at `dir`/s.ctxfs holding [`small_context`] as `name`: (the context
+/// file, the store).
+pub fn small_store(dir: &Path, size: &str, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let ctx = small_context(dir);
+    let store = dir.join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", size]);
+    ok(&["import", p(&store), p(&ctx), "--name", name]);
+    (ctx, store)
+}
+
 /// The names of a store's live contexts, as `inspect --json` lists them.
 pub fn context_names(store: &Path) -> Vec<String> {
     let v = json(&["inspect", p(store), "--json"]);
