@@ -25,7 +25,7 @@ pub const MAX_MAGNITUDE: f32 = 281_474_976_710_656.0;
 
 /// The largest magnitude a context stored as `dtype` holds: the type's largest value (beyond
 /// it an element would be stored as infinity), at most [`MAX_MAGNITUDE`].
-pub fn largest_storable(dtype: DType) -> f32 {
+fn largest_storable(dtype: DType) -> f32 {
     match dtype {
         DType::F16 => f16::MAX.to_f32(),
         DType::Bf16 => bf16::MAX.to_f32(),
@@ -34,7 +34,8 @@ pub fn largest_storable(dtype: DType) -> f32 {
 }
 
 /// The first element of `x` that a context stored as `dtype` cannot hold (not finite, or
-/// beyond [`largest_storable`]), and why, as "= value is …".
+/// beyond the largest magnitude the type holds, at most [`MAX_MAGNITUDE`]), and why, as
+/// "= value is …".
 pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<(usize, String)> {
     let max = largest_storable(dtype);
     let i = x.iter().position(|x| !x.is_finite() || x.abs() > max)?;
@@ -43,7 +44,7 @@ pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<(usize, String)> {
 }
 
 /// An element as an error message shows it: in exponent form when large.
-pub fn shown(x: f32) -> String {
+pub(crate) fn shown(x: f32) -> String {
     if x.abs() >= 1e7 {
         format!("{x:e}")
     } else {
@@ -376,9 +377,9 @@ fn element_size(name: &str, dtype: Dtype) -> Result<usize> {
 }
 
 /// Why an element beyond [`largest_storable`] is refused.
-pub fn beyond(stored: DType) -> String {
+fn beyond(stored: DType) -> String {
     match stored {
-        DType::F16 => "is out of the f16 range (store the context as bf16)".into(),
+        DType::F16 => "is out of the f16 range (import it as bf16: --dtype bf16, dtype=\"bf16\" in Python)".into(),
         DType::Bf16 => "is beyond 2^48 in magnitude, the most attention takes (its sums are f32)".into(),
     }
 }

@@ -256,6 +256,21 @@ impl Session {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, ctxfs_attention::Session> {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn info_json(&self) -> serde_json::Value {
+        let s = self.read();
+        let shape = self.shape;
+        serde_json::json!({
+            "shape": {"layers": shape.layers, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": shape.dtype.name()},
+            "prefix_tokens": s.prefix_tokens(),
+            "reused_context": s.reused_context().map(|(n, _)| n),
+            "filtered": s.reused_context().is_some_and(|(_, f)| f),
+            "window_tokens": s.window_tokens().len(),
+            "new_tokens": s.new_tokens().len(),
+            "updated_rows": (0..shape.layers as usize).map(|l| s.updated_rows(l)).collect::<Vec<_>>(),
+            "device": s.device(),
+        })
+    }
 }
 
 /// One attention call's answer: outputs `[rows, q_heads, head_dim]`, log-sum-exps `[rows,
@@ -380,23 +395,6 @@ impl Session {
     fn info(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let v = py.detach(|| self.info_json());
         json_to_py(py, &v)
-    }
-}
-
-impl Session {
-    fn info_json(&self) -> serde_json::Value {
-        let s = self.read();
-        let shape = self.shape;
-        serde_json::json!({
-            "shape": {"layers": shape.layers, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": shape.dtype.name()},
-            "prefix_tokens": s.prefix_tokens(),
-            "reused_context": s.reused_context().map(|(n, _)| n),
-            "filtered": s.reused_context().is_some_and(|(_, f)| f),
-            "window_tokens": s.window_tokens().len(),
-            "new_tokens": s.new_tokens().len(),
-            "updated_rows": (0..shape.layers as usize).map(|l| s.updated_rows(l)).collect::<Vec<_>>(),
-            "device": s.device(),
-        })
     }
 }
 
