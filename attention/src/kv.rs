@@ -37,14 +37,23 @@ fn largest_storable(dtype: DType) -> f32 {
 /// beyond the largest magnitude the type holds, at most [`MAX_MAGNITUDE`]), and why, as
 /// "= value is …".
 pub fn first_unstorable(x: &[f32], dtype: DType) -> Option<(usize, String)> {
-    let max = largest_storable(dtype);
+    first_beyond(x, largest_storable(dtype), beyond(dtype))
+}
+
+/// The first element of a query that attention cannot take (not finite, or beyond
+/// [`MAX_MAGNITUDE`]), and why, as [`first_unstorable`] says it.
+pub(crate) fn first_unattendable(q: &[f32]) -> Option<(usize, String)> {
+    first_beyond(q, MAX_MAGNITUDE, BEYOND_ATTENTION)
+}
+
+fn first_beyond(x: &[f32], max: f32, why_beyond: &str) -> Option<(usize, String)> {
     let i = x.iter().position(|x| !x.is_finite() || x.abs() > max)?;
-    let why = if x[i].is_finite() { beyond(dtype) } else { "is not finite".into() };
+    let why = if x[i].is_finite() { why_beyond } else { "is not finite" };
     Some((i, format!("= {} {why}", shown(x[i]))))
 }
 
 /// An element as an error message shows it: in exponent form when large.
-pub(crate) fn shown(x: f32) -> String {
+fn shown(x: f32) -> String {
     if x.abs() >= 1e7 {
         format!("{x:e}")
     } else {
@@ -376,11 +385,14 @@ fn element_size(name: &str, dtype: Dtype) -> Result<usize> {
     }
 }
 
+/// Why an element beyond [`MAX_MAGNITUDE`] is refused.
+const BEYOND_ATTENTION: &str = "is beyond 2^48 in magnitude, the most attention takes (its sums are f32)";
+
 /// Why an element beyond [`largest_storable`] is refused.
-fn beyond(stored: DType) -> String {
+fn beyond(stored: DType) -> &'static str {
     match stored {
-        DType::F16 => "is out of the f16 range (import it as bf16: --dtype bf16, dtype=\"bf16\" in Python)".into(),
-        DType::Bf16 => "is beyond 2^48 in magnitude, the most attention takes (its sums are f32)".into(),
+        DType::F16 => "is out of the f16 range (import it as bf16: --dtype bf16, dtype=\"bf16\" in Python)",
+        DType::Bf16 => BEYOND_ATTENTION,
     }
 }
 
@@ -403,7 +415,7 @@ fn check_finite(name: &str, dtype: Dtype, data: &[u8], first: usize, stored: DTy
                     return bad(i, v.to_f32(), "is not finite");
                 }
                 if v.to_f32().abs() > largest_storable(stored) {
-                    return bad(i, v.to_f32(), &beyond(stored));
+                    return bad(i, v.to_f32(), beyond(stored));
                 }
             }
         }
@@ -414,7 +426,7 @@ fn check_finite(name: &str, dtype: Dtype, data: &[u8], first: usize, stored: DTy
                     return bad(i, v, "is not finite");
                 }
                 if v.abs() > largest_storable(stored) {
-                    return bad(i, v, &beyond(stored));
+                    return bad(i, v, beyond(stored));
                 }
             }
         }

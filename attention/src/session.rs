@@ -12,7 +12,7 @@
 use crate::db::{Db, Window};
 use crate::device_codes::DeviceScan;
 use crate::error::{input, Error, Result};
-use crate::kv::{first_unstorable, shown, MAX_MAGNITUDE};
+use crate::kv::{first_unattendable, first_unstorable};
 use crate::layout::{FileBlocks, Segment};
 use crate::plan::{choose, Choice, Plan, Request, Situation};
 use crate::poison::lock;
@@ -491,15 +491,8 @@ impl Session {
         if q.len() != qh * d {
             return input(format!("attention of layer {layer}: q has {} elements, expected {qh} × {d}", q.len()));
         }
-        if let Some(i) = q.iter().position(|x| !x.is_finite()) {
-            return input(format!("attention of layer {layer}: q[{i}] = {} is not finite", q[i]));
-        }
-        if let Some(i) = q.iter().position(|x| x.abs() > MAX_MAGNITUDE) {
-            return input(format!(
-                "attention of layer {layer}: q[{i}] = {} is beyond 2^48 in magnitude, the most attention takes (its \
-                 sums are f32)",
-                shown(q[i])
-            ));
+        if let Some((i, why)) = first_unattendable(q) {
+            return input(format!("attention of layer {layer}: q[{i}] {why}"));
         }
         if let Some(e) = opts.target_error {
             if !(e.is_finite() && e > 0.0) {

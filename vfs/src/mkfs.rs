@@ -89,8 +89,8 @@ pub fn format_path(
             }
         }
         drop(file);
-        let dev = device::open_path(path, choice, block_size, Access::Write)
-            .map_err(|e| io_at("open with O_DIRECT", path, e))?;
+        // Its errors name the path.
+        let dev = device::open_path(path, choice, block_size, Access::Write)?;
         format_locked(Arc::from(dev), lock)
     })();
     // A file this call created goes again, unless another process formatting it holds it.
