@@ -41,7 +41,7 @@ def main():
     beta = a.beta_scale * d ** 0.5
     q_heads = 4 * a.kv_heads
     run([a.ctxfs, "gen", ctx, "--tokens", str(n), "--layers", "2", "--q-heads", str(q_heads),
-         "--kv-heads", str(a.kv_heads), "--head-dim", str(d), "--decode-queries", str(a.decode_queries), "--seed", "1"])
+         "--kv-heads", str(a.kv_heads), "--head-dim", str(d), "--decode-queries", str(a.decode_queries), "--seed", "1", "--force"])
     # KV bytes (2 layers, keys and values, 2 bytes each) plus the graph, seed table and coarse
     # indexes: a 128K context needs 1.61x its KV bytes.
     size = max(64 << 20, int(n * a.kv_heads * 2 * d * 2 * 2 * 2.0))

@@ -316,7 +316,7 @@ impl Db {
             },
         };
         let device_codes = gpu.as_ref().and_then(DeviceCodes::open);
-        let prefetcher = Prefetcher::start(pool.clone()).map_err(ctxfs_vfs::Error::Io)?;
+        let prefetcher = Prefetcher::start(pool.clone());
         let inner = Inner {
             store,
             pool,

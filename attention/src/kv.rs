@@ -15,6 +15,17 @@ use safetensors::{Dtype, SafeTensors};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+/// Opens an input file for reading; anything but a regular file is refused, and a pipe is
+/// refused at once rather than waited on for a writer.
+pub fn open_regular_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    Ok(file)
+}
+
 /// Largest header accepted (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
@@ -104,13 +115,8 @@ impl SafetensorsKv {
     /// prefill queries cannot say (it is then one per kv head); a file with them must agree.
     pub fn open_with_q_heads(path: &Path, dtype: DType, q_heads: Option<usize>) -> Result<SafetensorsKv> {
         let bad = |why: String| Error::Input(format!("{} is not a safetensors file: {why}", path.display()));
-        let file =
-            std::fs::File::open(path).map_err(|e| Error::Input(format!("cannot open {}: {e}", path.display())))?;
-        let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
-        if !meta.is_file() {
-            return Err(bad("not a regular file".into()));
-        }
-        let len = meta.len();
+        let file = open_regular_file(path).map_err(|e| Error::Input(format!("cannot open {}: {e}", path.display())))?;
+        let len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
         let mut head = [0u8; 8];
         file.read_exact_at(&mut head, 0).map_err(|_| bad("shorter than its 8-byte header length".into()))?;
         let n = u64::from_le_bytes(head);

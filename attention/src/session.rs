@@ -532,7 +532,10 @@ impl Session {
             searched.into_iter().map(|(h, g)| (h, g.and_then(|g| self.sum_group(layer, g, opts, !on_gpu)))).collect()
         };
         std::thread::scope(|scope| {
-            let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+            // A worker the system will not start (a thread limit reached) leaves its kv heads
+            // to the others.
+            let helpers: Vec<_> =
+                (1..threads).filter_map(|_| std::thread::Builder::new().spawn_scoped(scope, work).ok()).collect();
             let mine = work();
             for done in helpers.into_iter().map(|w| w.join().expect("attention worker panicked")).chain([mine]) {
                 for (h, r) in done {

@@ -38,7 +38,9 @@ impl Prefetched {
 }
 
 impl Prefetcher {
-    pub fn start(pool: Arc<BufferPool>) -> std::io::Result<Prefetcher> {
+    /// Starts the prefetch thread. Where the system will not start one (a process or thread
+    /// limit reached), prefetches read nothing and the callers' own reads fetch the blocks.
+    pub fn start(pool: Arc<BufferPool>) -> Prefetcher {
         let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new().name("ctxfs-prefetch".into()).spawn(move || {
             while let Ok(first) = queue.recv() {
@@ -58,8 +60,11 @@ impl Prefetcher {
                     let _ = job.done.send(mine);
                 }
             }
-        })?;
-        Ok(Prefetcher { jobs: Some(jobs), thread: Some(thread) })
+        });
+        match thread {
+            Ok(thread) => Prefetcher { jobs: Some(jobs), thread: Some(thread) },
+            Err(_) => Prefetcher { jobs: None, thread: None },
+        }
     }
 
     /// Queues `reqs` to be read into the pool.

@@ -674,7 +674,7 @@ fn a_prefetch_reads_once_in_one_submission_and_its_first_use_is_no_hit() {
     let tokens = 15 * 40;
     let (dev, store) = real_store(&dir, 16, 1, tokens);
     let p = Arc::new(pool(dev.clone(), (128 * BS) as u64, 0.5));
-    let prefetcher = Prefetcher::start(p.clone()).unwrap();
+    let prefetcher = Prefetcher::start(p.clone());
     let data = requests(&store, 1, 0, FileStream::Data);
     drop(p.get(&data[0].0).unwrap());
     let submits = dev.submits.load(Ordering::Relaxed);

@@ -18,6 +18,7 @@ use crate::mem::{MemGraph, MemKeys};
 use crate::search;
 use crate::source::{Graph, Keys, Pair, SourceResult};
 use crate::stats::SearchStats;
+use crate::threads::parallel;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -148,19 +149,6 @@ fn sample(m: usize, max: usize, seed: u64) -> Vec<usize> {
     let stride = m as f64 / max as f64;
     let offset = (seed % 1024) as f64 / 1024.0 * stride;
     (0..max).map(|i| ((offset + i as f64 * stride) as usize).min(m - 1)).collect()
-}
-
-/// Runs `f` over `0..n` split across `threads`, collecting results in order.
-fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    let chunk = n.div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..n)
-            .step_by(chunk)
-            .map(|start| s.spawn(move || (start..(start + chunk).min(n)).map(f).collect::<Vec<T>>()))
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("build thread panicked")).collect()
-    })
 }
 
 fn to_f32(row: &[half::f16]) -> Vec<f32> {

@@ -25,6 +25,7 @@ mod source;
 mod stats;
 pub mod synth;
 pub mod target;
+mod threads;
 
 pub use build::{build, knn, BuildParams, BuildReport};
 pub use coarse::{Coarse, CoarseResult};

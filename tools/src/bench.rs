@@ -69,15 +69,17 @@ pub fn scratch_name(bench: &str) -> String {
 
 const SCRATCH_PREFIX: &str = "bench-";
 
+/// The process that made `name`, when it is the scratch context of `bench` ([`scratch_name`]).
+pub fn scratch_pid(name: &str, bench: &str) -> Option<u32> {
+    let pid = name.strip_prefix(SCRATCH_PREFIX)?.strip_prefix(bench)?.strip_prefix('-')?;
+    pid.bytes().all(|b| b.is_ascii_digit()).then(|| pid.parse().ok()).flatten()
+}
+
 /// Deletes the scratch contexts (`bench-io-PID`, `bench-buffer-PID`) a killed benchmark left
 /// behind. Only a store's one writer runs a benchmark, so none of them is in use. Returns
 /// their names.
 pub fn sweep_scratch(store: &Store) -> Result<Vec<String>> {
-    let is_scratch = |name: &str| {
-        name.strip_prefix(SCRATCH_PREFIX)
-            .and_then(|rest| rest.strip_prefix("io-").or_else(|| rest.strip_prefix("buffer-")))
-            .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
-    };
+    let is_scratch = |name: &str| ["io", "buffer"].iter().any(|bench| scratch_pid(name, bench).is_some());
     let stale: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).filter(|n| is_scratch(n)).collect();
     for name in &stale {
         drop_scratch(store, name)?;

@@ -112,6 +112,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             queries: Some(512),
             decode_queries: steps,
             seed: 3,
+            force: true,
             json: false,
         })?;
         let db = Db::open(&path, choice, DbConfig::streaming(ctxfs_vfs::probe_block_size(&path)?))?;

@@ -1262,7 +1262,7 @@ fn report(
 }
 
 /// One dataset's report as text: every row, each head, each build, the ratios.
-fn print_dataset(v: &serde_json::Value) -> std::io::Result<()> {
+fn print_dataset(v: &serde_json::Value) -> Result<(), crate::OutputLost> {
     let (n, d) = (&v["tokens"], &v["head_dim"]);
     outln!(
         "bench search on {}: {}; {n} tokens per head, d={d}, {} heads × {} steps of a {}-q-head group, window 128+512; β in q·k/√d units; times per group step",
@@ -1419,7 +1419,7 @@ fn row_of<'a>(report: &'a serde_json::Value, method: &str) -> Option<&'a serde_j
 /// The headline figures of every dataset side by side: the DIPR range at the reference β, on
 /// the codes (DIPRS) and by the graph's walk, then the rows that choose β to meet the error
 /// target.
-fn print_side_by_side(reports: &[serde_json::Value]) -> std::io::Result<()> {
+fn print_side_by_side(reports: &[serde_json::Value]) -> Result<(), crate::OutputLost> {
     outln!(
         "{:<28} {:<22} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
         "dataset",

@@ -91,6 +91,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         queries: None,
         decode_queries: steps,
         seed: 7,
+        force: true,
         json: false,
     };
     gen::generate(&gen_args)?;

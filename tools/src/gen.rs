@@ -31,6 +31,9 @@ pub struct Args {
     pub decode_queries: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Replace OUT and its query file when they exist (regular files only).
+    #[arg(long)]
+    pub force: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -59,7 +62,12 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
         a.tokens > 0 && a.layers > 0 && a.kv_heads > 0 && a.q_heads > 0,
         "tokens, layers, q heads and kv heads must be positive"
     );
-    let most = ctxfs_vfs::format::records::MAX_HEAD_DIM as usize;
+    use ctxfs_vfs::format::records::{MAX_HEADS, MAX_HEAD_DIM, MAX_LAYERS};
+    ensure!(
+        a.layers <= MAX_LAYERS as usize && a.q_heads <= MAX_HEADS as usize,
+        "a store holds at most {MAX_LAYERS} layers and {MAX_HEADS} heads"
+    );
+    let most = MAX_HEAD_DIM as usize;
     ensure!(
         (2..=most).contains(&a.head_dim),
         "--head-dim must be 2..={most}: the generator pairs dimensions, and a store holds at most {most}"
@@ -91,8 +99,8 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
         })
         .collect();
     let meta = [("generator", "ctxfs gen".to_string()), ("seed", a.seed.to_string())];
-    let mut out = StreamWriter::create(&a.out, &specs, &meta)?;
-    let mut qout = StreamWriter::create(&queries_path, &qspecs, &meta)?;
+    let mut out = StreamWriter::create(&a.out, &specs, &meta, a.force)?;
+    let mut qout = StreamWriter::create(&queries_path, &qspecs, &meta, a.force)?;
     let p = SynthParams { tokens: n, head_dim: d, group, seed: a.seed };
     let bar = progress::bar((a.layers * a.kv_heads * n * d * 4) as u64, "generate");
     let mut per_head = Vec::new();
@@ -127,7 +135,7 @@ pub fn generate(a: &Args) -> Result<Vec<Generated>> {
     Ok(per_head)
 }
 
-fn report(a: &Args, per_head: &[Generated]) -> std::io::Result<()> {
+fn report(a: &Args, per_head: &[Generated]) -> Result<(), crate::OutputLost> {
     let (n, d, m) = (a.tokens, a.head_dim, a.queries.unwrap_or((a.tokens / 4).clamp(1, 4096)));
     let queries_path = a.out.with_extension("queries.safetensors");
     let ratio: Vec<f64> = per_head.iter().map(|h| h.stats.mahalanobis_ratio).collect();

@@ -3,12 +3,13 @@
 //! benchmarks (`demo`, `bench`). README.md has a tour; `docs/cli.md` every option, and
 //! `docs/architecture.md` how the crates under this one fit together.
 
-/// `print!` to standard output that returns the write's error where `print!` panics: a closed
-/// pipe reaches `main` as an error, which exits quietly (the reader stopped reading).
+/// `print!` to standard output that returns the write's error, as [`OutputLost`], where
+/// `print!` panics: a closed pipe reaches `main` as an error, which exits quietly (the reader
+/// stopped reading).
 macro_rules! out {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        write!(std::io::stdout(), $($arg)*)
+        write!(std::io::stdout(), $($arg)*).map_err($crate::OutputLost)
     }};
 }
 
@@ -16,9 +17,14 @@ macro_rules! out {
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout(), $($arg)*)
+        writeln!(std::io::stdout(), $($arg)*).map_err($crate::OutputLost)
     }};
 }
+
+/// A write to standard output that failed: what the command did is done; its report is lost.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write to standard output: {0}")]
+pub struct OutputLost(#[source] std::io::Error);
 
 mod bench;
 mod bench_buffer;
@@ -108,6 +114,10 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    // A write past the file size limit (`ulimit -f`) then fails as an error the command
+    // reports and cleans up after, where the signal would kill it without a word.
+    // SAFETY: sets a signal's disposition to "ignore"; no handler runs, no memory is shared.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -133,6 +143,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let changes_store = matches!(cli.command, Command::Mkfs(_) | Command::Import(_) | Command::Delete(_));
     let result = match cli.command {
         Command::Mkfs(args) => mkfs::run(args, device),
         Command::Inspect(args) => inspect::run(args, device),
@@ -160,7 +171,11 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("ctxfs: {}", message(&e));
+            let committed = match e.chain().any(|c| c.is::<OutputLost>()) && changes_store {
+                true => " (the command's change to the store is committed; only its report is lost)",
+                false => "",
+            };
+            eprintln!("ctxfs: {}{committed}", message(&e));
             // An interrupt the command cleaned up after exits as the signal would have.
             match e.chain().find_map(|c| c.downcast_ref::<scratch_files::Interrupted>()) {
                 Some(scratch_files::Interrupted(signal)) => ExitCode::from((128 + signal) as u8),

@@ -129,8 +129,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let session = db.open_session(&args.context, args.prefix)?;
     let shape = session.shape();
     let d = shape.head_dim as usize;
-    let file = std::fs::File::open(&args.queries).with_context(|| format!("cannot open {}", args.queries.display()))?;
-    anyhow::ensure!(file.metadata()?.is_file(), "{} is not a regular file", args.queries.display());
+    let file = ctxfs_attention::kv::open_regular_file(&args.queries)
+        .with_context(|| format!("cannot open {}", args.queries.display()))?;
     // SAFETY: mapped read-only, not modified while mapped.
     let map =
         unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot read {}", args.queries.display()))?;

@@ -34,6 +34,18 @@ pub enum Dir {
     Write,
 }
 
+/// The raw loop's ring; the benchmark measures io_uring itself, so a kernel that refuses it
+/// fails the run, saying so.
+fn raw_ring() -> Result<IoUring> {
+    IoUring::new(256).map_err(|e| match ctxfs_vfs::device::refusal_note(&e) {
+        Some(_) => anyhow::anyhow!(
+            "the raw io_uring baseline cannot run: io_uring setup refused ({e}); the kernel has it disabled \
+             (sysctl kernel.io_uring_disabled) or a seccomp filter blocks it"
+        ),
+        None => anyhow::Error::new(e).context("cannot set up the raw baseline's io_uring"),
+    })
+}
+
 impl RawFile {
     /// Creates `path` (which must not exist) of `len` bytes and opens it with O_DIRECT; the
     /// file is removed again when the `RawFile` drops.
@@ -55,7 +67,7 @@ impl RawFile {
         // The file is this call's: a failure below removes it again, as dropping the RawFile does.
         let scratch = Scratch { path: path.to_path_buf(), _on_signal: crate::scratch_files::register(path) };
         file.set_len(len)?;
-        Ok(RawFile { file, ring: IoUring::new(256)?, _scratch: Some(scratch) })
+        Ok(RawFile { file, ring: raw_ring()?, _scratch: Some(scratch) })
     }
 
     /// Opens an existing file (a store) with O_DIRECT, to read it raw.
@@ -65,7 +77,7 @@ impl RawFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(RawFile { file, ring: IoUring::new(256)?, _scratch: None })
+        Ok(RawFile { file, ring: raw_ring()?, _scratch: None })
     }
 
     /// Runs every (offset, len) operation with `depth` in flight; `len` ≤ `slot_len`.

@@ -54,7 +54,15 @@ pub struct StreamWriter {
 }
 
 impl StreamWriter {
-    pub fn create(path: &Path, specs: &[TensorSpec], metadata: &[(&str, String)]) -> Result<StreamWriter> {
+    /// Starts writing `path`, which must not exist unless `replace` is given; even then it
+    /// must be a regular file (a store, a device or a pipe there is never replaced).
+    pub fn create(
+        path: &Path,
+        specs: &[TensorSpec],
+        metadata: &[(&str, String)],
+        replace: bool,
+    ) -> Result<StreamWriter> {
+        refuse_target(path, replace)?;
         let mut header = serde_json::Map::new();
         let meta: serde_json::Map<String, serde_json::Value> =
             metadata.iter().map(|(k, v)| (k.to_string(), v.clone().into())).collect();
@@ -134,6 +142,22 @@ impl StreamWriter {
         }
         Ok(())
     }
+}
+
+/// Fails unless `path` is free to write: absent, or a regular file and `replace` given.
+fn refuse_target(path: &Path, replace: bool) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("cannot look at {}", path.display())),
+    };
+    ensure!(
+        meta.is_file(),
+        "{} exists and is not a regular file (a directory, link, device or pipe); choose another output path",
+        path.display()
+    );
+    ensure!(replace, "{} already exists; pass --force to replace it", path.display());
+    Ok(())
 }
 
 impl Drop for StreamWriter {

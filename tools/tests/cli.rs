@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -494,6 +494,27 @@ fn gen_writes_the_documented_safetensors_layout_and_reports_its_statistics() {
     let again = dir.path().join("again.safetensors");
     gen(&again, GEN_SMALL);
     assert_eq!(std::fs::read(&again).unwrap(), bytes);
+    // What is already there is replaced only with --force, and never unless a regular file:
+    // a store, a pipe or a device given as OUT by mistake stays.
+    let store = dir.path().join("s.ctxfs");
+    ok(&["mkfs", p(&store), "--size", "16M"]);
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (out, force, why) in [
+        (&again, false, "already exists; pass --force"),
+        (&store, false, "already exists; pass --force"),
+        (&fifo, true, "not a regular file"),
+    ] {
+        let mut args = vec!["gen", p(out)];
+        args.extend(GEN_SMALL.split_whitespace().chain(force.then_some("--force")));
+        let refused = ctxfs(&args);
+        assert_eq!(refused.status.code(), Some(1), "{out:?}: {}", stderr_of(&refused));
+        assert!(stderr_of(&refused).contains(why), "{out:?}: {}", stderr_of(&refused));
+    }
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    ok(&["inspect", p(&store)]);
+    gen(&again, &format!("{} --force", GEN_SMALL.replace("--seed 3", "--seed 1")));
+    assert_ne!(std::fs::read(&again).unwrap(), bytes);
     let bad =
         ctxfs(&["gen", p(&dir.path().join("bad.safetensors")), "--tokens", "10", "--q-heads", "3", "--kv-heads", "2"]);
     assert!(!bad.status.success());
@@ -1337,4 +1358,104 @@ fn one_damaged_context_leaves_the_others_served() {
         assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0), "{stream}");
         assert!(query("b").status.success() && query("c").status.success());
     }
+}
+
+/// A report that cannot be written (standard output a full disk, not a closed pipe) fails the
+/// command, saying that the change it made is committed all the same; fsck gives its verdict.
+#[test]
+fn a_report_that_cannot_be_written_says_the_change_is_committed() {
+    let dir = tmp();
+    let (ctx, store) = small_store(dir.path(), "64M", "a");
+    let into_full_disk = |args: &[&str]| {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        Command::new(env!("CARGO_BIN_EXE_ctxfs")).args(args).env_remove("CTXFS_DEVICE").stdout(full).output().unwrap()
+    };
+    let out = into_full_disk(&["import", p(&store), p(&ctx), "--name", "b"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    let err = stderr_of(&out);
+    assert!(
+        err.contains("cannot write to standard output") && err.contains("change to the store is committed"),
+        "{err}"
+    );
+    assert_eq!(context_names(&store), ["a", "b"]);
+    let out = into_full_disk(&["inspect", p(&store)]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!stderr_of(&out).contains("committed"), "{}", stderr_of(&out));
+    let out = into_full_disk(&["fsck", p(&store)]);
+    assert_eq!(out.status.code(), Some(8));
+    assert!(stderr_of(&out).contains("the check's verdict was exit code 0"), "{}", stderr_of(&out));
+}
+
+/// A write past the file size limit (`ulimit -f`) is an error the command reports and cleans
+/// up after, not a silent kill by SIGXFSZ.
+#[test]
+fn a_file_size_limit_fails_as_an_error_that_leaves_nothing_behind() {
+    let dir = tmp();
+    let (store, out) = (dir.path().join("s.ctxfs"), dir.path().join("g.safetensors"));
+    for cmd in [
+        format!("mkfs {} --size 64M", p(&store)),
+        format!("gen {} --tokens 65536 --layers 1 --q-heads 2 --kv-heads 1", p(&out)),
+    ] {
+        let run = Command::new("bash")
+            .arg("-c")
+            .arg(format!("ulimit -f 1024; exec {} {cmd}", env!("CARGO_BIN_EXE_ctxfs")))
+            .env_remove("CTXFS_DEVICE")
+            .output()
+            .unwrap();
+        assert_eq!(run.status.code(), Some(1), "{cmd}: {:?} {}", run.status, stderr_of(&run));
+        assert!(stderr_of(&run).contains("File too large"), "{cmd}: {}", stderr_of(&run));
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A pipe given as an input file is refused at once (an open would wait for a writer).
+#[test]
+fn a_pipe_given_as_an_input_file_is_refused_at_once() {
+    let dir = tmp();
+    let (_, store) = small_store(dir.path(), "64M", "a");
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (args, why) in [
+        (vec!["import", p(&store), p(&fifo), "--name", "b"], "not a regular file"),
+        (vec!["query", p(&store), "--context", "a", "--queries", p(&fifo)], "not a regular file"),
+        (vec!["inspect", p(&fifo)], "neither a regular file nor a block device"),
+    ] {
+        let out = ctxfs(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr_of(&out));
+        assert!(stderr_of(&out).contains(why), "{args:?}: {}", stderr_of(&out));
+    }
+}
+
+/// `bench buffer`'s scratch context holds test bytes in its index stream: fsck leaves it out
+/// while the benchmark that made it runs, and names one a killed run left, once.
+#[test]
+fn fsck_names_a_killed_bench_buffers_scratch_context_and_skips_a_running_ones() {
+    let dir = tmp();
+    let (_, store) = small_store(dir.path(), "64M", "a");
+    let scratch = |pid: u32| {
+        let name = format!("bench-buffer-{pid}");
+        let s = ctxfs_vfs::Store::open_path(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
+        let shape =
+            ctxfs_vfs::ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: ctxfs_vfs::DType::F16 };
+        let mut txn = s.begin().unwrap();
+        txn.create_context(&name, shape, &[]).unwrap();
+        for _ in 0..4 {
+            txn.append_block(&name, 0, 0, ctxfs_vfs::FileStream::Index, &[0x5a; 4000]).unwrap();
+        }
+        txn.commit().unwrap();
+        name
+    };
+    // This test's process stands for the running benchmark.
+    scratch(std::process::id());
+    assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
+    // Beyond the largest pid Linux hands out: no process has it.
+    let left = scratch(4_194_305);
+    let out = ctxfs(&["fsck", p(&store), "--json"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr_of(&out));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let problems = report["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0]["context"], left.as_str());
+    assert!(problems[0]["message"].as_str().unwrap().contains("did not finish"), "{problems:?}");
 }

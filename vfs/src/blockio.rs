@@ -8,7 +8,7 @@ use crate::format::header::{payload, seal, verify};
 use crate::format::records::chain_capacity;
 use crate::format::{BlockHeader, BlockKind, BlockRef, Expect, Owner, StreamTag, HEADER_LEN};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 /// One block inside a (possibly multi-block) read buffer. Blocks of one coalesced read share
@@ -170,7 +170,7 @@ pub struct WriteQueue {
     buf: AlignedBuf,
     addrs: Vec<u64>,
     /// Batches being written, oldest first.
-    in_flight: VecDeque<JoinHandle<WrittenBatch>>,
+    in_flight: VecDeque<InFlight>,
     /// Buffers of batches written, for the next ones to fill.
     spare: Vec<AlignedBuf>,
 }
@@ -179,6 +179,13 @@ pub struct WriteQueue {
 struct WrittenBatch {
     buf: AlignedBuf,
     written: Result<()>,
+}
+
+/// A batch sent to the device: on a thread of its own, or already written by the sender
+/// when the system would not start a thread (a process or thread limit reached).
+enum InFlight {
+    Writing(JoinHandle<WrittenBatch>),
+    Written(WrittenBatch),
 }
 
 impl WriteQueue {
@@ -234,12 +241,22 @@ impl WriteQueue {
         let next = self.spare.pop().unwrap_or_else(|| AlignedBuf::zeroed(whole));
         let buf = std::mem::replace(&mut self.buf, next);
         let addrs = std::mem::take(&mut self.addrs);
-        let dev = self.dev.clone();
+        // The thread takes the batch from here; a thread that does not start leaves it.
+        let batch = Arc::new(Mutex::new(Some((buf, addrs))));
+        let (dev, theirs) = (self.dev.clone(), batch.clone());
         let writer = std::thread::Builder::new().name("ctxfs-write".into()).spawn(move || {
+            let (buf, addrs) = take_batch(&theirs);
             let written = write_batch(dev.as_ref(), &buf, &addrs);
             WrittenBatch { buf, written }
-        })?;
-        self.in_flight.push_back(writer);
+        });
+        self.in_flight.push_back(match writer {
+            Ok(thread) => InFlight::Writing(thread),
+            Err(_) => {
+                let (buf, addrs) = take_batch(&batch);
+                let written = write_batch(self.dev.as_ref(), &buf, &addrs);
+                InFlight::Written(WrittenBatch { buf, written })
+            }
+        });
         Ok(())
     }
 
@@ -248,9 +265,12 @@ impl WriteQueue {
         let Some(writer) = self.in_flight.pop_front() else {
             return Ok(());
         };
-        let WrittenBatch { buf, written } = writer
-            .join()
-            .map_err(|_| Error::Io(std::io::Error::other("the thread writing a batch of blocks panicked")))?;
+        let WrittenBatch { buf, written } = match writer {
+            InFlight::Writing(thread) => thread
+                .join()
+                .map_err(|_| Error::Io(std::io::Error::other("the thread writing a batch of blocks panicked")))?,
+            InFlight::Written(batch) => batch,
+        };
         self.spare.push(buf);
         written
     }
@@ -283,6 +303,11 @@ impl Drop for WriteQueue {
     fn drop(&mut self) {
         let _ = self.settle();
     }
+}
+
+/// The batch a [`WriteQueue`] sent, taken by whoever writes it.
+fn take_batch(batch: &Mutex<Option<(AlignedBuf, Vec<u64>)>>) -> (AlignedBuf, Vec<u64>) {
+    batch.lock().unwrap_or_else(|p| p.into_inner()).take().expect("a batch is written once")
 }
 
 /// Writes `addrs.len()` sealed blocks from `buf` (block `i` to device block `addrs[i]`), runs
@@ -351,34 +376,77 @@ pub fn write_chain(
     Ok(next)
 }
 
-/// Reads a chain from its first reference. Returns the blob and the blocks it occupies.
-pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generation: u64) -> Result<(Vec<u8>, Vec<u64>)> {
+/// A chain's contents: its blob, and the blocks it occupies.
+pub type Chain = (Vec<u8>, Vec<u64>);
+
+/// Reads a chain from its first reference.
+pub fn read_chain(dev: &dyn BlockDevice, first: BlockRef, id: ChainId, generation: u64) -> Result<Chain> {
+    read_chains(dev, &[(first, id)], generation).pop().expect("one chain")
+}
+
+/// Chains [`read_chains`] walks side by side: their buffers are held at once.
+const CHAINS_AT_ONCE: usize = 1024;
+
+/// Reads many chains, each from its first reference: the next block of every chain still
+/// being walked is read in one submission, so a store's many one-block context records cost
+/// one submission, not one each. One result per chain, in order.
+pub fn read_chains(dev: &dyn BlockDevice, heads: &[(BlockRef, ChainId)], generation: u64) -> Vec<Result<Chain>> {
     let total = dev.num_blocks();
-    let mut blob = Vec::new();
-    let mut blocks = Vec::new();
-    let mut at = first;
-    loop {
-        let expect = Expect {
-            kind: id.kind,
-            stream: StreamTag::Meta,
-            owner: id.owner,
-            logical: blocks.len() as u64,
-            crc: at.crc,
-            max_generation: generation,
-        };
-        if at.block < 2 || at.block >= total || blocks.len() as u64 >= total {
-            return Err(damaged(at.block, &expect, BlockFault::Malformed("chain link out of range".into())));
+    let mut out = Vec::with_capacity(heads.len());
+    for some in heads.chunks(CHAINS_AT_ONCE) {
+        let mut walks: Vec<(BlockRef, Vec<u8>, Vec<u64>)> =
+            some.iter().map(|h| (h.0, Vec::new(), Vec::new())).collect();
+        let mut done: Vec<Option<Result<Chain>>> = some.iter().map(|_| None).collect();
+        loop {
+            let mut reqs = Vec::new();
+            let mut walking = Vec::new();
+            for (i, (at, _, blocks)) in walks.iter().enumerate() {
+                if done[i].is_some() {
+                    continue;
+                }
+                let id = some[i].1;
+                let expect = Expect {
+                    kind: id.kind,
+                    stream: StreamTag::Meta,
+                    owner: id.owner,
+                    logical: blocks.len() as u64,
+                    crc: at.crc,
+                    max_generation: generation,
+                };
+                if at.block < 2 || at.block >= total || blocks.len() as u64 >= total {
+                    let fault = BlockFault::Malformed("chain link out of range".into());
+                    done[i] = Some(Err(damaged(at.block, &expect, fault)));
+                } else {
+                    reqs.push((at.block, expect));
+                    walking.push(i);
+                }
+            }
+            if walking.is_empty() {
+                break;
+            }
+            for ((i, read), (block, expect)) in walking.into_iter().zip(read_many(dev, &reqs)).zip(&reqs) {
+                let (at, blob, blocks) = &mut walks[i];
+                let next = read.and_then(|b| {
+                    let mut d = Dec::new(b.payload(), "chain block");
+                    let next = BlockRef::decode(&mut d).map_err(|f| damaged(*block, expect, f))?;
+                    blob.extend_from_slice(&b.payload()[crate::format::REF_LEN..]);
+                    Ok(next)
+                });
+                match next {
+                    Err(e) => done[i] = Some(Err(e)),
+                    Ok(next) => {
+                        blocks.push(*block);
+                        match next.block {
+                            0 => done[i] = Some(Ok((std::mem::take(blob), std::mem::take(blocks)))),
+                            _ => *at = next,
+                        }
+                    }
+                }
+            }
         }
-        let b = read_verified(dev, at.block, &expect)?;
-        let mut d = Dec::new(b.payload(), "chain block");
-        let next = BlockRef::decode(&mut d).map_err(|f| damaged(at.block, &expect, f))?;
-        blob.extend_from_slice(&b.payload()[crate::format::REF_LEN..]);
-        blocks.push(at.block);
-        if next.block == 0 {
-            return Ok((blob, blocks));
-        }
-        at = next;
+        out.extend(done.into_iter().map(|d| d.expect("every chain walked to its end or an error")));
     }
+    out
 }
 
 /// Largest payload one block carries.

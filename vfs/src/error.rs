@@ -21,11 +21,11 @@ pub enum BlockFault {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("I/O error on block {block}: {source}")]
+    #[error("I/O error on block {block}: {source}{}", io_hint(.source))]
     BlockIo { block: u64, source: io::Error },
-    #[error("I/O error: {0}")]
+    #[error("I/O error: {0}{hint}", hint = io_hint(.0))]
     Io(#[from] io::Error),
-    #[error("damaged {kind} block {block} (owner {owner}): {fault}")]
+    #[error("damaged {kind} block {block} (owner {owner}): {fault}{hint}", hint = damage_hint(kind))]
     Damaged {
         block: u64,
         kind: &'static str,
@@ -64,6 +64,37 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What to do about a damaged block of `kind`, where the store can mend it on its own.
+fn damage_hint(kind: &str) -> &'static str {
+    match kind {
+        "alloc" => "; the allocator is rebuilt from what the contexts reference by `ctxfs fsck --repair`",
+        _ => "",
+    }
+}
+
+/// What an I/O error most likely means for a store, where its own text does not say: the
+/// limit or host state to look at.
+fn io_hint(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) => {
+            "; the file system holding the store file is full (a store file is sparse: its blocks take space there \
+             only when first written; free space there, or put the store where there is room)"
+        }
+        Some(libc::EDQUOT) => "; the disk quota of the store file's owner is used up",
+        Some(libc::EFBIG) => "; the file is larger than the file size limit allows (`ulimit -f`)",
+        Some(libc::ECANCELED) => {
+            "; the kernel cancelled the request, as it does when it cannot start an io_uring worker thread (the \
+             process or thread limit, `ulimit -u`, is reached; `--device file` needs no worker threads)"
+        }
+        Some(libc::EMFILE) => "; the open-file limit (`ulimit -n`) is reached",
+        Some(libc::EROFS) => "; the file system is mounted read-only",
+        Some(libc::EPERM) => {
+            "; the device refuses it (a block device set read-only refuses writes: `blockdev --getro`)"
+        }
+        _ => "",
+    }
+}
+
 impl Error {
     /// A block that failed verification against the reference that led to it.
     pub fn mismatch(block: u64, expect: &Expect, fault: BlockFault) -> Error {
@@ -88,5 +119,20 @@ impl Error {
             Error::DamagedContext { block, .. } => *block,
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_io_error_says_what_limit_or_host_state_to_look_at() {
+        let on_block = |errno| Error::BlockIo { block: 9, source: io::Error::from_raw_os_error(errno) }.to_string();
+        assert!(on_block(libc::ENOSPC).contains("the file system holding the store file is full"));
+        assert!(on_block(libc::ECANCELED).contains("ulimit -u"));
+        assert!(on_block(libc::EFBIG).contains("ulimit -f"));
+        assert!(Error::Io(io::Error::from_raw_os_error(libc::EMFILE)).to_string().contains("ulimit -n"));
+        assert!(on_block(libc::EIO).ends_with("(os error 5)"), "no hint where none applies");
     }
 }

@@ -40,12 +40,7 @@ pub fn format_path(
     let existed = path.exists();
     if existed {
         let meta = std::fs::metadata(path).map_err(|e| io_at("stat", path, e))?;
-        if !(meta.is_file() || meta.file_type().is_block_device()) {
-            return Err(Error::InvalidArgument(format!(
-                "{} is neither a regular file nor a block device",
-                path.display()
-            )));
-        }
+        device::refuse_other_file_types(path, &meta).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         if meta.file_type().is_block_device() && size.is_some() {
             return Err(Error::InvalidArgument(
                 "a size does not apply to a block device: the store takes the whole device".into(),

@@ -2,7 +2,8 @@
 
 use crate::alloc::{Allocator, Bitmap};
 use crate::blockio::{
-    max_payload, read_chain, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId, ReadPool,
+    max_payload, read_chain, read_chains, read_many, read_many_pooled, read_raw, read_verified, BlockBuf, ChainId,
+    ReadPool,
 };
 use crate::device::{self, BlockDevice, DeviceChoice, DeviceInfo, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 use crate::error::{BlockFault, Error, Result};
@@ -827,14 +828,17 @@ pub(crate) fn load_catalog(dev: &dyn BlockDevice, sb: &Superblock, skip: &BTreeS
     let entries = decode_catalog(&blob).map_err(|f| Error::damaged(sb.catalog.block, "catalog", "system", f))?;
     let mut catalog = Catalog { contexts: BTreeMap::new(), retired: BTreeMap::new(), damaged: BTreeMap::new(), blocks };
     let mut ids = BTreeSet::new();
-    for entry in entries.into_iter().filter(|e| !skip.contains(&e.id)) {
+    let entries: Vec<CatalogEntry> = entries.into_iter().filter(|e| !skip.contains(&e.id)).collect();
+    let heads: Vec<(BlockRef, ChainId)> = entries.iter().map(|e| (e.record, record_chain(e.id))).collect();
+    let records = read_chains(dev, &heads, sb.generation);
+    for (entry, record) in entries.into_iter().zip(records) {
         if entry.id == 0 || entry.id >= sb.next_context_id || !ids.insert(entry.id) {
             return Err(bad(
                 sb.catalog.block,
                 format!("context {:?} has id {}: repeated or outside 1..{}", entry.name, entry.id, sb.next_context_id),
             ));
         }
-        let meta = match load_record(dev, sb, &entry) {
+        let meta = match record.and_then(|(blob, blocks)| record_meta(dev, &entry, &blob, blocks)) {
             Ok(meta) => meta,
             Err(e) => {
                 let (block, why) = (e.block(), e.to_string());
@@ -851,10 +855,10 @@ pub(crate) fn load_catalog(dev: &dyn BlockDevice, sb: &Superblock, skip: &BTreeS
     Ok(catalog)
 }
 
-/// One catalog entry's context record, checked against the entry.
-fn load_record(dev: &dyn BlockDevice, sb: &Superblock, entry: &CatalogEntry) -> Result<Arc<ContextMeta>> {
-    let (rblob, rblocks) = read_chain(dev, entry.record, record_chain(entry.id), sb.generation)?;
-    let record = ContextRecord::decode(&rblob)
+/// One catalog entry's context record, read from its chain's `blob` in `blocks`, checked
+/// against the entry.
+fn record_meta(dev: &dyn BlockDevice, entry: &CatalogEntry, blob: &[u8], blocks: Vec<u64>) -> Result<Arc<ContextMeta>> {
+    let record = ContextRecord::decode(blob)
         .map_err(|f| Error::damaged(entry.record.block, "catalog", Owner::context(entry.id).to_string(), f))?;
     if record.id != entry.id || record.name != entry.name {
         return Err(Error::damaged(
@@ -867,7 +871,7 @@ fn load_record(dev: &dyn BlockDevice, sb: &Superblock, entry: &CatalogEntry) -> 
             )),
         ));
     }
-    let meta = Arc::new(ContextMeta::from_record(record, entry.record, rblocks));
+    let meta = Arc::new(ContextMeta::from_record(record, entry.record, blocks));
     meta.check_roots(dev.block_size())?;
     Ok(meta)
 }

@@ -164,3 +164,48 @@ fn block_pairs_lie_side_by_side_and_stay_one_run_in_memory() {
     let report = fsck::check(store.device().as_ref()).unwrap();
     assert!(report.is_clean(), "{:?}", report.problems);
 }
+
+/// A store file cut short by another process while a transaction writes: the commit fails
+/// before its superblock, naming the cut, on both real devices; the state before stays.
+#[test]
+fn a_store_file_cut_short_while_open_commits_nothing() {
+    for choice in REAL_DEVICES {
+        let dir = tmpdir();
+        let path = dir.path().join("s.ctxfs");
+        let size = 8 << 20;
+        let store = file_store(&path, size, choice);
+        let mut txn = store.begin().unwrap();
+        txn.create_context("kept", shape(1, 1), &[1]).unwrap();
+        txn.commit().unwrap();
+        let mut txn = store.begin().unwrap();
+        txn.create_context("cut", shape(1, 1), &[1]).unwrap();
+        for _ in 0..64 {
+            txn.append_block("cut", 0, 0, FileStream::Data, &[7; 1000]).unwrap();
+        }
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(1 << 20).unwrap();
+        let err = txn.commit().unwrap_err().to_string();
+        assert!(
+            err.contains("was cut to 1048576 bytes while open") && err.contains("truncate -s"),
+            "{choice:?}: {err}"
+        );
+        drop(store);
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(size).unwrap();
+        let store = Store::open_path(&path, choice).unwrap();
+        assert!(store.snapshot().context("kept").is_ok() && store.snapshot().context("cut").is_err(), "{choice:?}");
+    }
+}
+
+/// A pipe, a directory or a character device given as a store is refused at once, by name,
+/// without opening it (a pipe's open would wait for a writer forever).
+#[test]
+fn a_path_that_is_no_file_or_block_device_is_refused_at_once() {
+    let dir = tmpdir();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for path in [fifo.as_path(), dir.path(), std::path::Path::new("/dev/null")] {
+        for open in [Store::open_path, Store::open_path_read_only] {
+            let err = open(path, DeviceChoice::Auto).err().expect("refused").to_string();
+            assert!(err.contains("is neither a regular file nor a block device"), "{path:?}: {err}");
+        }
+    }
+}

@@ -1237,18 +1237,12 @@ fn quantise(
         let nearest = Nearest::new(&rounded, sub);
         let codes: Vec<u8> = points.chunks_exact(sub).map(|x| nearest.find(x) as u8).collect();
         debug_assert_eq!(codes.len(), n);
-        (j, centroids, codes)
+        (centroids, codes)
     };
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(m);
-    let mut parts: Vec<(usize, Vec<f16>, Vec<u8>)> = std::thread::scope(|s| {
-        let encode = &encode;
-        let handles: Vec<_> =
-            (0..threads).map(|w| s.spawn(move || (w..m).step_by(threads).map(encode).collect::<Vec<_>>())).collect();
-        handles.into_iter().flat_map(|h| h.join().expect("pq build thread panicked")).collect()
-    });
-    parts.sort_by_key(|part| part.0);
-    let centroids = parts.iter().flat_map(|part| part.1.iter().copied()).collect();
-    (centroids, parts.into_iter().flat_map(|part| part.2).collect())
+    let parts = crate::threads::parallel(m, threads, encode);
+    let centroids = parts.iter().flat_map(|part| part.0.iter().copied()).collect();
+    (centroids, parts.into_iter().flat_map(|part| part.1).collect())
 }
 
 /// Nearest-centroid search for many points. The centroids are kept transposed (channel

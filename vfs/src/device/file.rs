@@ -1,7 +1,7 @@
 //! pread/pwrite with O_DIRECT: the fallback when io_uring is refused, and a device that can be
 //! asked for. Operations of a batch run one after another (queue depth 1).
 
-use super::{check_op, BlockDevice, DeviceInfo, Geometry, IoOp};
+use super::{check_op, sync_whole, BlockDevice, DeviceInfo, Geometry, IoOp};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -41,6 +41,6 @@ impl BlockDevice for FileDevice {
         ops.iter_mut().map(|op| self.run(op)).collect()
     }
     fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+        sync_whole(&self.file, self.geo, &self.path)
     }
 }

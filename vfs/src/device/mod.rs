@@ -176,6 +176,10 @@ impl DeviceChoice {
 /// [`Access::Write`] (a reader needs no write permission: a read-only file, mount or another
 /// user's store serves it).
 pub(crate) fn open_direct(path: &Path, access: Access) -> io::Result<File> {
+    // Checked before the open, which would wait forever on a pipe for a writer.
+    if let Ok(meta) = std::fs::metadata(path) {
+        refuse_other_file_types(path, &meta)?;
+    }
     let file = OpenOptions::new().read(true).write(access == Access::Write).custom_flags(libc::O_DIRECT).open(path);
     match file {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
@@ -191,6 +195,38 @@ pub(crate) fn open_direct(path: &Path, access: Access) -> io::Result<File> {
         }
         ok => ok,
     }
+}
+
+/// Fails unless `meta` is a regular file's or a block device's: a store lives on nothing else.
+pub(crate) fn refuse_other_file_types(path: &Path, meta: &std::fs::Metadata) -> io::Result<()> {
+    if meta.is_file() || meta.file_type().is_block_device() {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{} is neither a regular file nor a block device", path.display()),
+    ))
+}
+
+/// Makes a file device's completed writes durable ([`BlockDevice::flush`]), and fails when
+/// its file is now shorter than the store: cut by another process while open, it lost the
+/// blocks beyond its end, and a commit must not point at them.
+pub(crate) fn sync_whole(file: &File, geo: Geometry, path: &str) -> io::Result<()> {
+    file.sync_data()?;
+    let meta = file.metadata()?;
+    let bytes = geo.num_blocks * geo.block_size as u64;
+    if meta.is_file() && meta.len() < bytes {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{path} was cut to {} bytes while open, but the store holds {bytes} bytes: the blocks beyond its \
+                 end are lost, and nothing more is committed; extend the file back (truncate -s {bytes}), then run \
+                 ctxfs fsck",
+                meta.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Size in bytes of a regular file or a block device.
@@ -263,7 +299,18 @@ pub(crate) fn open_file(
 ) -> io::Result<Box<dyn BlockDevice>> {
     match choice {
         DeviceChoice::File => Ok(Box::new(FileDevice::new(path, file, block_size, None)?)),
-        DeviceChoice::Uring => Ok(Box::new(UringDevice::new(path, file, block_size)?)),
+        DeviceChoice::Uring => match UringDevice::new(path, file, block_size) {
+            Ok(dev) => Ok(Box::new(dev)),
+            Err(e) if refusal_note(&e).is_some() => Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "{}: io_uring setup refused ({e}): the kernel has it disabled (sysctl kernel.io_uring_disabled) \
+                     or a seccomp filter blocks it; --device auto or file reads and writes with pread/pwrite",
+                    path.display()
+                ),
+            )),
+            Err(e) => Err(e),
+        },
         DeviceChoice::Auto => {
             let spare = file.try_clone()?;
             match UringDevice::new(path, file, block_size) {

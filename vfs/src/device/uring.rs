@@ -3,7 +3,7 @@
 //! to callers (the buffer manager's frames, the writer's batches) and registering them per
 //! batch costs more than it saves.
 
-use super::{check_op, BlockDevice, DeviceInfo, Geometry, IoOp};
+use super::{check_op, sync_whole, BlockDevice, DeviceInfo, Geometry, IoOp};
 use io_uring::{opcode, types, IoUring};
 use std::collections::VecDeque;
 use std::fs::File;
@@ -136,6 +136,6 @@ impl BlockDevice for UringDevice {
         results
     }
     fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+        sync_whole(&self.file, self.geo, &self.path)
     }
 }
