@@ -739,6 +739,13 @@ fn an_error_target_is_met_on_real_attention() {
     let bad = AttentionOptions { target_error: Some(f32::NAN), ..Default::default() };
     let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &bad).unwrap_err();
     assert!(err.to_string().contains("error target"), "{err}");
+    // The budgeted plans cannot widen toward a target: asked for one, they refuse, never
+    // answer with a target they ignored.
+    for plan in [Plan::Quest, Plan::Infllm, Plan::Topk] {
+        let fixed = AttentionOptions { plan: Some(plan), target_error: Some(0.01), ..Default::default() };
+        let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &fixed).unwrap_err();
+        assert!(err.to_string().contains("takes a fixed budget"), "{plan:?}: {err}");
+    }
     drop((session, db));
 
     // Under a resident budget of about an eighth of the KV, the context is served compact: only

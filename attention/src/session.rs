@@ -505,6 +505,15 @@ impl Session {
         if let Some(b) = opts.beta.filter(|b| !(b.is_finite() && *b >= 0.0)) {
             return input(format!("the DIPR range beta must be a finite number ≥ 0, not {b}"));
         }
+        if let Some(p) =
+            opts.plan.filter(|p| opts.target_error.is_some() && matches!(p, Plan::Topk | Plan::Quest | Plan::Infllm))
+        {
+            return input(format!(
+                "an error target needs a plan that widens its search until it meets it (auto, full, flat, diprs, \
+                 graph-diprs or pq); {} takes a fixed budget",
+                p.name()
+            ));
+        }
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let choice = self.on_stored_index(layer, choice)?;
         let on_gpu = self.gpu_usable(opts);
@@ -774,6 +783,8 @@ impl Session {
             let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
             let scanned: Vec<Scanned<'_>> = scans.iter().map(|s| s.query(i)).collect();
+            // A scan knows every key's score, and so the exact mass a cut leaves out.
+            let exact = (choice.plan == Plan::Flat).then_some(&scanned[..]);
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::GraphDiprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
@@ -795,7 +806,7 @@ impl Session {
             // Without a refined target, only the tail's log-sum-exp is needed before the group's
             // q heads are all searched: their values are summed together after.
             let mut tail = if estimates_tail(choice, opts) || target.is_some() {
-                self.tail(&readers, &seeds, &found, (scale, refined.is_none()), &mut stats)?
+                self.tail(&readers, &seeds, &found, exact, (scale, refined.is_none()), &mut stats)?
             } else {
                 None
             };
@@ -813,7 +824,7 @@ impl Session {
                         }
                         _ => self.retrieved_part(&readers, &found, scale, &mut stats)?,
                     };
-                    let est = estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part);
+                    let est = estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part, tl.exact_lse);
                     retrieved = Some(part);
                     estimated_error = Some(est.error as f32);
                     let Some(wider) = t.refined(est, e).filter(|_| rounds < REFINEMENTS) else { break };
@@ -829,7 +840,7 @@ impl Session {
                     }
                     summed = std::mem::replace(&mut found, wider_found);
                     seeds = wider_seeds;
-                    tail = self.tail(&readers, &seeds, &found, (scale, false), &mut stats)?;
+                    tail = self.tail(&readers, &seeds, &found, exact, (scale, false), &mut stats)?;
                     rounds += 1;
                 }
             }
@@ -1599,17 +1610,24 @@ impl Session {
     /// only some segments would be biased. With `defer`, its values are left for
     /// [`Session::sum_tails`] to sum with the rest of the group's; its log-sum-exp is final
     /// either way.
+    ///
+    /// With every key's `exact` score (a scan's, per segment) and not deferred, it also holds
+    /// the mass left out, exactly ([`Tail::exact_lse`], for [`estimate`]: the seeds left out
+    /// alone miss it where none of them was left out).
+    #[allow(clippy::too_many_arguments)]
     fn tail(
         &self,
         readers: &[SegmentReader<'_>],
         seeds: &[SeedScores],
         found: &[(usize, u32, f32)],
+        exact: Option<&[Scanned<'_>]>,
         (scale, defer): (f32, bool),
         stats: &mut SearchStats,
     ) -> Result<Option<Tail>> {
         let started = Instant::now();
         let (prefix, win) = (self.prefix_tokens(), self.window);
         let (mut z, mut ids, mut spans) = (Vec::new(), Vec::new(), Vec::with_capacity(readers.len()));
+        let mut exact_lse = None;
         for (si, (r, s)) in readers.iter().zip(seeds).enumerate() {
             let l = r.index.layout();
             if !l.seed_values || s.stride != l.seed_stride {
@@ -1633,12 +1651,17 @@ impl Session {
                     z.push(f32::NEG_INFINITY);
                 }
             }
+            if let Some(all) = exact.filter(|_| !defer).map(|e| e[si].scores.scores) {
+                let scores = &all[..all.len().min(r.seg.usable as usize)];
+                let left_out = left_out_lse(scores, (si, r.seg.base), found, scale, |t| win.contains(prefix, t));
+                exact_lse = Some(log_add(exact_lse.unwrap_or(f32::NEG_INFINITY), left_out));
+            }
             spans.push(from..z.len());
         }
         let part = Partial::unsummed(ctxfs_kernels::active(), &mut z, self.shape.head_dim as usize);
         // An empty part has no values to sum (and `z` holds no weights).
         let weights = if part.is_empty() { Vec::new() } else { z };
-        let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights };
+        let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights, exact_lse };
         if !defer && !tail.weights.is_empty() {
             self.sum_tails(readers, &mut [&mut tail], stats)?;
         }
@@ -1671,6 +1694,36 @@ impl Session {
             t.spent += share;
         }
         Ok(share)
+    }
+}
+
+/// The log of the weight (`scale · q·k`) a segment's (`si`, its first token `base`) keys
+/// left out hold: of its exact `scores` (one a token), those neither in `found` (by token,
+/// then segment) nor `in_window`; −∞ where none is left out.
+fn left_out_lse(
+    scores: &[f32],
+    (si, base): (usize, u32),
+    found: &[(usize, u32, f32)],
+    scale: f32,
+    in_window: impl Fn(u32) -> bool,
+) -> f32 {
+    let mut weights: Vec<f32> = scores.iter().map(|&x| x * scale).collect();
+    let top = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if top == f32::NEG_INFINITY {
+        return top;
+    }
+    ctxfs_kernels::exp_sub(&mut weights, top);
+    for f in found.iter().filter(|f| f.0 == si) {
+        if let Some(w) = f.1.checked_sub(base).and_then(|local| weights.get_mut(local as usize)) {
+            *w = 0.0;
+        }
+    }
+    let sum: f64 =
+        weights.iter().enumerate().filter(|(u, _)| !in_window(base + *u as u32)).map(|(_, &w)| f64::from(w)).sum();
+    if sum > 0.0 {
+        top + sum.ln() as f32
+    } else {
+        f32::NEG_INFINITY
     }
 }
 
@@ -2017,6 +2070,8 @@ struct Tail {
     /// The unnormalised weights of every segment's seed rows, segment after segment, whose
     /// values are not yet summed into `part` ([`Session::sum_tails`]); empty once summed.
     weights: Vec<f32>,
+    /// With every key's exact score (a scan's), not deferred: the log of the mass left out.
+    exact_lse: Option<f32>,
 }
 
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the

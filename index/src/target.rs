@@ -24,8 +24,8 @@ use ctxfs_kernels::Partial;
 /// all 72). An estimate just above the target narrows the share by a few percent a
 /// widening: on the generator at 128K (`ctxfs bench search --heads 4 --queries 8`), with
 /// three the estimate was still above a 1% target after the last on 9 of the codes' 20
-/// misses (94.8% of 384 queries met) and 4 of the scan's 16 (95.8%); with six, 96.9% and
-/// 96.6% were met, retrieving as many tokens (1.01× the oracle's over all queries). Halving
+/// misses (94.8% of 384 queries met); with six, 96.9% were met, retrieving as many tokens
+/// (1.01× the oracle's over all queries). Halving
 /// the share from the second widening on met it as often but retrieved 1.08–1.12× the
 /// oracle's tokens there and up to 1.38× on SmolLM2's sets.
 pub const REFINEMENTS: usize = 6;
@@ -241,13 +241,22 @@ pub struct Estimate {
 /// The estimate for attention over the kept keys (`kept`: the window's and the retrieved
 /// tokens' partial) given the tail estimate (`tail`: attention over the seeds left out, each
 /// weighted by its stride), which stands for the keys left out.
-pub fn estimate(kept: &Partial, tail: &Partial) -> Estimate {
+///
+/// A scan knows the mass it left out exactly (`exact_lse`, its log). Where that is more than
+/// the seeds' estimate, the error is scaled up to it, in the seeds' direction; where no seed
+/// was left out but keys were, the error is the whole mass left out (nothing says where it
+/// points: the seeds alone said 0). Where the seeds' mass is the larger it stands: the seeds
+/// are all that samples the values left out, and on SmolLM2's attention their own mass kept
+/// the error below the estimate more often than the exact mass in their direction did.
+pub fn estimate(kept: &Partial, tail: &Partial, exact_lse: Option<f32>) -> Estimate {
+    let ls = f64::from(kept.lse());
+    let share = |lr: f64| if kept.is_empty() { 1.0 } else { 1.0 / (1.0 + (ls - lr).exp()) };
+    let exact = exact_lse.filter(|&l| l > f32::NEG_INFINITY).map_or(0.0, |l| share(f64::from(l)));
     if tail.is_empty() || kept.is_empty() {
-        let missing = if tail.is_empty() { 0.0 } else { 1.0 };
+        let missing = if tail.is_empty() { exact } else { 1.0 };
         return Estimate { missing, error: missing };
     }
-    let (ls, lr) = (f64::from(kept.lse()), f64::from(tail.lse()));
-    let missing = 1.0 / (1.0 + (ls - lr).exp());
+    let missing = share(f64::from(tail.lse()));
     let (mut diff, mut whole) = (0.0f64, 0.0f64);
     for (&s, &r) in kept.o.iter().zip(&tail.o) {
         let (s, r) = (f64::from(s), f64::from(r));
@@ -255,7 +264,7 @@ pub fn estimate(kept: &Partial, tail: &Partial) -> Estimate {
         whole += ((1.0 - missing) * s + missing * r).powi(2);
     }
     let error = if whole > 0.0 { missing * (diff / whole).sqrt() } else { missing };
-    Estimate { missing, error }
+    Estimate { missing: missing.max(exact), error: error * (exact / missing).max(1.0) }
 }
 
 #[cfg(test)]
@@ -324,6 +333,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_exact_mass_left_out_raises_the_estimate_and_never_lowers_it() {
+        let isa = ctxfs_kernels::active();
+        let attend = |z: &[f32], values: &[f32]| Partial::from_scores_on(isa, &mut z.to_vec(), values, 2);
+        // Kept: weight e^0 on (1, 0). Seeds left out: weight e^-3 pointing at (0, 1).
+        let kept = attend(&[0.0], &[1.0, 0.0]);
+        let tail = attend(&[-3.0], &[0.0, 1.0]);
+        let seeds = estimate(&kept, &tail, None);
+        let m = 1.0 / (1.0 + 3.0f64.exp());
+        assert!((seeds.missing - m).abs() < 1e-6, "{seeds:?}");
+        // The scan left out more (e^-2): the error grows with it, in the seeds' direction.
+        let more = estimate(&kept, &tail, Some(-2.0));
+        let m_exact = 1.0 / (1.0 + 2.0f64.exp());
+        assert!((more.missing - m_exact).abs() < 1e-6 && (more.error / seeds.error - m_exact / m).abs() < 1e-4);
+        // Less: the seeds' estimate stands.
+        assert_eq!(estimate(&kept, &tail, Some(-4.0)).error, seeds.error);
+        // No seed left out, but keys were: the whole mass left out is the error, not 0.
+        let none = estimate(&kept, &Partial::empty(2), Some(-2.0));
+        assert!((none.error - m_exact).abs() < 1e-6, "{none:?}");
+        assert_eq!(estimate(&kept, &Partial::empty(2), Some(f32::NEG_INFINITY)).error, 0.0);
+        assert_eq!(estimate(&kept, &Partial::empty(2), None).error, 0.0);
     }
 
     #[test]

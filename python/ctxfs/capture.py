@@ -72,6 +72,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="1,8,15,22,29", help="layers to keep, comma-separated")
     ap.add_argument("--train-queries", type=int, default=2048, help="prefill queries kept per layer")
     ap.add_argument("--rope-scale", type=float, help="linear RoPE scaling factor (default: as needed)")
+    ap.add_argument(
+        "--period",
+        type=int,
+        help="repeat the text's first PERIOD tokens throughout (text that repeats every so many tokens, as "
+        "fixed-width tables and templates do)",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from safetensors.numpy import save_file
@@ -88,6 +94,10 @@ def main(argv=None) -> int:
     if factor != 1:
         scale_rope(model, factor)
     ids = tok(texts.text(args.kind), return_tensors="pt").input_ids
+    if args.period is not None:
+        if args.period < 1:
+            ap.error("--period must be at least 1")
+        ids = ids[:, : args.period]
     while ids.shape[1] < needed:  # a text shorter than asked for repeats
         ids = torch.cat([ids, ids], 1)
     tensors = capture(model, ids, args.tokens, args.decode, layers, args.train_queries, sys.stderr.isatty())
@@ -97,6 +107,7 @@ def main(argv=None) -> int:
         "layers": ",".join(map(str, layers)),
         "rope_scaling": f"linear {factor:g}" if factor != 1 else "none",
         "decode_steps": str(args.decode),
+        "period": str(args.period or 0),
     }
     tmp = args.out + ".tmp"
     save_file(tensors, tmp, metadata=meta)

@@ -559,8 +559,10 @@ fn run_group(
         |target: Option<f32>, i: usize| target.map(|share| MassTarget { share, scale, window_lse: win_lse[i] });
     // A target row's answer is checked against its error estimate and, when that misses the
     // target, searched again for the refined mass target (as sessions do).
-    let estimated =
-        |f: &SearchResult, seeds: &[f32], i: usize| estimate_of(f, seeds, window, &win_z[i], &ix.values, d, scale);
+    // A scan's rows give every key's score (`exact`), and so the mass left out exactly.
+    let estimated = |f: &SearchResult, seeds: &[f32], exact: Option<&[f32]>, i: usize| {
+        estimate_of(f, (seeds, exact), window, &win_z[i], &ix.values, d, scale)
+    };
     let graph_meta =
         |s: &SearchStats, graph: &MemGraph| s.keys_scored * 2 * d as u64 + s.hops * 4 * graph.degree as u64;
     let graph_per_token = |graph: &MemGraph| (2 * d + 4 * graph.degree) as f64;
@@ -581,13 +583,15 @@ fn run_group(
                 if let (Some(e), Some(mut t)) = (target, targets[i]) {
                     let seeds = seeds_of(scan.scores(i));
                     for _ in 0..REFINEMENTS {
-                        let Some(wider) = t.refined(estimated(&f, &seeds, i).1, e) else { break };
+                        let Some(wider) = t.refined(estimated(&f, &seeds, Some(scan.scores(i)), i).1, e) else {
+                            break;
+                        };
                         t = wider;
                         f = flat::dipr_or_target(scan.scores(i), beta, win_max[i], Some(&t), scan.stats);
                     }
                 }
                 let scored = f.stats.keys_scored;
-                let estimate = target.map(|_| estimated(&f, &seeds_of(scan.scores(i)), i));
+                let estimate = target.map(|_| estimated(&f, &seeds_of(scan.scores(i)), Some(scan.scores(i)), i));
                 out.push(Selection {
                     ids: f.ids,
                     keys_scored: scored,
@@ -620,7 +624,7 @@ fn run_group(
                 let mut f = if warm { diprs_from(&idx, q, &params, &previous[i])? } else { diprs(&idx, q, &params)? };
                 if let (Some(e), Some(mut t)) = (target, params.target) {
                     for _ in 0..REFINEMENTS {
-                        let Some(wider) = t.refined(estimated(&f, &f.seeds.scores, i).1, e) else { break };
+                        let Some(wider) = t.refined(estimated(&f, &f.seeds.scores, None, i).1, e) else { break };
                         t = wider;
                         let stats = f.stats;
                         f = diprs_from(&idx, q, &DiprsParams { target: Some(t), ..params }, &f.ids)?;
@@ -631,7 +635,7 @@ fn run_group(
                     // A search's tokens come best first.
                     previous[i] = f.ids.iter().copied().take(WARM_START_TOKENS).collect();
                 }
-                let estimate = target.map(|_| estimated(&f, &f.seeds.scores, i));
+                let estimate = target.map(|_| estimated(&f, &f.seeds.scores, None, i));
                 out.push(Selection { target: estimate, ..searched(f, &ix.graph) });
             }
         }
@@ -693,11 +697,11 @@ fn run_group(
                         let mut t = mass_target(Some(target), i).expect("a target");
                         let mut f = select(&t)?;
                         for _ in 0..REFINEMENTS {
-                            let Some(wider) = t.refined(estimated(&f, &seeds, i).1, target) else { break };
+                            let Some(wider) = t.refined(estimated(&f, &seeds, None, i).1, target) else { break };
                             t = wider;
                             f = select(&t)?;
                         }
-                        let estimate = estimated(&f, &seeds, i);
+                        let estimate = estimated(&f, &seeds, None, i);
                         (f.ids, Some(estimate))
                     }
                 };
@@ -801,10 +805,11 @@ fn flat_group(scan: &GroupScan, beta: f32, win_max: &[f32], targets: &[Option<Ma
 
 /// A target row's error estimate ([`ctxfs_index::target::estimate`]): attention over the
 /// window (scores `win_z`) and the retrieved tokens against the tail estimate, the seeds
-/// (every [`SEED_STRIDE`]-th token; `seeds` their scores) neither holds.
+/// (every [`SEED_STRIDE`]-th token; `seeds` their scores) neither holds, and with every
+/// key's score (`exact`, a scan's) the mass the two leave out.
 fn estimate_of(
     f: &SearchResult,
-    seeds: &[f32],
+    (seeds, exact): (&[f32], Option<&[f32]>),
     window: &Window,
     win_z: &[f32],
     values: &[f16],
@@ -831,7 +836,11 @@ fn estimate_of(
         let mut zs: Vec<f32> = seed_z.iter().map(|s| s * scale + log_stride).collect();
         Partial::from_scores_on(ctxfs_kernels::active(), &mut zs, &rows, d)
     };
-    let e = estimate(&attend(&ids, &z, values, d, scale), &tail);
+    let exact_lse = exact.map(|scores| {
+        let mut left_out: Vec<f32> = scores.iter().zip(&kept).filter(|(_, &k)| !k).map(|(s, _)| s * scale).collect();
+        Partial::unsummed(ctxfs_kernels::active(), &mut left_out, d).lse()
+    });
+    let e = estimate(&attend(&ids, &z, values, d, scale), &tail, exact_lse);
     (tail, e)
 }
 
