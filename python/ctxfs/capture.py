@@ -79,6 +79,8 @@ def main(argv=None) -> int:
         "fixed-width tables and templates do)",
     )
     args = ap.parse_args(argv)
+    if args.period is not None and args.period < 1:
+        ap.error("--period must be at least 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from safetensors.numpy import save_file
 
@@ -95,8 +97,6 @@ def main(argv=None) -> int:
         scale_rope(model, factor)
     ids = tok(texts.text(args.kind), return_tensors="pt").input_ids
     if args.period is not None:
-        if args.period < 1:
-            ap.error("--period must be at least 1")
         ids = ids[:, : args.period]
     while ids.shape[1] < needed:  # a text shorter than asked for repeats
         ids = torch.cat([ids, ids], 1)

@@ -110,3 +110,26 @@ def test_served_compact_the_model_predicts_as_with_full_attention(smollm2, store
     # The codes' plan meets an output error target of 2% per query (`Rules::error_target`);
     # the window alone, for scale, moves this perplexity by tens of percent.
     assert abs(change) < 0.03
+
+
+def test_capture_writes_a_text_repeating_every_period_tokens(tmp_path):
+    """`python -m ctxfs.capture --period P`: the captured prefix is the text's first P tokens
+    over and over; a period below 1 is a usage error that writes nothing."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    out = tmp_path / "p.safetensors"
+    args = [sys.executable, "-m", "ctxfs.capture", str(out), "--kind", "prose", "--tokens", "320", "--decode", "2"]
+    args += ["--layers", "1", "--train-queries", "16"]
+    run = subprocess.run(args + ["--period", "96"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    with safe_open(str(out), "np") as f:
+        ids = f.get_tensor("tokens")
+        assert f.metadata()["period"] == "96"
+    assert len(ids) == 320 and (ids[96:] == ids[:-96]).all() and not (ids[1:] == ids[:-1]).all()
+    out.unlink()
+    bad = subprocess.run(args + ["--period", "0"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--period" in bad.stderr
+    assert not out.exists()

@@ -924,10 +924,11 @@ fn import_streams_a_file_larger_than_its_memory_and_buffer_budget() {
     let (status, peak) = peak_rss_kib(&mut child);
     assert!(status.success());
     // The import's buffer pool is 16 MiB, its writes hold 5 MiB (4 in flight, 1 being
-    // sealed), and one head is held at a time: its peak stays within 40 MiB while it reads
-    // 67 MiB.
+    // sealed), and one head is held at a time: its peak (32–39 MiB, alone and beside the
+    // other tests; each thread's allocator arena and stack count too) stays well below the
+    // 67 MiB it reads, which an import holding the file would exceed.
     assert!(file_kib > 60 * 1024, "{file_kib} KiB");
-    assert!(peak < 40 * 1024, "peak RSS {peak} KiB for a {file_kib} KiB file");
+    assert!(peak < 48 * 1024, "peak RSS {peak} KiB for a {file_kib} KiB file");
     let v = json(&["inspect", p(&store), "--json"]);
     assert_eq!(v["contexts"][0]["name"], "thin");
     assert_eq!(v["contexts"][0]["shape"]["layers"], 32);
