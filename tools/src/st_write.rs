@@ -55,7 +55,8 @@ pub struct StreamWriter {
 
 impl StreamWriter {
     /// Starts writing `path`, which must not exist unless `replace` is given; even then it
-    /// must be a regular file (a store, a device or a pipe there is never replaced).
+    /// must be a regular file (a directory, a link, a device or a pipe there is never
+    /// replaced).
     pub fn create(
         path: &Path,
         specs: &[TensorSpec],
