@@ -700,9 +700,12 @@ pub(crate) fn read_slots(dev: &dyn BlockDevice) -> Result<Vec<SlotStatus>> {
 pub(crate) fn pick(slots: &[SlotStatus]) -> Result<(Superblock, Option<Superblock>)> {
     let mut valid: Vec<Superblock> = slots.iter().filter_map(|s| s.result.as_ref().ok().copied()).collect();
     valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
-    // Every slot intact but longer than the device: a store file cut short, not another file.
+    // Every slot the device still holds intact but longer than the device (a slot cut off
+    // with the rest counts for one): a store file cut short, not another file.
     let newest_cut = slots.iter().filter_map(|s| s.beyond_device).max_by_key(|(sb, _)| sb.generation);
-    if let (true, Some((sb, device_blocks))) = (slots.iter().all(|s| s.beyond_device.is_some()), newest_cut) {
+    let cut_or_gone =
+        |s: &SlotStatus| s.beyond_device.is_some() || newest_cut.is_some_and(|(_, blocks)| s.slot >= blocks);
+    if let (true, Some((sb, device_blocks))) = (slots.iter().all(cut_or_gone), newest_cut) {
         let bytes = sb.total_blocks * sb.block_size as u64;
         return Err(Error::Io(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -545,6 +545,11 @@ fn a_store_file_cut_short_is_refused_as_truncated() {
     file.set_len(SIZE).unwrap();
     let dev = open_dev(&img, DeviceChoice::Uring);
     assert_eq!(fsck::check(dev.as_ref()).unwrap().exit_code(), fsck::EXIT_CLEAN);
+    drop(dev);
+    // Cut within the second superblock's block: that slot is gone with the rest.
+    file.set_len(BS as u64 + 1).unwrap();
+    let err = Store::open_path_read_only(&img, DeviceChoice::Uring).err().expect("refused").to_string();
+    assert!(err.contains("store truncated") && err.contains(&format!("truncate -s {SIZE}")), "{err}");
 }
 
 /// The record of a context the newest commit created, damaged: `--repair` leaves it for
