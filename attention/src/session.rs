@@ -26,7 +26,7 @@ use ctxfs_index::flat::{GroupScan, QueryScores};
 use ctxfs_index::paged::{for_row_runs, gather_rows, Layout, PagedIndex, Rows, StoredRows};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
-use ctxfs_index::target::{estimate, REFINEMENTS};
+use ctxfs_index::target::{estimate, left_out_lse, REFINEMENTS};
 use ctxfs_index::{flat, DiprsParams, Keys, MassTarget, SearchResult, SearchStats, SeedScores};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
@@ -1653,7 +1653,14 @@ impl Session {
             }
             if let Some(all) = exact.filter(|_| !defer).map(|e| e[si].scores.scores) {
                 let scores = &all[..all.len().min(r.seg.usable as usize)];
-                let left_out = left_out_lse(scores, (si, r.seg.base), found, scale, |t| win.contains(prefix, t));
+                let mut retrieved = vec![false; scores.len()];
+                for f in found.iter().filter(|f| f.0 == si) {
+                    if let Some(k) = f.1.checked_sub(r.seg.base).and_then(|local| retrieved.get_mut(local as usize)) {
+                        *k = true;
+                    }
+                }
+                let left_out =
+                    left_out_lse(scores, scale, |u| !retrieved[u] && !win.contains(prefix, r.seg.base + u as u32));
                 exact_lse = Some(log_add(exact_lse.unwrap_or(f32::NEG_INFINITY), left_out));
             }
             spans.push(from..z.len());
@@ -1694,36 +1701,6 @@ impl Session {
             t.spent += share;
         }
         Ok(share)
-    }
-}
-
-/// The log of the weight (`scale · q·k`) a segment's (`si`, its first token `base`) keys
-/// left out hold: of its exact `scores` (one a token), those neither in `found` (by token,
-/// then segment) nor `in_window`; −∞ where none is left out.
-fn left_out_lse(
-    scores: &[f32],
-    (si, base): (usize, u32),
-    found: &[(usize, u32, f32)],
-    scale: f32,
-    in_window: impl Fn(u32) -> bool,
-) -> f32 {
-    let mut weights: Vec<f32> = scores.iter().map(|&x| x * scale).collect();
-    let top = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if top == f32::NEG_INFINITY {
-        return top;
-    }
-    ctxfs_kernels::exp_sub(&mut weights, top);
-    for f in found.iter().filter(|f| f.0 == si) {
-        if let Some(w) = f.1.checked_sub(base).and_then(|local| weights.get_mut(local as usize)) {
-            *w = 0.0;
-        }
-    }
-    let sum: f64 =
-        weights.iter().enumerate().filter(|(u, _)| !in_window(base + *u as u32)).map(|(_, &w)| f64::from(w)).sum();
-    if sum > 0.0 {
-        top + sum.ln() as f32
-    } else {
-        f32::NEG_INFINITY
     }
 }
 

@@ -229,6 +229,23 @@ fn reaching(best: f32, s: f32) -> f32 {
     beta
 }
 
+/// The log of the weight (`scale · s`) of the `scores` that `left_out` (by index) says were
+/// left out: the exact mass a scan's cut leaves out, for [`estimate`]; −∞ where none was.
+pub fn left_out_lse(scores: &[f32], scale: f32, left_out: impl Fn(usize) -> bool) -> f32 {
+    let mut weights: Vec<f32> = scores.iter().map(|&x| x * scale).collect();
+    let top = ctxfs_kernels::max(&weights);
+    if top == f32::NEG_INFINITY {
+        return top;
+    }
+    ctxfs_kernels::exp_sub(&mut weights, top);
+    let sum: f64 = weights.iter().enumerate().filter(|&(i, _)| left_out(i)).map(|(_, &w)| f64::from(w)).sum();
+    if sum > 0.0 {
+        top + sum.ln() as f32
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
 /// What attention over the kept keys is estimated to miss.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Estimate {
@@ -356,6 +373,15 @@ mod tests {
         assert!((none.error - m_exact).abs() < 1e-6, "{none:?}");
         assert_eq!(estimate(&kept, &Partial::empty(2), Some(f32::NEG_INFINITY)).error, 0.0);
         assert_eq!(estimate(&kept, &Partial::empty(2), None).error, 0.0);
+    }
+
+    #[test]
+    fn the_mass_left_out_is_the_weight_of_the_keys_left_out() {
+        // Left out: -2.0 (weight e^-1 at scale 0.5) and a masked key (weight 0).
+        let scores = [1.0f32, -2.0, 0.5, f32::NEG_INFINITY, -1.0];
+        assert!((left_out_lse(&scores, 0.5, |i| i % 2 == 1) + 1.0).abs() < 1e-6);
+        assert_eq!(left_out_lse(&scores, 0.5, |_| false), f32::NEG_INFINITY);
+        assert_eq!(left_out_lse(&[f32::NEG_INFINITY; 3], 0.5, |_| true), f32::NEG_INFINITY);
     }
 
     #[test]

@@ -101,10 +101,10 @@ pub fn drop_scratch(store: &Store, name: &str) -> Result<()> {
 /// Makes room for `blocks` blocks, committing once if freed space is waiting for it.
 pub fn ensure_free(store: &Store, blocks: u64) -> Result<()> {
     let space = store.space();
-    if space.free < blocks && space.free + space.reclaimable >= blocks {
-        store.begin()?.commit()?;
-    }
-    let free = store.space().free;
+    let free = match space.free < blocks && space.free + space.reclaimable >= blocks {
+        true => store.reclaim()?,
+        false => space.free,
+    };
     anyhow::ensure!(free >= blocks, "the store has {free} free blocks; the benchmark needs {blocks} (make it smaller)");
     Ok(())
 }

@@ -42,7 +42,7 @@ use ctxfs_index::flat::GroupScan;
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs, diprs_from, topk};
 use ctxfs_index::synth::{head, HeadData, Rng, SynthParams};
-use ctxfs_index::target::{estimate, REFINEMENTS};
+use ctxfs_index::target::{estimate, left_out_lse, REFINEMENTS};
 use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemGraph, MemKeys};
 use ctxfs_index::{Estimate, Keys, MassTarget, Pair, SearchResult, SearchStats};
 use ctxfs_kernels::Partial;
@@ -836,10 +836,7 @@ fn estimate_of(
         let mut zs: Vec<f32> = seed_z.iter().map(|s| s * scale + log_stride).collect();
         Partial::from_scores_on(ctxfs_kernels::active(), &mut zs, &rows, d)
     };
-    let exact_lse = exact.map(|scores| {
-        let mut left_out: Vec<f32> = scores.iter().zip(&kept).filter(|(_, &k)| !k).map(|(s, _)| s * scale).collect();
-        Partial::unsummed(ctxfs_kernels::active(), &mut left_out, d).lse()
-    });
+    let exact_lse = exact.map(|scores| left_out_lse(scores, scale, |t| !kept[t]));
     let e = estimate(&attend(&ids, &z, values, d, scale), &tail, exact_lse);
     (tail, e)
 }
