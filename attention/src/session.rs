@@ -83,8 +83,8 @@ pub struct AttentionOptions {
     pub plan: Option<Plan>,
     /// DIPR range below the best inner product, in inner-product units. `None`: the range
     /// reaches down to the softmax weight at which the tail estimate takes over within the
-    /// error target, `ln(SEED_STRIDE / Rules::error_target) / scale` (8.48 logits: 67.8 at
-    /// d = 64, 95.9 at d = 128): a token left out is estimated by a seed that stands for
+    /// error target, `ln(SEED_STRIDE / Rules::error_target) / scale` (8.49 logits: 67.9 at
+    /// d = 64, 96.0 at d = 128): a token left out is estimated by a seed that stands for
     /// `SEED_STRIDE` tokens, so one lighter than `error_target / SEED_STRIDE` of the best
     /// moves the estimate by less than the target. The same cut in softmax terms at every
     /// head dimension and scale (docs/benchmarks.md, "The default range").
@@ -108,12 +108,12 @@ pub struct AttentionOptions {
     /// afresh, so a call's answer does not depend on the calls before it.
     pub warm_start: bool,
     /// Estimate the softmax over the tokens a DIPR plan (DIPRS, flat) neither retrieved nor
-    /// holds in the window, from the seed sample its index stores (every 96th token's key
-    /// and value): each such seed stands for the 96 tokens of its stride. A diffuse head
-    /// holds most of its attention outside any range a search can retrieve; without this,
-    /// that mass is lost. `None`: the optimizer's plans estimate it, a forced plan gives the
-    /// bare DIPR answer (an error target keeps it on). Indexes stored before layout 4 have no
-    /// seed values: no estimate.
+    /// holds in the window, from the seed sample its index stores (every 97th token's key
+    /// and value, as indexes are written): each such seed stands for its stride's tokens. A
+    /// diffuse head holds most of its attention outside any range a search can retrieve;
+    /// without this, that mass is lost. `None`: the optimizer's plans estimate it, a forced
+    /// plan gives the bare DIPR answer (an error target keeps it on). Indexes stored before
+    /// layout 4 have no seed values: no estimate.
     pub tail: Option<bool>,
     /// Ask for an output error at most this (relative to exact attention's output norm)
     /// instead of a fixed β: the range is cut per query where the softmax mass left out meets
@@ -227,6 +227,14 @@ struct SegmentReader<'a> {
     seg: Segment,
     index: PagedIndex<'a>,
     file: &'a FileBlocks,
+}
+
+impl SegmentReader<'_> {
+    /// Every how many tokens the segment's seeds are: its index's seed table's stride, which
+    /// its codes' samples share (one writer wrote both).
+    fn seed_stride(&self) -> u32 {
+        self.index.layout().search_stride()
+    }
 }
 
 /// One q head's attention in two parts: over the window and the session's own tokens, and
@@ -783,8 +791,16 @@ impl Session {
             let own_scores = OwnScores { win_z: &win_z, fresh_z: &fresh_z };
             let searching = Instant::now();
             let scanned: Vec<Scanned<'_>> = scans.iter().map(|s| s.query(i)).collect();
-            // A scan knows every key's score, and so the exact mass a cut leaves out.
-            let exact = (choice.plan == Plan::Flat).then_some(&scanned[..]);
+            // Every key's score, and so the mass a cut leaves out: a scan's exactly, the codes'
+            // approximately where they scored every key (an error target's scan, not a kept
+            // or a range's).
+            let every = match choice.plan {
+                Plan::Flat => Some(&scanned[..]),
+                Plan::Pq | Plan::Diprs if !scanned.is_empty() && scanned.iter().all(Scanned::has_every_score) => {
+                    Some(&scanned[..])
+                }
+                _ => None,
+            };
             let slot = layer * self.shape.q_heads as usize + h * (qs.len() / d) + i;
             let warm = choice.plan == Plan::GraphDiprs && opts.warm_start;
             // Taken, not copied: this search replaces them.
@@ -806,7 +822,7 @@ impl Session {
             // Without a refined target, only the tail's log-sum-exp is needed before the group's
             // q heads are all searched: their values are summed together after.
             let mut tail = if estimates_tail(choice, opts) || target.is_some() {
-                self.tail(&readers, &seeds, &found, exact, (scale, refined.is_none()), &mut stats)?
+                self.tail(&readers, &seeds, &found, every, (scale, refined.is_none()), &mut stats)?
             } else {
                 None
             };
@@ -824,7 +840,8 @@ impl Session {
                         }
                         _ => self.retrieved_part(&readers, &found, scale, &mut stats)?,
                     };
-                    let est = estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part, tl.exact_lse);
+                    let est =
+                        estimate(&Partial::merge(&[own.clone(), part.clone()]), &tl.part, tl.left_out_lse, tl.variance);
                     retrieved = Some(part);
                     estimated_error = Some(est.error as f32);
                     let Some(wider) = t.refined(est, e).filter(|_| rounds < REFINEMENTS) else { break };
@@ -840,7 +857,7 @@ impl Session {
                     }
                     summed = std::mem::replace(&mut found, wider_found);
                     seeds = wider_seeds;
-                    tail = self.tail(&readers, &seeds, &found, exact, (scale, false), &mut stats)?;
+                    tail = self.tail(&readers, &seeds, &found, every, (scale, false), &mut stats)?;
                     rounds += 1;
                 }
             }
@@ -1183,7 +1200,7 @@ impl Session {
         let pq = self.pq_of(r, run)?;
         if let Some(device) = self.db.inner.device_codes.as_ref().filter(|_| self.gpu_usable(opts)) {
             let kept = match want {
-                CodesWant::Best(k) => device.scan_kept(&pq, run, qs, r.seg.filter(), (k, SEED_STRIDE))?,
+                CodesWant::Best(k) => device.scan_kept(&pq, run, qs, r.seg.filter(), (k, r.seed_stride()))?,
                 CodesWant::Every | CodesWant::Above { .. } => DeviceScan::Done(None),
             };
             match kept {
@@ -1199,7 +1216,7 @@ impl Session {
         }
         match want {
             CodesWant::Best(k) => {
-                if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, SEED_STRIDE)? {
+                if let Some(kept) = pq.token_best_many(qs, r.seg.filter(), k, r.seed_stride())? {
                     return Ok(GroupCodes::Kept { kept, seeds: self.group_seeds(r, qs)? });
                 }
             }
@@ -1213,7 +1230,7 @@ impl Session {
                 };
                 // Where the run cannot keep them (no sample codes), every score; the seeds
                 // scored stand either way.
-                let scan = match pq.token_above_many(qs, r.seg.filter(), SEED_STRIDE, &floor)? {
+                let scan = match pq.token_above_many(qs, r.seg.filter(), r.seed_stride(), &floor)? {
                     Some(group) => RangeGroup::Above(group),
                     None => RangeGroup::Every(pq.token_scores_many(qs, r.seg.filter())?),
                 };
@@ -1224,12 +1241,12 @@ impl Session {
         Ok(GroupCodes::Scores(pq.token_scores_many(qs, r.seg.filter())?))
     }
 
-    /// The exact scores of a segment's seeds (every [`SEED_STRIDE`]-th token) for each query
-    /// of a GQA group: one scan of the seed table for all of them. The first query's counts
+    /// The exact scores of a segment's seeds (every [`SegmentReader::seed_stride`]-th token)
+    /// for each query of a GQA group: one scan of the seed table for all of them. The first query's counts
     /// the blocks the scan touched; each counts its seeds as keys scored.
     fn group_seeds(&self, r: &SegmentReader<'_>, qs: &[f32]) -> Result<Vec<SeedsScored>> {
         let (mut all, mut stats) = (Vec::new(), SearchStats::default());
-        let len = r.index.score_strided_many(SEED_STRIDE, r.seg.usable, qs, &mut all, &mut stats)?;
+        let len = r.index.score_strided_many(r.seed_stride(), r.seg.usable, qs, &mut all, &mut stats)?;
         let scored = SearchStats { keys_scored: len as u64, ..SearchStats::default() };
         Ok((0..qs.len() / self.shape.head_dim as usize)
             .map(|i| SeedsScored {
@@ -1296,6 +1313,7 @@ impl Session {
         stats: &mut SearchStats,
     ) -> Result<SearchResult> {
         let (index, seg, scored, approx) = (&r.index, &r.seg, scan.scores, scan.scores.scores);
+        let stride = r.seed_stride();
         let seeds = match scan.seeds {
             Some(scored) => {
                 *stats += scored.stats;
@@ -1303,16 +1321,16 @@ impl Session {
             }
             None => {
                 let mut seeds = Vec::new();
-                index.score_strided(SEED_STRIDE, seg.usable, q, &mut seeds, stats)?;
+                index.score_strided(stride, seg.usable, q, &mut seeds, stats)?;
                 seeds
             }
         };
-        // The codes' scores of the seeds' tokens (every `SEED_STRIDE`-th), which a target's and
+        // The codes' scores of the seeds' tokens (every `stride`-th), which a target's and
         // a budget's margins are measured on (a range measures its own): a kept scan kept them.
         let samples = || -> Cow<'_, [f32]> {
             match scan.kept {
                 Some(kept) => Cow::Borrowed(&kept.samples),
-                None => approx.iter().step_by(SEED_STRIDE as usize).copied().collect(),
+                None => approx.iter().step_by(stride as usize).copied().collect(),
             }
         };
         // The codes read beyond the scan: every score again (a range), or the residual codes
@@ -1362,7 +1380,7 @@ impl Session {
                     Ok(f.pq.refine(&f.table, ids, scores, &mut refine_work)?)
                 };
                 let mut refiner = LazyRefine::new(make, refine);
-                approx::range_on_codes(given, &seeds, best, beta, &mut refiner, &mut score, every)?
+                approx::range_on_codes(given, (&seeds, stride), best, beta, &mut refiner, &mut score, every)?
             }
             CodesChoice::Best { want, budget, negligible } => {
                 // (token, approximate score), ascending by token.
@@ -1405,7 +1423,7 @@ impl Session {
         codes_work += tables_work;
         codes_work += refine_work;
         found.stats += SearchStats { keys_scored: 0, ..codes_work };
-        found.seeds = SeedScores { stride: SEED_STRIDE, scores: seeds };
+        found.seeds = SeedScores { stride, scores: seeds };
         Ok(found)
     }
 
@@ -1422,7 +1440,8 @@ impl Session {
     ) -> Result<Option<Refiner<'a>>> {
         let pq = self.open_pq(r)?;
         let Some(table) = pq.residual_table(q, stats)? else { return Ok(None) };
-        let margin = approx::refined_margin(seeds, samples, |ids, s| pq.refine(&table, ids, s, stats))?;
+        let margin =
+            approx::refined_margin((seeds, r.seed_stride()), samples, |ids, s| pq.refine(&table, ids, s, stats))?;
         Ok(Some(Refiner { pq, table, margin }))
     }
 
@@ -1486,6 +1505,7 @@ impl Session {
                         expand_limit: budget.map(|b| b * 2 + in_window as usize),
                         range_target: budget.filter(|_| tail),
                         target,
+                        seed_stride: Some(readers[si].seed_stride()),
                         ..Default::default()
                     },
                     &previous.iter().filter(|p| p.0 == si).map(|p| p.1).collect::<Vec<_>>(),
@@ -1529,10 +1549,13 @@ impl Session {
             };
             if tail {
                 seeds.push(match plan {
-                    Plan::Flat => SeedScores {
-                        stride: SEED_STRIDE,
-                        scores: scanned[si].scores.scores.iter().step_by(SEED_STRIDE as usize).copied().collect(),
-                    },
+                    Plan::Flat => {
+                        let stride = readers[si].seed_stride();
+                        SeedScores {
+                            stride,
+                            scores: scanned[si].scores.scores.iter().step_by(stride as usize).copied().collect(),
+                        }
+                    }
                     _ => r.seeds,
                 });
             }
@@ -1611,23 +1634,23 @@ impl Session {
     /// [`Session::sum_tails`] to sum with the rest of the group's; its log-sum-exp is final
     /// either way.
     ///
-    /// With every key's `exact` score (a scan's, per segment) and not deferred, it also holds
-    /// the mass left out, exactly ([`Tail::exact_lse`], for [`estimate`]: the seeds left out
-    /// alone miss it where none of them was left out).
+    /// With `every` key's score (a scan's, exact, or the codes', per segment) and not
+    /// deferred, it also holds the mass left out measured on them ([`Tail::left_out_lse`],
+    /// for [`estimate`]: the seeds left out alone miss it where none or few of them were).
     #[allow(clippy::too_many_arguments)]
     fn tail(
         &self,
         readers: &[SegmentReader<'_>],
         seeds: &[SeedScores],
         found: &[(usize, u32, f32)],
-        exact: Option<&[Scanned<'_>]>,
+        every: Option<&[Scanned<'_>]>,
         (scale, defer): (f32, bool),
         stats: &mut SearchStats,
     ) -> Result<Option<Tail>> {
         let started = Instant::now();
         let (prefix, win) = (self.prefix_tokens(), self.window);
         let (mut z, mut ids, mut spans) = (Vec::new(), Vec::new(), Vec::with_capacity(readers.len()));
-        let mut exact_lse = None;
+        let mut every_lse = None;
         for (si, (r, s)) in readers.iter().zip(seeds).enumerate() {
             let l = r.index.layout();
             if !l.seed_values || s.stride != l.seed_stride {
@@ -1651,7 +1674,7 @@ impl Session {
                     z.push(f32::NEG_INFINITY);
                 }
             }
-            if let Some(all) = exact.filter(|_| !defer).map(|e| e[si].scores.scores) {
+            if let Some(all) = every.filter(|_| !defer).map(|e| e[si].scores.scores) {
                 let scores = &all[..all.len().min(r.seg.usable as usize)];
                 let mut retrieved = vec![false; scores.len()];
                 for f in found.iter().filter(|f| f.0 == si) {
@@ -1661,14 +1684,33 @@ impl Session {
                 }
                 let left_out =
                     left_out_lse(scores, scale, |u| !retrieved[u] && !win.contains(prefix, r.seg.base + u as u32));
-                exact_lse = Some(log_add(exact_lse.unwrap_or(f32::NEG_INFINITY), left_out));
+                every_lse = Some(log_add(every_lse.unwrap_or(f32::NEG_INFINITY), left_out));
             }
             spans.push(from..z.len());
         }
         let part = Partial::unsummed(ctxfs_kernels::active(), &mut z, self.shape.head_dim as usize);
+        // The variance of the estimate where an answer's error is estimated from it (not
+        // deferred): the spread of each segment's seed values over the seeds' effective
+        // number, `z` now holding their weights.
+        let mut variance = 0.0;
+        if !defer && !part.is_empty() {
+            let (mut spread, mut sum, mut squares) = (0.0f64, 0.0f64, 0.0f64);
+            for (r, span) in readers.iter().zip(&spans) {
+                let w: f64 = z[span.clone()].iter().map(|&w| f64::from(w)).sum();
+                squares += z[span.clone()].iter().map(|&w| f64::from(w) * f64::from(w)).sum::<f64>();
+                if w > 0.0 {
+                    spread += w * r.index.seed_value_spread(stats).expect("checked above: it has seed values")?;
+                }
+                sum += w;
+            }
+            if sum > 0.0 {
+                // spread / sum: the seeds' spread; squares / sum²: one over their effective number.
+                variance = spread / sum * squares / (sum * sum);
+            }
+        }
         // An empty part has no values to sum (and `z` holds no weights).
         let weights = if part.is_empty() { Vec::new() } else { z };
-        let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights, exact_lse };
+        let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights, left_out_lse: every_lse, variance };
         if !defer && !tail.weights.is_empty() {
             self.sum_tails(readers, &mut [&mut tail], stats)?;
         }
@@ -1799,6 +1841,11 @@ impl<'a> Scanned<'a> {
     /// Every score and the work: what plans other than the codes' best take.
     fn all(&self) -> (QueryScores<'a>, SearchStats) {
         (self.scores, self.stats)
+    }
+
+    /// Whether it holds every key's score: not only the best kept, nor a range's.
+    fn has_every_score(&self) -> bool {
+        self.kept.is_none() && self.range.is_none()
     }
 
     /// The same scan without its work: for a wider retrieval from scores already counted.
@@ -2047,8 +2094,12 @@ struct Tail {
     /// The unnormalised weights of every segment's seed rows, segment after segment, whose
     /// values are not yet summed into `part` ([`Session::sum_tails`]); empty once summed.
     weights: Vec<f32>,
-    /// With every key's exact score (a scan's), not deferred: the log of the mass left out.
-    exact_lse: Option<f32>,
+    /// With every key's score (a scan's exact ones, or the codes'), not deferred: the log of
+    /// the mass left out, measured on them.
+    left_out_lse: Option<f32>,
+    /// Not deferred: the variance of `part`'s output as an estimate of the values left out
+    /// ([`estimate`]; 0 when deferred).
+    variance: f64,
 }
 
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the

@@ -10,7 +10,7 @@
 
 use ctxfs_buffer::{BlockRequest, BlockSource, BufferError, BufferPool, FrameHint, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmParams, PagedInfllm};
-use ctxfs_index::coarse::pq::{PagedPq, Pq, PqParams};
+use ctxfs_index::coarse::pq::{PagedPq, Pq, PqParams, SAMPLE_STRIDE};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestParams};
 use ctxfs_index::coarse::{run_of, CoarseKind};
 use ctxfs_index::paged::{gather_rows, index_payloads, row_payloads, PagedIndex, Rows};
@@ -201,9 +201,9 @@ fuzz_target!(|data: &[u8]| {
             CoarseKind::Infllm => PagedInfllm::open(&pool, run).map(|c| c.select(q, budget, prefix)),
             CoarseKind::Pq => PagedPq::open(&pool, run).map(|c| {
                 // The kept scans read the sample blocks a damaged meta block may claim.
-                let _ = c.token_best_many(&p.queries[..2 * D], prefix, budget, 96);
+                let _ = c.token_best_many(&p.queries[..2 * D], prefix, budget, SAMPLE_STRIDE);
                 let median = |_: usize, sample: &[f32]| sample.get(sample.len() / 2).copied();
-                let _ = c.token_above_many(&p.queries[..2 * D], prefix, 96, &median);
+                let _ = c.token_above_many(&p.queries[..2 * D], prefix, SAMPLE_STRIDE, &median);
                 // The residual codes a damaged meta block may claim, looked up at both ends
                 // and the middle.
                 let (dim, n) = (c.meta().dim as usize, c.meta().tokens);

@@ -76,11 +76,10 @@ pub trait Refine<E>: FnOnce(&[u32], &mut [f32]) -> Result<Option<f32>, E> {}
 impl<E, F: FnOnce(&[u32], &mut [f32]) -> Result<Option<f32>, E>> Refine<E> for F {}
 
 /// [`margin`] of refined scores, on the seeds (at most [`REFINED_MARGIN_SEEDS`] of them,
-/// evenly spread): `seeds` are the exact scores of every [`crate::search::SEED_STRIDE`]-th
-/// key, `samples` their approximate ones, and `refine` adds the refinement to the scores of
-/// the ids it is given.
+/// evenly spread): `seeds` are the exact scores of every `stride`-th key, `samples` their
+/// approximate ones, and `refine` adds the refinement to the scores of the ids it is given.
 pub fn refined_margin<E>(
-    seeds: &[f32],
+    (seeds, stride): (&[f32], u32),
     samples: &[f32],
     refine: impl FnOnce(&[u32], &mut [f32]) -> Result<(), E>,
 ) -> Result<f32, E> {
@@ -88,7 +87,7 @@ pub fn refined_margin<E>(
     // Evenly spread, at most `REFINED_MARGIN_SEEDS` of them.
     let step = n.div_ceil(REFINED_MARGIN_SEEDS).max(1);
     let picked: Vec<usize> = (0..n).step_by(step).collect();
-    let ids: Vec<u32> = picked.iter().map(|&j| j as u32 * crate::search::SEED_STRIDE).collect();
+    let ids: Vec<u32> = picked.iter().map(|&j| j as u32 * stride).collect();
     let mut refined: Vec<f32> = picked.iter().map(|&j| samples[j]).collect();
     refine(&ids, &mut refined)?;
     let exact: Vec<f32> = picked.iter().map(|&j| seeds[j]).collect();
@@ -162,9 +161,9 @@ pub trait Approx {
     /// The keys whose approximate score reaches `cut`, as (id, score), ascending by id;
     /// `None` where `cut` is below what was kept.
     fn reaching(&self, cut: f32) -> Option<Vec<(u32, f32)>>;
-    /// The approximate scores of the seeds' tokens (every [`crate::search::SEED_STRIDE`]-th),
-    /// which margins are measured on.
-    fn samples(&self) -> Cow<'_, [f32]>;
+    /// The approximate scores of the seeds' tokens (every `stride`-th), which margins are
+    /// measured on.
+    fn samples(&self, stride: u32) -> Cow<'_, [f32]>;
 }
 
 impl Approx for QueryScores<'_> {
@@ -176,8 +175,8 @@ impl Approx for QueryScores<'_> {
         Some(QueryScores::reaching(self, cut).into_iter().map(|t| (t, self.scores[t as usize])).collect())
     }
 
-    fn samples(&self) -> Cow<'_, [f32]> {
-        Cow::Owned(self.scores.iter().step_by(crate::search::SEED_STRIDE as usize).copied().collect())
+    fn samples(&self, stride: u32) -> Cow<'_, [f32]> {
+        Cow::Owned(self.scores.iter().step_by(stride as usize).copied().collect())
     }
 }
 
@@ -190,7 +189,8 @@ impl Approx for ScoresAbove {
         (cut >= self.floor).then(|| self.tokens.iter().copied().filter(|p| p.1 >= cut).collect())
     }
 
-    fn samples(&self) -> Cow<'_, [f32]> {
+    /// The scan kept the samples of the stride it was asked for, the seeds'.
+    fn samples(&self, _stride: u32) -> Cow<'_, [f32]> {
         Cow::Borrowed(&self.samples)
     }
 }
@@ -300,6 +300,7 @@ pub fn in_range<E>(
     known_max: f32,
     beta: f32,
     margin: f32,
+    seed_stride: u32,
     refiner: &mut impl RangeRefine<E>,
     mut score: impl FnMut(&[u32]) -> Result<Vec<f32>, E>,
 ) -> Result<Option<Vec<(u32, f32)>>, E> {
@@ -325,7 +326,7 @@ pub fn in_range<E>(
             reached.retain(|&(_, a)| a < reached_down_to);
             reached_down_to = cut;
             if round == 0 {
-                refined_margin = refiner.start(&scored.samples())?.map(|m| m.max(0.0));
+                refined_margin = refiner.start(&scored.samples(seed_stride))?.map(|m| m.max(0.0));
             }
             let ids: Vec<u32> = reached.iter().map(|r| r.0).collect();
             let mut refined: Vec<f32> = reached.iter().map(|r| r.1).collect();
@@ -390,13 +391,13 @@ pub fn known_max(seeds: &[f32], window_max: f32) -> f32 {
 
 /// A query's DIPR range on the codes, as (id, exact score), ascending: [`in_range`] from what
 /// the scan gave (`scan`), its margin measured on the seeds' exact scores (`seeds`, every
-/// [`crate::search::SEED_STRIDE`]-th key's), the best known beside them `window_max`, its
+/// `stride`-th key's), the best known beside them `window_max`, its
 /// candidates refined by `refiner` where that pays. Where the scan kept too little for the
 /// range, `every` scans this query's every score (a group of one query) and the range is
 /// found from those; it is the range every score gives.
 pub fn range_on_codes<E>(
     scan: RangeScan<'_>,
-    seeds: &[f32],
+    (seeds, stride): (&[f32], u32),
     window_max: f32,
     beta: f32,
     refiner: &mut impl RangeRefine<E>,
@@ -406,23 +407,27 @@ pub fn range_on_codes<E>(
     let known = known_max(seeds, window_max);
     let found = match scan {
         RangeScan::Every(scores) => {
-            let margin = seed_margin(seeds, scores.scores, crate::search::SEED_STRIDE);
-            in_range(&scores, known, beta, margin, refiner, &mut score)?
+            let margin = seed_margin(seeds, scores.scores, stride);
+            in_range(&scores, known, beta, margin, stride, refiner, &mut score)?
         }
-        RangeScan::Above(Some(kept)) => in_range(kept, known, beta, margin(seeds, &kept.samples), refiner, &mut score)?,
+        RangeScan::Above(Some(kept)) => {
+            in_range(kept, known, beta, margin(seeds, &kept.samples), stride, refiner, &mut score)?
+        }
         RangeScan::Above(None) => None,
     };
     if let Some(pairs) = found {
         return Ok(pairs);
     }
     let scan = every()?;
-    let margin = seed_margin(seeds, scan.scores(0), crate::search::SEED_STRIDE);
-    Ok(in_range(&scan.query(0), known, beta, margin, refiner, &mut score)?.expect("every score reaches any cut"))
+    let margin = seed_margin(seeds, scan.scores(0), stride);
+    Ok(in_range(&scan.query(0), known, beta, margin, stride, refiner, &mut score)?
+        .expect("every score reaches any cut"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::search::SEED_STRIDE;
     use std::cell::RefCell;
 
     #[test]
@@ -489,6 +494,7 @@ mod tests {
                 known,
                 beta,
                 margin,
+                SEED_STRIDE,
                 &mut Unrefined,
                 |ids| -> Result<Vec<f32>, ()> {
                     asked = ids.to_vec();
@@ -525,8 +531,9 @@ mod tests {
             Ok(ids.iter().map(|&t| exact[t as usize]).collect())
         };
         let (known, beta, margin) = (6.0, 4.0, 0.5);
-        let every =
-            in_range(&QueryScores::plain(&approx), known, beta, margin, &mut Unrefined, score).unwrap().unwrap();
+        let every = in_range(&QueryScores::plain(&approx), known, beta, margin, SEED_STRIDE, &mut Unrefined, score)
+            .unwrap()
+            .unwrap();
         let lowest = lowest_asked.get();
         assert!(every.len() > 10, "{} keys in the range", every.len());
         let floor = range_floor(known, beta, margin);
@@ -535,19 +542,24 @@ mod tests {
             floor,
             tokens: (0..approx.len() as u32).map(|t| (t, approx[t as usize])).filter(|p| p.1 >= floor).collect(),
         };
-        assert_eq!(in_range(&kept(floor), known, beta, margin, &mut Unrefined, score).unwrap(), Some(every));
+        assert_eq!(
+            in_range(&kept(floor), known, beta, margin, SEED_STRIDE, &mut Unrefined, score).unwrap(),
+            Some(every)
+        );
         // Kept above the least approximate score a round asked for, a round reaches below what
         // was kept.
         assert!(floor <= lowest, "{floor} > {lowest}");
-        assert_eq!(in_range(&kept(lowest + 1e-3), known, beta, margin, &mut Unrefined, score).unwrap(), None);
+        assert_eq!(
+            in_range(&kept(lowest + 1e-3), known, beta, margin, SEED_STRIDE, &mut Unrefined, score).unwrap(),
+            None
+        );
         // None above the floor (the best known is far above every key): an empty range.
         let none = ScoresAbove { samples: Vec::new(), floor: 100.0, tokens: Vec::new() };
-        assert_eq!(in_range(&none, 110.0, beta, margin, &mut Unrefined, score).unwrap(), Some(Vec::new()));
+        assert_eq!(in_range(&none, 110.0, beta, margin, SEED_STRIDE, &mut Unrefined, score).unwrap(), Some(Vec::new()));
     }
 
     #[test]
     fn a_range_on_the_codes_is_every_scores_however_much_the_scan_kept() {
-        use crate::search::SEED_STRIDE;
         use crate::stats::SearchStats;
         let mut rng = crate::synth::Rng::new(7);
         let n = 9_600;
@@ -568,7 +580,8 @@ mod tests {
                 *rescans.borrow_mut() += 1;
                 Ok(GroupScan::new(approx.clone(), n, SearchStats::default()))
             };
-            let pairs = range_on_codes(scan, &seeds, window_max, beta, &mut Unrefined, score, every).unwrap();
+            let pairs =
+                range_on_codes(scan, (&seeds, SEED_STRIDE), window_max, beta, &mut Unrefined, score, every).unwrap();
             (pairs, asked.borrow().clone())
         };
         let (range, scored) = run(RangeScan::Every(QueryScores::plain(&approx)));
@@ -591,7 +604,6 @@ mod tests {
 
     #[test]
     fn a_refined_range_scores_fewer_keys_and_finds_the_same_range() {
-        use crate::search::SEED_STRIDE;
         let mut rng = crate::synth::Rng::new(11);
         let n = 9_600;
         let exact: Vec<f32> = (0..n).map(|_| rng.normal() * 3.0).collect();
@@ -611,7 +623,7 @@ mod tests {
             };
             let scan = QueryScores::plain(&approx);
             let pairs = match seeds {
-                None => in_range(&scan, known, beta, margin, &mut Unrefined, score),
+                None => in_range(&scan, known, beta, margin, SEED_STRIDE, &mut Unrefined, score),
                 Some(seeds) => {
                     let refine = |ids: &[u32], s: &mut [f32]| -> Result<(), ()> {
                         for (s, &t) in s.iter_mut().zip(ids) {
@@ -619,9 +631,9 @@ mod tests {
                         }
                         Ok(())
                     };
-                    let make = |samples: &[f32]| Ok(Some(((), refined_margin(seeds, samples, refine)?)));
+                    let make = |samples: &[f32]| Ok(Some(((), refined_margin((seeds, SEED_STRIDE), samples, refine)?)));
                     let mut refiner = LazyRefine::new(make, |_: &(), ids: &[u32], s: &mut [f32]| refine(ids, s));
-                    in_range(&scan, known, beta, margin, &mut refiner, score)
+                    in_range(&scan, known, beta, margin, SEED_STRIDE, &mut refiner, score)
                 }
             };
             (pairs.unwrap().unwrap(), scored.into_inner())

@@ -72,6 +72,16 @@ impl Layout {
             self.tokens.div_ceil(self.seed_stride)
         }
     }
+    /// The stride a search takes this index's seeds at: its seed table's, so that they are
+    /// read in one scan of it (an index written with another stride than [`SEED_STRIDE`] is
+    /// served at its own), or [`SEED_STRIDE`] where it has none.
+    pub fn search_stride(&self) -> u32 {
+        if self.seed_stride == 0 {
+            SEED_STRIDE
+        } else {
+            self.seed_stride
+        }
+    }
     pub fn seed_blocks(&self) -> u32 {
         self.seed_rows().div_ceil(self.rows_per_block)
     }
@@ -570,6 +580,45 @@ impl<'p> PagedIndex<'p> {
                     Ok(())
                 },
             )
+        }))
+    }
+
+    /// The spread of the seed values: the mean over the seed rows of `‖v − v̄‖²`, `v̄` their
+    /// mean. A tail estimate that rests on few seeds errs by about this over their effective
+    /// number ([`crate::target::estimate`]). `None` when the stream has no seed values.
+    pub fn seed_value_spread(&self, stats: &mut SearchStats) -> Option<Result<f64, BufferError>> {
+        let l = &self.layout;
+        if !l.seed_values || l.seed_rows() == 0 {
+            return None;
+        }
+        let (rows, dim, n) = (l.rows_per_block as usize, l.dim as usize, l.seed_rows() as usize);
+        let first = l.first_seed_block() + l.seed_blocks();
+        let (mut sum, mut squares, mut row) = (vec![0.0f64; dim], 0.0f64, Vec::with_capacity(dim * rows));
+        let blocks: Vec<u32> = (0..l.seed_blocks()).collect();
+        let read = blocks.chunks(PIN_BATCH).try_for_each(|chunk| {
+            self.with_blocks(
+                || chunk.iter().map(|&i| first + i).collect(),
+                stats,
+                |block| {
+                    for &i in chunk {
+                        let b = first + i;
+                        let len = (n - i as usize * rows).min(rows);
+                        row.clear();
+                        Rows::of(l.dtype, block(b), 0, len, dim).map_err(|e| (b, e))?.extend_f32(&mut row);
+                        for v in row.chunks_exact(dim) {
+                            for (s, &x) in sum.iter_mut().zip(v) {
+                                *s += f64::from(x);
+                            }
+                            squares += v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+                        }
+                    }
+                    Ok(())
+                },
+            )
+        });
+        Some(read.map(|()| {
+            let mean_norm: f64 = sum.iter().map(|s| (s / n as f64).powi(2)).sum();
+            (squares / n as f64 - mean_norm).max(0.0)
         }))
     }
 

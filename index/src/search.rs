@@ -57,10 +57,10 @@ pub struct DiprsParams {
     /// the entry finds the nearest; a seed in each passage finds the others (at 128K tokens,
     /// far misses are 25% of the misses with seeds, 69% without). Passages are 64–512 tokens
     /// long, and wider strides miss short passages the query attends to whole (`ctxfs bench
-    /// search`: DIPR recall 0.937 at stride 128 and 0.927 at 192, against 0.976 at 96); 96
-    /// costs 1% of the keys, and 64 adds ~0.001 of recall. `None`: the entry point only.
-    /// Indexes store a seed table of [`SEED_STRIDE`] (docs/format.md §19), which the seeds of
-    /// that stride are scored from in one sequential scan.
+    /// search`: DIPR recall 0.937 at stride 128 and 0.927 at 192, against 0.976 at 96); about
+    /// 100 costs 1% of the keys, and 64 adds ~0.001 of recall. `None`: the entry point only.
+    /// Indexes store a seed table of their stride (docs/format.md §19, [`SEED_STRIDE`] as
+    /// written), which the seeds of that stride are scored from in one sequential scan.
     pub seed_stride: Option<u32>,
     /// How many of the best seeds have the `range_run` tokens before and after them scored
     /// before the range phase. A seed is one token of its passage: a passage the query
@@ -108,8 +108,14 @@ const BEAM_BATCH: usize = 4;
 /// 0.957 with 8, at 0.1% more keys).
 const RANGE_BATCH: usize = 32;
 
-/// The default seed stride, and the stride of the seed table indexes store.
-pub const SEED_STRIDE: u32 = 96;
+/// The default seed stride, and the stride of the seed table an index is written with (a
+/// reader takes the stride its index stores: [`crate::paged::Layout::search_stride`]).
+/// Prime: text that repeats every `p` tokens (a template, a table's rows, a log's lines)
+/// puts the seeds on every phase of its period for any `p` below it, where a stride with
+/// divisors samples only the phases its common factor with `p` leaves, and the tail
+/// estimate, each seed standing for its stride's tokens, is biased (at 96 on SmolLM2's
+/// prose repeated every 96 tokens, every seed fell on one phase).
+pub const SEED_STRIDE: u32 = 97;
 
 impl Default for DiprsParams {
     fn default() -> Self {

@@ -69,7 +69,7 @@ fn on_codes(keys: &MemKeys, q: &[f32], scored: QueryScores<'_>, beta: f32) -> Se
     let margin = approx::seed_margin(&seeds, scored.scores, SEED_STRIDE);
     let known = seeds.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // Keys in memory: the candidates are not refined first (`approx::RangeRefine`).
-    approx::in_range(&scored, known, beta, margin, &mut approx::Unrefined, |ids| {
+    approx::in_range(&scored, known, beta, margin, SEED_STRIDE, &mut approx::Unrefined, |ids| {
         let mut scores = vec![0.0; ids.len()];
         keys.score(ids, q, &mut scores, &mut stats).map(|()| scores)
     })

@@ -4,7 +4,9 @@
 
 use ctxfs_buffer::{BlockRequest, BufferPool, DeviceSource, PoolConfig};
 use ctxfs_index::coarse::infllm::{Infllm, InfllmMeta, InfllmParams, PagedInfllm, RepRule};
-use ctxfs_index::coarse::pq::{AboveGroup, KeepCodes, KeptGroup, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION};
+use ctxfs_index::coarse::pq::{
+    AboveGroup, KeepCodes, KeptGroup, PagedPq, Pq, PqMeta, PqParams, PQ_VERSION, SAMPLE_STRIDE,
+};
 use ctxfs_index::coarse::quest::{PagedQuest, Quest, QuestMeta, QuestParams};
 use ctxfs_index::coarse::{reaching, run_of, take_tokens, CoarseKind};
 use ctxfs_index::flat::{QueryScores, BEST_RUN};
@@ -795,7 +797,7 @@ fn kept_scores_are_the_best_the_full_scan_would_take() {
     let group = &decode[..4 * 64];
     for (k, prefix) in [(64, None), (1024, None), (64, Some(1500)), (300, Some(19_999))] {
         let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: false };
-        let kept = pq.token_best_many_by(group, prefix, k, 96, &mut keep).unwrap().unwrap().expect("a cut");
+        let kept = pq.token_best_many_by(group, prefix, k, SAMPLE_STRIDE, &mut keep).unwrap().unwrap().expect("a cut");
         let full = pq.token_scores_many(group, prefix).unwrap();
         assert_eq!(kept.stats.keys_scored, full.stats.keys_scored);
         for (t, kept) in kept.queries.iter().enumerate() {
@@ -803,15 +805,15 @@ fn kept_scores_are_the_best_the_full_scan_would_take() {
             let best = take_tokens(QueryScores::plain(scores), k);
             assert_eq!(kept.best.iter().map(|p| p.0).collect::<Vec<_>>(), best, "k {k}, prefix {prefix:?}");
             assert!(kept.best.iter().all(|&(id, s)| s.to_bits() == scores[id as usize].to_bits()));
-            assert_eq!(kept.samples, scores.iter().step_by(96).copied().collect::<Vec<_>>());
+            assert_eq!(kept.samples, scores.iter().step_by(SAMPLE_STRIDE as usize).copied().collect::<Vec<_>>());
         }
     }
     // A sample too short to cut at (k near the tokens), or more reaching the cut than there is
     // room for: no kept scores, so that the caller reads them all.
     let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: false };
-    assert!(pq.token_best_many_by(group, None, 10_000, 96, &mut keep).unwrap().unwrap().is_none());
+    assert!(pq.token_best_many_by(group, None, 10_000, SAMPLE_STRIDE, &mut keep).unwrap().unwrap().is_none());
     let mut keep = KeptOnCpu { pq: &pq, scores: Vec::new(), over_room: true };
-    assert!(pq.token_best_many_by(group, None, 64, 96, &mut keep).unwrap().unwrap().is_none());
+    assert!(pq.token_best_many_by(group, None, 64, SAMPLE_STRIDE, &mut keep).unwrap().unwrap().is_none());
 }
 
 /// The best as this core keeps them, scanning only for the tokens reaching each query's
@@ -820,7 +822,7 @@ fn kept_scores_are_the_best_the_full_scan_would_take() {
 /// the samples those of the seeds' tokens.
 #[test]
 fn the_best_kept_on_this_core_are_those_of_every_score() {
-    // d = 128: 126 codes to a block, so the 209 samples of 20,000 tokens fill sample blocks.
+    // d = 128: 126 codes to a block, so the 207 samples of 20,000 tokens fill sample blocks.
     let (keys, _, decode) = synth(20_000, 128);
     let pq = Pq::build(&keys, &PqParams::scan_codes(128)).unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -841,8 +843,8 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     let group = &decode[..4 * 128];
     for (k, prefix) in [(64, None), (1024, None), (64, Some(1500)), (300, Some(19_999)), (500, Some(7_777))] {
         let full = pq.token_scores_many(group, prefix).unwrap();
-        let here = pq.token_best_many(group, prefix, k, 96).unwrap().expect("a cut");
-        let read = paged.token_best_many(group, prefix, k, 96).unwrap().expect("a cut");
+        let here = pq.token_best_many(group, prefix, k, SAMPLE_STRIDE).unwrap().expect("a cut");
+        let read = paged.token_best_many(group, prefix, k, SAMPLE_STRIDE).unwrap().expect("a cut");
         assert_eq!(here, KeptGroup { stats: here.stats, ..read.clone() });
         assert_eq!(read.stats.keys_scored, full.stats.keys_scored);
         assert!(read.stats.blocks_touched > 0);
@@ -851,7 +853,7 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
             let best = take_tokens(QueryScores::plain(scores), k);
             assert_eq!(kept.best.iter().map(|p| p.0).collect::<Vec<_>>(), best, "k {k}, prefix {prefix:?}");
             assert!(kept.best.iter().all(|&(id, s)| s.to_bits() == scores[id as usize].to_bits()));
-            let samples: Vec<f32> = scores.iter().step_by(96).copied().collect();
+            let samples: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE as usize).copied().collect();
             let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&kept.samples), bits(&samples));
         }
@@ -862,25 +864,25 @@ fn the_best_kept_on_this_core_are_those_of_every_score() {
     }
     // A sample too short to cut at, a stride other than the samples', and runs without
     // sample codes (versions 2 and 1, read as ever): none kept, the caller scans every score.
-    assert!(paged.token_best_many(group, None, 10_000, 96).unwrap().is_none());
+    assert!(paged.token_best_many(group, None, 10_000, SAMPLE_STRIDE).unwrap().is_none());
     assert!(paged.token_best_many(group, None, 64, 48).unwrap().is_none());
     for (run, version) in [(&reqs[1], 2), (&reqs[2], 1)] {
         let old = PagedPq::open(&pool, run).unwrap();
         assert_eq!(old.meta().version, version);
-        assert!(old.token_best_many(group, None, 64, 96).unwrap().is_none());
+        assert!(old.token_best_many(group, None, 64, SAMPLE_STRIDE).unwrap().is_none());
         assert_eq!(
             old.token_scores_many(group, None).unwrap().scores(0),
             pq.token_scores_many(group, None).unwrap().scores(0)
         );
     }
-    let e = PagedPq::open(&pool, &reqs[3]).unwrap().token_best_many(group, None, 64, 96).unwrap_err();
+    let e = PagedPq::open(&pool, &reqs[3]).unwrap().token_best_many(group, None, 64, SAMPLE_STRIDE).unwrap_err();
     assert_eq!(e.block(), Some(reqs[3].last().unwrap().block), "{e}");
-    // The last of the 209 samples: token 208 · 96.
-    assert!(e.to_string().contains("of token 19968 "), "{e}");
+    // The last of the 207 samples: token 206 · 97.
+    assert!(e.to_string().contains("of token 19982 "), "{e}");
     // A run whose 43 samples would not fill a block has none: scanned from every score.
     let small = PagedPq::open(&pool, &reqs[4]).unwrap();
     assert_eq!((small.meta().version, small.meta().sample_stride), (PQ_VERSION, 0));
-    assert!(small.token_best_many(group, None, 64, 96).unwrap().is_none());
+    assert!(small.token_best_many(group, None, 64, SAMPLE_STRIDE).unwrap().is_none());
 }
 
 #[test]
@@ -908,15 +910,15 @@ fn the_scores_kept_above_a_cut_are_every_score_reaching_it() {
     };
     for prefix in [None, Some(7_777)] {
         let full = pq.token_scores_many(group, prefix).unwrap();
-        let here = pq.token_above_many(group, prefix, 96, &cut).unwrap().expect("sample codes");
-        let read = paged.token_above_many(group, prefix, 96, &cut).unwrap().expect("sample codes");
+        let here = pq.token_above_many(group, prefix, SAMPLE_STRIDE, &cut).unwrap().expect("sample codes");
+        let read = paged.token_above_many(group, prefix, SAMPLE_STRIDE, &cut).unwrap().expect("sample codes");
         assert_eq!(here, AboveGroup { stats: here.stats, ..read.clone() });
         assert_eq!(read.stats.keys_scored, full.stats.keys_scored);
         assert!(read.queries[2..].iter().all(Option::is_none), "no cut, or too many reaching it");
         for (q, kept) in read.queries[..2].iter().enumerate() {
             let (kept, scores) = (kept.as_ref().expect("a cut"), full.scores(q));
             let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
-            let samples: Vec<f32> = scores.iter().step_by(96).copied().collect();
+            let samples: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE as usize).copied().collect();
             assert_eq!(bits(&kept.samples), bits(&samples));
             assert_eq!(Some(kept.floor), cut(q, &samples));
             let reaching: Vec<(u32, u32)> = (0..scores.len() as u32)
@@ -924,11 +926,15 @@ fn the_scores_kept_above_a_cut_are_every_score_reaching_it() {
                 .map(|t| (t, scores[t as usize].to_bits()))
                 .collect();
             assert_eq!(kept.tokens.iter().map(|&(t, s)| (t, s.to_bits())).collect::<Vec<_>>(), reaching);
-            assert!(reaching.len() > 96 * 5, "{} reach query {q}'s cut", reaching.len());
+            assert!(reaching.len() > SAMPLE_STRIDE as usize * 3, "{} reach query {q}'s cut", reaching.len());
         }
     }
     // A run without sample codes (version 2): none kept, the caller scans every score.
-    assert!(PagedPq::open(&pool, &reqs[1]).unwrap().token_above_many(group, None, 96, &cut).unwrap().is_none());
+    assert!(PagedPq::open(&pool, &reqs[1])
+        .unwrap()
+        .token_above_many(group, None, SAMPLE_STRIDE, &cut)
+        .unwrap()
+        .is_none());
 }
 
 /// The residual codes (`PqParams::scan_codes`, from 32,768 tokens) take the codes'
@@ -977,7 +983,7 @@ fn residual_codes_bring_the_codes_scores_nearer_the_exact_ones() {
         assert_eq!(from_frames, refined, "the held residual codes refine as those in memory");
         assert_eq!((held_stats.blocks_read, held_stats.blocks_touched > 0), (0, true));
         let group = &decode[..4 * d];
-        let kept = |p: &PagedPq<'_>| p.token_best_many(group, None, 256, 96).unwrap().expect("kept");
+        let kept = |p: &PagedPq<'_>| p.token_best_many(group, None, 256, SAMPLE_STRIDE).unwrap().expect("kept");
         assert_eq!(kept(&from_held).queries, kept(&paged).queries, "held codes scan as pinned ones");
         for (&t, r) in ids.iter().zip(&refined) {
             let exact = dot64(keys.row(t), q);

@@ -44,7 +44,7 @@ fn uring_index(dim: usize, blocks: &[Vec<u8>]) -> (tempfile::TempDir, Store, Vec
 }
 
 fn data() -> (MemKeys, MemGraph, Vec<f32>, Vec<f16>) {
-    let p = SynthParams { tokens: 3000, head_dim: 64, group: 2, seed: 9 };
+    let p = SynthParams { tokens: 3200, head_dim: 64, group: 2, seed: 9 };
     let h = head(&p, 1, 0, 1500, 8);
     let keys = MemKeys::new(64, h.keys.clone());
     let (graph, _) =
@@ -59,7 +59,7 @@ fn searching_buffered_pages_gives_exactly_the_in_memory_answers() {
     let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
     let hints = hints_for(&reqs);
     let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
-    assert_eq!(paged.layout().tokens, 3000);
+    assert_eq!(paged.layout().tokens, 3200);
     let mem = Pair { keys: &keys, graph: &graph };
     let beta = 5.0 * 8.0;
     for q in queries.chunks(64) {
@@ -233,6 +233,58 @@ fn older_layouts_without_seed_values_or_a_seed_table_answer_the_same() {
     meta[4..8].copy_from_slice(&5u32.to_le_bytes());
     let err = ctxfs_index::paged::Layout::decode(&meta).unwrap_err();
     assert!(err.contains("layout version 5 (this build reads 1 to 4)"), "{err}");
+}
+
+/// An index written with another seed stride than this build's (every 96th token, as
+/// stores written before the stride became prime hold) is searched at its own: its seed
+/// table read in one scan, its seed values the tokens of that stride, the answers those of
+/// the same search in memory.
+#[test]
+fn an_index_written_with_another_seed_stride_is_searched_at_its_own() {
+    let (keys, graph, queries, values) = data();
+    let payload = max_payload(4096);
+    let (layout, blocks) = index_payloads(&keys, &values, &graph, payload);
+    let old = ctxfs_index::paged::Layout { seed_stride: 96, ..layout };
+    assert_ne!(old.search_stride(), SEED_STRIDE);
+    let strided = |rows: &[f16]| -> Vec<f16> { rows.chunks(64).step_by(96).flatten().copied().collect() };
+    let mut stored = vec![old.encode()];
+    stored.extend_from_slice(&blocks[1..(1 + old.adjacency_blocks() + old.key_blocks()) as usize]);
+    stored.extend(row_payloads(Rows::F16(&strided(keys.data())), 64, payload));
+    stored.extend(row_payloads(Rows::F16(&strided(&values)), 64, payload));
+    assert_eq!(stored.len(), old.index_blocks() as usize);
+    let (_dir, store, reqs) = uring_index(64, &stored);
+    let pool = BufferPool::new(Arc::new(DeviceSource::new(store.device().clone())), PoolConfig::default()).unwrap();
+    let hints = hints_for(&reqs);
+    let paged = PagedIndex::open(&pool, &reqs, &hints).unwrap();
+    assert_eq!((paged.layout().seed_stride, paged.layout().search_stride()), (96, 96));
+    let group = &queries[..2 * 64];
+    // At its stride the seeds are one scan of the seed table; at this build's, scattered rows.
+    for (stride, table) in [(96, true), (SEED_STRIDE, false)] {
+        let (mut all, mut stats) = (Vec::new(), Default::default());
+        let len = paged.score_strided_many(stride, keys.len(), group, &mut all, &mut stats).unwrap();
+        assert_eq!(len, keys.len().div_ceil(stride) as usize);
+        assert_eq!(stats.blocks_touched == u64::from(old.seed_blocks()), table, "stride {stride}: {stats:?}");
+        for (q, got) in group.chunks(64).zip(all.chunks(len)) {
+            let mut want = Vec::new();
+            keys.score_strided(stride, keys.len(), q, &mut want, &mut Default::default()).unwrap();
+            assert_eq!(got, &want[..], "stride {stride}");
+        }
+    }
+    // The seed values are those of every 96th token.
+    let mut weights = vec![0.0; old.seed_rows() as usize];
+    weights[3] = 1.0;
+    let mut got = [0.0f32; 64];
+    paged.sum_seed_values(&[&weights], &mut [&mut got[..]], &mut Default::default()).unwrap().unwrap();
+    let want: Vec<f32> = values[3 * 96 * 64..(3 * 96 + 1) * 64].iter().map(|v| v.to_f32()).collect();
+    assert_eq!(&got[..], &want[..]);
+    let mem = Pair { keys: &keys, graph: &graph };
+    for q in queries.chunks(64) {
+        let params =
+            DiprsParams { beta: 40.0, l0: 64, seed_stride: Some(paged.layout().search_stride()), ..Default::default() };
+        let (a, b) = (diprs(&mem, q, &params).unwrap(), diprs(&paged, q, &params).unwrap());
+        assert_eq!((a.ids, a.scores, a.stats.keys_scored), (b.ids, b.scores, b.stats.keys_scored));
+        assert_eq!((a.seeds.stride, b.seeds.stride), (96, 96));
+    }
 }
 
 fn hints_for(reqs: &[BlockRequest]) -> Vec<FrameHint> {

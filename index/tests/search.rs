@@ -245,16 +245,17 @@ fn diprs_recall_on_generated_attention_does_not_regress() {
     }
 }
 
-/// The defaults (seed runs and sequence runs, no climb) reach 0.995 and 0.980 on these two
-/// heads, scoring 5.6× and 7.3× the DIPR set (a climb of width 16 instead of the seed runs:
-/// 0.985 and 0.913 at 5.8× and 6.6×); the floors sit about 0.05 below. At this size the
+/// The defaults (seed runs and sequence runs, no climb) reach 0.992 and 0.987 on these two
+/// heads, scoring 5.7× and 8.3× the DIPR set (at a seed stride of 96: 0.995 and 0.980 at 5.6×
+/// and 7.3×; a climb of width 16 instead of the seed runs: 0.985 and 0.913 at 5.8× and 6.6×);
+/// the floors sit about 0.05 below. At this size the
 /// seeds are most of the keys scored; `ctxfs bench search` measures the goals (recall 0.95,
 /// at most 3% scored) at 128K, where the runs score fewer keys, not more.
 const RECALL_FLOOR: [f64; 2] = [0.945, 0.93];
 
-/// Keys scored over the size of the DIPR set: the defaults score up to 7.3×, and the cap
+/// Keys scored over the size of the DIPR set: the defaults score up to 8.3×, and the cap
 /// leaves them ~7% headroom.
-const MAX_EXCESS: f64 = 7.8;
+const MAX_EXCESS: f64 = 8.8;
 
 /// A range target narrows β to the score of the best `target / stride` seeds when more seeds
 /// than that lie within β, and only then: an exhaustive search then returns exactly the flat

@@ -178,7 +178,7 @@ class Session:
         log-sum-exp per head, ``[q_heads]`` or ``[rows, q_heads]``.
 
         ``plan`` forces one of ``ctxfs.PLANS``; otherwise the optimizer chooses. ``beta`` is
-        DIPRS's range below the best inner product (default: ln(96 / 0.02) / scale, the same
+        DIPRS's range below the best inner product (default: ln(97 / 0.02) / scale, the same
         softmax cut at every head dimension), ``budget`` caps retrieved tokens,
         ``scale`` is the softmax scale (default 1/sqrt(head_dim)). ``tail`` turns on or off
         the estimate of the softmax mass a DIPR plan left out, from the index's seed sample

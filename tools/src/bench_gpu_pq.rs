@@ -10,7 +10,7 @@
 //! timed apart). Medians of 5 after one untimed call. The scores are compared bit for bit.
 //!
 //! Then the same with only each query's best [`BEST`] taken, as a compact step's `pq` plan
-//! takes them: on the GPU, the scan, a sample of every 96th score, and the tokens reaching the
+//! takes them: on the GPU, the scan, a sample of every 97th score, and the tokens reaching the
 //! sample's cut read back (`PagedPq::token_best_many_by`); on the core, the scan and the
 //! selection from every score (`take_tokens`), and (`cpu_kept_seconds`) the core's own scan
 //! keeping only the tokens reaching a cut from the sample codes (`Pq::token_best_many`, as

@@ -662,8 +662,8 @@ fn run_group(
                 let refiner = match table {
                     Some(table) => {
                         let refined = |ids: &[u32], s: &mut [f32]| codes.refine(&table, ids, s);
-                        let margin =
-                            approx::refined_margin(&seeds, &samples, refined).map_err(|e| anyhow::anyhow!("{e}"))?;
+                        let margin = approx::refined_margin((&seeds, SEED_STRIDE), &samples, refined)
+                            .map_err(|e| anyhow::anyhow!("{e}"))?;
                         Some((table, margin))
                     }
                     None => None,
@@ -697,11 +697,13 @@ fn run_group(
                         let mut t = mass_target(Some(target), i).expect("a target");
                         let mut f = select(&t)?;
                         for _ in 0..REFINEMENTS {
-                            let Some(wider) = t.refined(estimated(&f, &seeds, None, i).1, target) else { break };
+                            let Some(wider) = t.refined(estimated(&f, &seeds, Some(approx), i).1, target) else {
+                                break;
+                            };
                             t = wider;
                             f = select(&t)?;
                         }
-                        let estimate = estimated(&f, &seeds, None, i);
+                        let estimate = estimated(&f, &seeds, Some(approx), i);
                         (f.ids, Some(estimate))
                     }
                 };
@@ -754,7 +756,15 @@ fn run_group(
                 // The keys are in memory: refining candidates by the residual codes would cost
                 // about what scoring them does (`approx::RangeRefine`).
                 let unrefined = &mut approx::Unrefined;
-                let pairs = approx::range_on_codes(given, &seeds[i], win_max[i], beta, unrefined, score, rescan)?;
+                let pairs = approx::range_on_codes(
+                    given,
+                    (&seeds[i], SEED_STRIDE),
+                    win_max[i],
+                    beta,
+                    unrefined,
+                    score,
+                    rescan,
+                )?;
                 out.push(Selection {
                     ids: SearchResult::from_pairs(pairs, SearchStats::default()).ids,
                     keys_scored: stats.keys_scored,
@@ -803,10 +813,24 @@ fn flat_group(scan: &GroupScan, beta: f32, win_max: &[f32], targets: &[Option<Ma
         .collect()
 }
 
+/// The spread of the seed values (every [`SEED_STRIDE`]-th token's, `seeds` of them): the
+/// mean of `‖v − v̄‖²`, as [`ctxfs_index::paged::PagedIndex::seed_value_spread`] makes it.
+fn seed_value_spread(values: &[f16], d: usize, seeds: usize) -> f64 {
+    let rows = || (0..seeds).map(|j| &values[j * SEED_STRIDE as usize * d..(j * SEED_STRIDE as usize + 1) * d]);
+    let mut mean = vec![0.0f64; d];
+    for row in rows() {
+        for (m, v) in mean.iter_mut().zip(row) {
+            *m += f64::from(v.to_f32()) / seeds as f64;
+        }
+    }
+    rows().map(|row| row.iter().zip(&mean).map(|(v, m)| (f64::from(v.to_f32()) - m).powi(2)).sum::<f64>()).sum::<f64>()
+        / seeds.max(1) as f64
+}
+
 /// A target row's error estimate ([`ctxfs_index::target::estimate`]): attention over the
 /// window (scores `win_z`) and the retrieved tokens against the tail estimate, the seeds
 /// (every [`SEED_STRIDE`]-th token; `seeds` their scores) neither holds, and with every
-/// key's score (`exact`, a scan's) the mass the two leave out.
+/// key's score (`exact`: a scan's, or the codes') the mass the two leave out.
 fn estimate_of(
     f: &SearchResult,
     (seeds, exact): (&[f32], Option<&[f32]>),
@@ -836,8 +860,16 @@ fn estimate_of(
         let mut zs: Vec<f32> = seed_z.iter().map(|s| s * scale + log_stride).collect();
         Partial::from_scores_on(ctxfs_kernels::active(), &mut zs, &rows, d)
     };
-    let exact_lse = exact.map(|scores| left_out_lse(scores, scale, |t| !kept[t]));
-    let e = estimate(&attend(&ids, &z, values, d, scale), &tail, exact_lse);
+    let left_out = exact.map(|scores| left_out_lse(scores, scale, |t| !kept[t]));
+    // The variance of the tail's output, as sessions make it: the seed values' spread over
+    // the left-out seeds' effective number.
+    let weights: Vec<f64> = {
+        let top = seed_z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        seed_z.iter().map(|&s| (f64::from(scale) * f64::from(s - top)).exp()).collect()
+    };
+    let (sum, squares) = (weights.iter().sum::<f64>(), weights.iter().map(|w| w * w).sum::<f64>());
+    let variance = if sum > 0.0 { seed_value_spread(values, d, seeds.len()) * squares / (sum * sum) } else { 0.0 };
+    let e = estimate(&attend(&ids, &z, values, d, scale), &tail, left_out, variance);
     (tail, e)
 }
 

@@ -42,8 +42,8 @@ pub struct Args {
     /// same range by a walk of the graph), topk, quest, infllm or pq.
     #[arg(long, default_value = "auto", value_parser = parse_mode)]
     mode: Mode,
-    /// DIPR range below the best inner product, in inner-product units (default: ln(96 /
-    /// 0.02) / scale, 8.48 logits: 67.8 at head dim 64, 95.9 at 128)
+    /// DIPR range below the best inner product, in inner-product units (default: ln(97 /
+    /// 0.02) / scale, 8.49 logits: 67.9 at head dim 64, 96.0 at 128)
     #[arg(long)]
     beta: Option<f32>,
     /// Tokens top-k retrieves.

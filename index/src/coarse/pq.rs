@@ -1205,8 +1205,10 @@ fn select(
 ) -> Result<CoarseResult, BufferError> {
     check_query(q, s.dim)?;
     let metadata_bytes = (s.centroid_bytes() + limit(s.tokens, prefix) as usize * s.m) as u64;
-    // The best alone where the sample codes bound them: the tokens `take_tokens` takes.
-    if let Some(mut kept) = kept_here(centroids, (codes, samples), s, q, prefix, (budget, SAMPLE_STRIDE))? {
+    // The best alone where the sample codes bound them (at the stride the run stores them):
+    // the tokens `take_tokens` takes.
+    let stride = if s.sample_stride > 0 { s.sample_stride as u32 } else { SAMPLE_STRIDE };
+    if let Some(mut kept) = kept_here(centroids, (codes, samples), s, q, prefix, (budget, stride))? {
         let best = kept.queries.pop().map(|q| q.best).unwrap_or_default();
         return Ok(CoarseResult { ids: best.into_iter().map(|p| p.0).collect(), metadata_bytes, stats: kept.stats });
     }
