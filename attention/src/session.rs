@@ -26,7 +26,7 @@ use ctxfs_index::flat::{GroupScan, QueryScores};
 use ctxfs_index::paged::{for_row_runs, gather_rows, Layout, PagedIndex, Rows, StoredRows};
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs_from, topk};
-use ctxfs_index::target::{estimate, left_out_lse, REFINEMENTS};
+use ctxfs_index::target::{estimate, left_out_lse, TailVariance, REFINEMENTS};
 use ctxfs_index::{flat, DiprsParams, Keys, MassTarget, SearchResult, SearchStats, SeedScores};
 use ctxfs_kernels::gpu::{Gpu, GpuError, GpuWindow};
 use ctxfs_kernels::Partial;
@@ -46,6 +46,7 @@ fn to_f16(x: &[f32]) -> Vec<f16> {
     x.iter().map(|&x| f16::from_f32(x)).collect()
 }
 use std::borrow::Cow;
+use std::cell::OnceCell;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -227,6 +228,9 @@ struct SegmentReader<'a> {
     seg: Segment,
     index: PagedIndex<'a>,
     file: &'a FileBlocks,
+    /// Its seed values' spread, once read: the same for every q head of the group and every
+    /// widening of a target ([`SegmentReader::seed_value_spread`]).
+    seed_spread: OnceCell<f64>,
 }
 
 impl SegmentReader<'_> {
@@ -234,6 +238,16 @@ impl SegmentReader<'_> {
     /// its codes' samples share (one writer wrote both).
     fn seed_stride(&self) -> u32 {
         self.index.layout().search_stride()
+    }
+
+    /// The spread of its seed values ([`PagedIndex::seed_value_spread`]; 0 without any),
+    /// read once.
+    fn seed_value_spread(&self, stats: &mut SearchStats) -> Result<f64> {
+        if let Some(&spread) = self.seed_spread.get() {
+            return Ok(spread);
+        }
+        let spread = self.index.seed_value_spread(stats).unwrap_or(Ok(0.0))?;
+        Ok(*self.seed_spread.get_or_init(|| spread))
     }
 }
 
@@ -730,7 +744,14 @@ impl Session {
         let readers = segments
             .iter()
             .zip(&files)
-            .map(|(s, f)| Ok(SegmentReader { seg: *s, index: self.open_index(f, s, layer, h)?, file: f }))
+            .map(|(s, f)| {
+                Ok(SegmentReader {
+                    seg: *s,
+                    index: self.open_index(f, s, layer, h)?,
+                    file: f,
+                    seed_spread: OnceCell::new(),
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         // Each q head's scores of the window and of the session's own tokens, before the scans:
         // their best bounds a range's.
@@ -1083,7 +1104,12 @@ impl Session {
         }
         for s in self.reuse.as_ref().map_or(&[][..], |r| &r.segments) {
             let file = self.db.inner.file(&self.snap, s.context, layer as u16, 0)?;
-            let r = SegmentReader { seg: *s, index: self.open_index(&file, s, layer, 0)?, file: &file };
+            let r = SegmentReader {
+                seg: *s,
+                index: self.open_index(&file, s, layer, 0)?,
+                file: &file,
+                seed_spread: OnceCell::new(),
+            };
             if self.stored_run(&r, CoarseKind::Pq, choice.plan)?.is_none() {
                 return Ok(Choice { plan: Plan::GraphDiprs, ..choice });
             }
@@ -1242,8 +1268,8 @@ impl Session {
     }
 
     /// The exact scores of a segment's seeds (every [`SegmentReader::seed_stride`]-th token)
-    /// for each query of a GQA group: one scan of the seed table for all of them. The first query's counts
-    /// the blocks the scan touched; each counts its seeds as keys scored.
+    /// for each query of a GQA group: one scan of the seed table for all of them. The first
+    /// query's counts the blocks the scan touched; each counts its seeds as keys scored.
     fn group_seeds(&self, r: &SegmentReader<'_>, qs: &[f32]) -> Result<Vec<SeedsScored>> {
         let (mut all, mut stats) = (Vec::new(), SearchStats::default());
         let len = r.index.score_strided_many(r.seed_stride(), r.seg.usable, qs, &mut all, &mut stats)?;
@@ -1692,24 +1718,15 @@ impl Session {
         // The variance of the estimate where an answer's error is estimated from it (not
         // deferred): the spread of each segment's seed values over the seeds' effective
         // number, `z` now holding their weights.
-        let mut variance = 0.0;
+        let mut variance = TailVariance::default();
         if !defer && !part.is_empty() {
-            let (mut spread, mut sum, mut squares) = (0.0f64, 0.0f64, 0.0f64);
             for (r, span) in readers.iter().zip(&spans) {
-                let w: f64 = z[span.clone()].iter().map(|&w| f64::from(w)).sum();
-                squares += z[span.clone()].iter().map(|&w| f64::from(w) * f64::from(w)).sum::<f64>();
-                if w > 0.0 {
-                    spread += w * r.index.seed_value_spread(stats).expect("checked above: it has seed values")?;
-                }
-                sum += w;
-            }
-            if sum > 0.0 {
-                // spread / sum: the seeds' spread; squares / sum²: one over their effective number.
-                variance = spread / sum * squares / (sum * sum);
+                variance.add(&z[span.clone()], || r.seed_value_spread(stats))?;
             }
         }
         // An empty part has no values to sum (and `z` holds no weights).
         let weights = if part.is_empty() { Vec::new() } else { z };
+        let variance = variance.value();
         let mut tail = Tail { part, seeds: ids, spent: started.elapsed(), weights, left_out_lse: every_lse, variance };
         if !defer && !tail.weights.is_empty() {
             self.sum_tails(readers, &mut [&mut tail], stats)?;

@@ -583,8 +583,7 @@ impl<'p> PagedIndex<'p> {
         }))
     }
 
-    /// The spread of the seed values: the mean over the seed rows of `‖v − v̄‖²`, `v̄` their
-    /// mean. A tail estimate that rests on few seeds errs by about this over their effective
+    /// The spread of the seed values ([`crate::target::ValueSpread`]). A tail estimate that rests on few seeds errs by about this over their effective
     /// number ([`crate::target::estimate`]). `None` when the stream has no seed values.
     pub fn seed_value_spread(&self, stats: &mut SearchStats) -> Option<Result<f64, BufferError>> {
         let l = &self.layout;
@@ -593,7 +592,7 @@ impl<'p> PagedIndex<'p> {
         }
         let (rows, dim, n) = (l.rows_per_block as usize, l.dim as usize, l.seed_rows() as usize);
         let first = l.first_seed_block() + l.seed_blocks();
-        let (mut sum, mut squares, mut row) = (vec![0.0f64; dim], 0.0f64, Vec::with_capacity(dim * rows));
+        let (mut spread, mut row) = (crate::target::ValueSpread::new(dim), Vec::with_capacity(dim * rows));
         let blocks: Vec<u32> = (0..l.seed_blocks()).collect();
         let read = blocks.chunks(PIN_BATCH).try_for_each(|chunk| {
             self.with_blocks(
@@ -605,21 +604,13 @@ impl<'p> PagedIndex<'p> {
                         let len = (n - i as usize * rows).min(rows);
                         row.clear();
                         Rows::of(l.dtype, block(b), 0, len, dim).map_err(|e| (b, e))?.extend_f32(&mut row);
-                        for v in row.chunks_exact(dim) {
-                            for (s, &x) in sum.iter_mut().zip(v) {
-                                *s += f64::from(x);
-                            }
-                            squares += v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
-                        }
+                        row.chunks_exact(dim).for_each(|v| spread.add(v));
                     }
                     Ok(())
                 },
             )
         });
-        Some(read.map(|()| {
-            let mean_norm: f64 = sum.iter().map(|s| (s / n as f64).powi(2)).sum();
-            (squares / n as f64 - mean_norm).max(0.0)
-        }))
+        Some(read.map(|()| spread.spread()))
     }
 
     /// Reads the key blocks (logical blocks from `first`) that hold `ids` and that the pool

@@ -246,6 +246,70 @@ pub fn left_out_lse(scores: &[f32], scale: f32, left_out: impl Fn(usize) -> bool
     }
 }
 
+/// The spread of value rows: the mean over them of `‖v − v̄‖²`, `v̄` their mean.
+pub struct ValueSpread {
+    sum: Vec<f64>,
+    squares: f64,
+    rows: usize,
+}
+
+impl ValueSpread {
+    pub fn new(dim: usize) -> ValueSpread {
+        ValueSpread { sum: vec![0.0; dim], squares: 0.0, rows: 0 }
+    }
+
+    pub fn add(&mut self, row: &[f32]) {
+        for (s, &x) in self.sum.iter_mut().zip(row) {
+            *s += f64::from(x);
+        }
+        self.squares += row.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        self.rows += 1;
+    }
+
+    /// 0 over no rows.
+    pub fn spread(&self) -> f64 {
+        if self.rows == 0 {
+            return 0.0;
+        }
+        let n = self.rows as f64;
+        let mean_norm: f64 = self.sum.iter().map(|s| (s / n).powi(2)).sum();
+        (self.squares / n - mean_norm).max(0.0)
+    }
+}
+
+/// The variance of a tail estimate's output as an estimate of the values left out, for
+/// [`estimate`]: the seed values' spread (weighted by each segment's share of the tail)
+/// over the left-out seeds' effective number, `(Σw)² / Σw²`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TailVariance {
+    spread: f64,
+    sum: f64,
+    squares: f64,
+}
+
+impl TailVariance {
+    /// Adds a segment's left-out seeds: their `weights` (0 for the others) and their values'
+    /// spread, asked for only where they weigh anything.
+    pub fn add<E>(&mut self, weights: &[f32], spread: impl FnOnce() -> Result<f64, E>) -> Result<(), E> {
+        let w: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+        if w > 0.0 {
+            self.spread += w * spread()?;
+            self.squares += weights.iter().map(|&w| f64::from(w) * f64::from(w)).sum::<f64>();
+            self.sum += w;
+        }
+        Ok(())
+    }
+
+    pub fn value(&self) -> f64 {
+        if self.sum > 0.0 {
+            // spread / sum: the seeds' spread; squares / sum²: one over their effective number.
+            self.spread / self.sum * self.squares / (self.sum * self.sum)
+        } else {
+            0.0
+        }
+    }
+}
+
 /// What attention over the kept keys is estimated to miss.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Estimate {

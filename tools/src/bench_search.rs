@@ -42,7 +42,7 @@ use ctxfs_index::flat::GroupScan;
 use ctxfs_index::search::SEED_STRIDE;
 use ctxfs_index::search::{diprs, diprs_from, topk};
 use ctxfs_index::synth::{head, HeadData, Rng, SynthParams};
-use ctxfs_index::target::{estimate, left_out_lse, REFINEMENTS};
+use ctxfs_index::target::{estimate, left_out_lse, TailVariance, ValueSpread, REFINEMENTS};
 use ctxfs_index::{build, flat, BuildParams, Coarse, DiprsParams, MemGraph, MemKeys};
 use ctxfs_index::{Estimate, Keys, MassTarget, Pair, SearchResult, SearchStats};
 use ctxfs_kernels::Partial;
@@ -435,6 +435,8 @@ struct HeadIndexes {
     /// The values, row after row: the target rows estimate their error from the window's,
     /// the retrieved tokens' and the seeds'.
     values: Vec<f16>,
+    /// The seed values' spread ([`seed_value_spread`]), which the target rows' estimates read.
+    seed_spread: f64,
     graph: MemGraph,
     /// In the order of [`COARSE`].
     coarse: Vec<Box<dyn Coarse>>,
@@ -484,7 +486,8 @@ impl HeadIndexes {
             "enhancement_seconds": report.enhancement.as_secs_f64(), "training_queries": report.queries,
             "coarse_seconds": seconds,
         });
-        Ok((HeadIndexes { keys, values, graph, coarse, codes, prefix_graphs }, timing))
+        let seed_spread = seed_value_spread(&values, d, n.div_ceil(SEED_STRIDE as usize));
+        Ok((HeadIndexes { keys, values, seed_spread, graph, coarse, codes, prefix_graphs }, timing))
     }
 }
 
@@ -561,7 +564,7 @@ fn run_group(
     // target, searched again for the refined mass target (as sessions do).
     // A scan's rows give every key's score (`exact`), and so the mass left out exactly.
     let estimated = |f: &SearchResult, seeds: &[f32], exact: Option<&[f32]>, i: usize| {
-        estimate_of(f, (seeds, exact), window, &win_z[i], &ix.values, d, scale)
+        estimate_of(f, (seeds, exact), window, &win_z[i], (&ix.values, ix.seed_spread), d, scale)
     };
     let graph_meta =
         |s: &SearchStats, graph: &MemGraph| s.keys_scored * 2 * d as u64 + s.hops * 4 * graph.degree as u64;
@@ -816,27 +819,27 @@ fn flat_group(scan: &GroupScan, beta: f32, win_max: &[f32], targets: &[Option<Ma
 /// The spread of the seed values (every [`SEED_STRIDE`]-th token's, `seeds` of them): the
 /// mean of `‖v − v̄‖²`, as [`ctxfs_index::paged::PagedIndex::seed_value_spread`] makes it.
 fn seed_value_spread(values: &[f16], d: usize, seeds: usize) -> f64 {
-    let rows = || (0..seeds).map(|j| &values[j * SEED_STRIDE as usize * d..(j * SEED_STRIDE as usize + 1) * d]);
-    let mut mean = vec![0.0f64; d];
-    for row in rows() {
-        for (m, v) in mean.iter_mut().zip(row) {
-            *m += f64::from(v.to_f32()) / seeds as f64;
-        }
+    let mut spread = ValueSpread::new(d);
+    let mut row = Vec::with_capacity(d);
+    for t in (0..seeds).map(|j| j * SEED_STRIDE as usize) {
+        row.clear();
+        row.extend(values[t * d..(t + 1) * d].iter().map(|v| v.to_f32()));
+        spread.add(&row);
     }
-    rows().map(|row| row.iter().zip(&mean).map(|(v, m)| (f64::from(v.to_f32()) - m).powi(2)).sum::<f64>()).sum::<f64>()
-        / seeds.max(1) as f64
+    spread.spread()
 }
 
 /// A target row's error estimate ([`ctxfs_index::target::estimate`]): attention over the
 /// window (scores `win_z`) and the retrieved tokens against the tail estimate, the seeds
 /// (every [`SEED_STRIDE`]-th token; `seeds` their scores) neither holds, and with every
-/// key's score (`exact`: a scan's, or the codes') the mass the two leave out.
+/// key's score (`exact`: a scan's, or the codes') the mass the two leave out; `seed_spread`
+/// is the head's seed values' spread ([`TailVariance`]).
 fn estimate_of(
     f: &SearchResult,
     (seeds, exact): (&[f32], Option<&[f32]>),
     window: &Window,
     win_z: &[f32],
-    values: &[f16],
+    (values, seed_spread): (&[f16], f64),
     d: usize,
     scale: f32,
 ) -> (Partial, Estimate) {
@@ -863,13 +866,13 @@ fn estimate_of(
     let left_out = exact.map(|scores| left_out_lse(scores, scale, |t| !kept[t]));
     // The variance of the tail's output, as sessions make it: the seed values' spread over
     // the left-out seeds' effective number.
-    let weights: Vec<f64> = {
+    let weights: Vec<f32> = {
         let top = seed_z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        seed_z.iter().map(|&s| (f64::from(scale) * f64::from(s - top)).exp()).collect()
+        seed_z.iter().map(|&s| (scale * (s - top)).exp()).collect()
     };
-    let (sum, squares) = (weights.iter().sum::<f64>(), weights.iter().map(|w| w * w).sum::<f64>());
-    let variance = if sum > 0.0 { seed_value_spread(values, d, seeds.len()) * squares / (sum * sum) } else { 0.0 };
-    let e = estimate(&attend(&ids, &z, values, d, scale), &tail, left_out, variance);
+    let mut variance = TailVariance::default();
+    variance.add(&weights, || Ok::<_, std::convert::Infallible>(seed_spread)).unwrap_or_else(|never| match never {});
+    let e = estimate(&attend(&ids, &z, values, d, scale), &tail, left_out, variance.value());
     (tail, e)
 }
 
