@@ -33,7 +33,7 @@ fn imported(dir: &Path) -> (Book, std::path::PathBuf) {
     let db = open(&store);
     let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
     src.check_values(|_| {}).unwrap();
-    let report = db.import("book", &src, |_| {}).unwrap();
+    let report = db.import("book", &src, |_| Ok(())).unwrap();
     assert_eq!((report.tokens, report.heads), (N, 4));
     (b, store)
 }
@@ -176,7 +176,7 @@ fn every_head_dimension_is_imported_and_served_whole_and_compact() {
         let b = book_of_dim(dir.path(), TOKENS, 2, 4, 2, d, 5);
         let store = mkfs(dir.path(), 256);
         let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
-        open(&store).import("book", &src, |_| {}).unwrap_or_else(|e| panic!("d {d}: import: {e}"));
+        open(&store).import("book", &src, |_| Ok(())).unwrap_or_else(|e| panic!("d {d}: import: {e}"));
         let all: Vec<u32> = (0..TOKENS as u32).collect();
         for (how, budget, plan) in [("whole", None, "flat"), ("compact", Some(0.125), "pq")] {
             let config = DbConfig { pool_bytes: 64 << 20, resident_budget: budget, ..Default::default() };
@@ -403,7 +403,7 @@ fn a_session_whose_reused_context_was_replaced_is_not_stored_over_the_new_one() 
     // Another writer replaces "book" while the session runs: a new context under the name.
     db.delete("book").unwrap();
     let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
-    db.import("book", &src, |_| {}).unwrap();
+    db.import("book", &src, |_| Ok(())).unwrap();
     let err = db.store_session(&session, "book+50").expect_err("the session's prefix is gone");
     assert!(err.to_string().contains("was replaced since the session opened"), "{err}");
     assert!(db.open_session("book+50", None).is_err(), "nothing was stored");
@@ -537,7 +537,7 @@ fn a_bf16_context_holds_values_beyond_f16_and_attends_exactly() {
     let store = mkfs(dir.path(), 128);
     let db = open(&store);
     let src = SafetensorsKv::open(&dir.path().join("wide.safetensors"), DType::Bf16).unwrap();
-    db.import("wide", &src, |_| {}).unwrap();
+    db.import("wide", &src, |_| Ok(())).unwrap();
     drop(db);
     let db = open(&store);
     let session = db.open_session("wide", None).unwrap();
@@ -756,6 +756,10 @@ fn an_error_target_is_met_on_real_attention() {
         let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &fixed).unwrap_err();
         assert!(err.to_string().contains("takes a fixed budget"), "{plan:?}: {err}");
     }
+    // Full attention attends every token: a budget would make it a top-k, so it is refused.
+    let capped = AttentionOptions { plan: Some(Plan::Full), budget: Some(100), ..Default::default() };
+    let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &capped).unwrap_err();
+    assert!(err.to_string().contains("attends every token exactly"), "{err}");
     drop((session, db));
 
     // Under a resident budget of about an eighth of the KV, the context is served compact: only
@@ -879,7 +883,7 @@ fn real_prose(dir: &Path) -> (std::path::PathBuf, Db, SafetensorsKv) {
     let store = mkfs(dir, 64);
     let db = open(&store);
     let src = SafetensorsKv::open(Path::new(data), DType::F16).unwrap();
-    db.import("prose", &src, |_| {}).unwrap();
+    db.import("prose", &src, |_| Ok(())).unwrap();
     (store, db, src)
 }
 
@@ -1059,7 +1063,7 @@ fn a_long_context_finds_its_range_and_its_best_from_the_scores_it_kept() {
     let store = mkfs(dir.path(), 256);
     let db = open(&store);
     let src = SafetensorsKv::open(&b.path, DType::F16).unwrap();
-    db.import("long", &src, |_| {}).unwrap();
+    db.import("long", &src, |_| Ok(())).unwrap();
     let session = db.open_session("long", None).unwrap();
     let d = b.shape.head_dim as usize;
     let beta = 5.0 * (d as f32).sqrt();
@@ -1101,7 +1105,7 @@ fn residual_codes_read_fewer_keys_for_answers_as_close() {
     let bare = PqParams { residual: 0, ..PqParams::scan_codes(d) };
     for (name, pq) in [("with", PqCodes::Scan), ("without", PqCodes::Params(bare))] {
         let db = Db::open(&store, DeviceChoice::Auto, DbConfig { pq, ..Default::default() }).unwrap();
-        db.import(name, &SafetensorsKv::open(&b.path, DType::F16).unwrap(), |_| {}).unwrap();
+        db.import(name, &SafetensorsKv::open(&b.path, DType::F16).unwrap(), |_| Ok(())).unwrap();
     }
     let rules = Rules { short_context: 0, scan_context: 0, ..Default::default() };
     let budget = DbConfig { resident_budget: Some(0.125), rules, ..Default::default() };

@@ -122,7 +122,7 @@ fn soak(rounds: usize, imports: usize) -> Counts {
     let other = book(&other_dir, 1024, 2, 4, 2, 22);
     let store = mkfs(dir.path(), 512);
     let db = Db::open(&store, DeviceChoice::Auto, DbConfig { pool_bytes: 32 << 20, ..Default::default() }).unwrap();
-    db.import("book", &SafetensorsKv::open(&b.path, DType::F16).unwrap(), |_| {}).unwrap();
+    db.import("book", &SafetensorsKv::open(&b.path, DType::F16).unwrap(), |_| Ok(())).unwrap();
     let book_before = db.open_session("book", None).unwrap();
     let probe: Vec<f32> = (0..4 * 64).map(|i| (i % 7) as f32 * 0.1).collect();
     let book_answer = book_before.attention_with(1, &probe, &full()).unwrap().output;
@@ -136,7 +136,7 @@ fn soak(rounds: usize, imports: usize) -> Counts {
         s.spawn(|| {
             let src = SafetensorsKv::open(&other.path, DType::F16).unwrap();
             for j in 0..imports {
-                db.import(&format!("imp-{j}"), &src, |_| {}).unwrap();
+                db.import(&format!("imp-{j}"), &src, |_| Ok(())).unwrap();
                 counts.import.fetch_add(1, Ordering::Relaxed);
                 if j > 0 {
                     db.delete(&format!("imp-{}", j - 1)).unwrap();

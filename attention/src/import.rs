@@ -99,14 +99,22 @@ fn check_space(db: &Db, shape: &ModelShape, n: usize, build: &BuildParams) -> Re
     let needed = needed + needed / 50 + 16;
     let mut space = db.store().space();
     let mut held = String::new();
-    if needed > space.free && needed <= space.free + space.reclaimable {
-        // Freed by the last commit: one more releases them, unless readers hold them.
+    // Blocks freed by the last commit: one more commit releases them, unless readers hold
+    // them. Taken where they would make the difference, and already when the estimate comes
+    // near the free space, not only beyond it (the estimate is not exact); a write refused
+    // even so commits nothing.
+    let near = needed + needed / 8 + 64 > space.free;
+    if space.reclaimable > 0 && near && needed <= space.free + space.reclaimable {
         db.store().reclaim()?;
         space = db.store().space();
-        held = format!(
-            "; {} more were freed but are held for open readers of older states, and come free when they close",
-            space.reclaimable
-        );
+        // After it, a few are always the reclaim's own old metadata: readers are named only
+        // where the blocks they hold would make the difference.
+        if space.reclaimable > 0 && needed > space.free && needed <= space.free + space.reclaimable {
+            held = format!(
+                "; {} more were freed but are held for open readers of older states, and come free when they close",
+                space.reclaimable
+            );
+        }
     }
     if needed > space.free {
         return Err(Error::Full(format!(
@@ -204,6 +212,7 @@ fn write_head(
     for b in &index[keys_from + data.len()..] {
         txn.append_block(name, l, hd, FileStream::Index, b)?;
     }
+    txn.finish_file(name, l, hd)?;
     r.write += t.elapsed();
     r.blocks += (index.len() + data.len()) as u64;
     r.heads += 1;
@@ -223,10 +232,16 @@ fn f16_scale(keys: &[f32]) -> f32 {
 
 impl Db {
     /// Imports a context: every (layer, kv head) of `source`, indexed, in one commit.
-    /// `progress` is told the KV bytes done after each head. The name must be new, the input
+    /// `progress` is told the KV bytes done after each head; an error it returns stops the
+    /// import (a caller's cancel) with nothing committed. The name must be new, the input
     /// well-formed (check values first, e.g. `SafetensorsKv::check_values`), and the store
     /// large enough; otherwise nothing is written.
-    pub fn import(&self, name: &str, source: &dyn KvSource, mut progress: impl FnMut(u64)) -> Result<WriteReport> {
+    pub fn import(
+        &self,
+        name: &str,
+        source: &dyn KvSource,
+        mut progress: impl FnMut(u64) -> Result<()>,
+    ) -> Result<WriteReport> {
         let started = Instant::now();
         let shape = source.shape();
         shape.validate().map_err(Error::Input)?;
@@ -272,7 +287,7 @@ impl Db {
                     &params,
                     &mut report,
                 )?;
-                progress((n * d * 4) as u64);
+                progress((n * d * 4) as u64)?;
             }
         }
         let committing = Instant::now();

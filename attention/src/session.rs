@@ -129,6 +129,35 @@ pub struct AttentionOptions {
     pub target_error: Option<f32>,
 }
 
+impl AttentionOptions {
+    /// Refuses options no plan can honour: a non-positive or non-finite target, scale or
+    /// β; an error target on a plan with a fixed budget; a budget on `full`, which attends
+    /// every token. [`Session::attention_with`] checks them before anything runs.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(e) = self.target_error.filter(|e| !(e.is_finite() && *e > 0.0)) {
+            return input(format!("the error target must be a positive number, not {e}"));
+        }
+        if let Some(x) = self.scale.filter(|x| !(x.is_finite() && *x > 0.0)) {
+            return input(format!("the softmax scale must be a positive number, not {x}"));
+        }
+        if let Some(b) = self.beta.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+            return input(format!("the DIPR range beta must be a finite number ≥ 0, not {b}"));
+        }
+        match (self.plan, self.target_error, self.budget) {
+            (Some(p @ (Plan::Topk | Plan::Quest | Plan::Infllm)), Some(_), _) => input(format!(
+                "an error target needs a plan that widens its search until it meets it (auto, full, flat, diprs, \
+                 graph-diprs or pq); {} takes a fixed budget",
+                p.name()
+            )),
+            (Some(Plan::Full), _, Some(b)) => input(format!(
+                "plan full attends every token exactly: a budget ({b} tokens) applies to the plans that retrieve \
+                 (flat, diprs, graph-diprs, topk, quest, infllm, pq)"
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Default for AttentionOptions {
     fn default() -> Self {
         AttentionOptions {
@@ -516,26 +545,7 @@ impl Session {
         if let Some((i, why)) = first_unattendable(q) {
             return input(format!("attention of layer {layer}: q[{i}] {why}"));
         }
-        if let Some(e) = opts.target_error {
-            if !(e.is_finite() && e > 0.0) {
-                return input(format!("the error target must be a positive number, not {e}"));
-            }
-        }
-        if let Some(x) = opts.scale.filter(|x| !(x.is_finite() && *x > 0.0)) {
-            return input(format!("the softmax scale must be a positive number, not {x}"));
-        }
-        if let Some(b) = opts.beta.filter(|b| !(b.is_finite() && *b >= 0.0)) {
-            return input(format!("the DIPR range beta must be a finite number ≥ 0, not {b}"));
-        }
-        if let Some(p) =
-            opts.plan.filter(|p| opts.target_error.is_some() && matches!(p, Plan::Topk | Plan::Quest | Plan::Infllm))
-        {
-            return input(format!(
-                "an error target needs a plan that widens its search until it meets it (auto, full, flat, diprs, \
-                 graph-diprs or pq); {} takes a fixed budget",
-                p.name()
-            ));
-        }
+        opts.validate()?;
         let choice = self.choice(layer, Request { forced: opts.plan, error_target: opts.target_error });
         let choice = self.on_stored_index(layer, choice)?;
         let on_gpu = self.gpu_usable(opts);
@@ -605,7 +615,15 @@ impl Session {
             report.lse = m.lse();
             output.extend_from_slice(&m.o);
         }
-        // Scores beyond f32's range (a large softmax scale) leave no answer to give.
+        // No token attended (an empty window and nothing retrieved) leaves a softmax over
+        // nothing; scores beyond f32's range (a large softmax scale) leave no answer either.
+        let nothing = |h: usize| heads[h].lse == f32::NEG_INFINITY && heads[h].retrieved == 0;
+        if let Some(h) = (0..qh).find(|&h| self.window_ids.is_empty() && nothing(h)) {
+            return input(format!(
+                "attention of layer {layer}, q head {h}, attended no token: the window holds none of the context \
+                 and the plan retrieved none (widen the window, or give a budget above 0)"
+            ));
+        }
         if let Some(h) =
             (0..qh).find(|&h| !heads[h].lse.is_finite() || output[h * d..(h + 1) * d].iter().any(|x| !x.is_finite()))
         {

@@ -8,43 +8,25 @@ on top (docs/python.md).
 
 from __future__ import annotations
 
+import operator
 import sys
+import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import _native
-from ._native import (
-    CorruptError,
-    Error,
-    ExistsError,
-    InputError,
-    IoError,
-    LockedError,
-    NotAStoreError,
-    NotFoundError,
-    OverBudgetError,
-    ReadOnlyError,
-    StoreFullError,
-)
+from . import _native, errors
+from .errors import *  # noqa: F403 (the exception classes: errors.__all__)
+from .errors import InputError
 
-__all__ = [
-    "Store",
-    "Session",
-    "Error",
-    "InputError",
-    "StoreFullError",
-    "ExistsError",
-    "NotFoundError",
-    "CorruptError",
-    "LockedError",
-    "ReadOnlyError",
-    "NotAStoreError",
-    "IoError",
-    "OverBudgetError",
-    "PLANS",
-]
+__all__ = ["Store", "Session", "PLANS", *errors.__all__]
+
+try:
+    __version__ = version("ctxfs")
+except PackageNotFoundError:  # imported from a source tree without the wheel installed
+    __version__ = "unknown"
 
 #: Plans a call may force (``Session.attention(..., plan=...)``).
 PLANS = ("full", "flat", "diprs", "graph-diprs", "topk", "quest", "infllm", "pq")
@@ -75,10 +57,19 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
 
+def as_int(x: Any, name: str) -> int:
+    """An integer argument (an int, a numpy integer, anything with ``__index__``), else
+    InputError: a float or a string is not silently truncated or parsed."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise InputError(f"{name} is {x!r}: expected an integer") from None
+
+
 def as_count(x: Any, name: str, most: int = U32_MAX) -> int:
     """A non-negative integer argument of at most ``most`` (the native field's range: u32
     unless said), else InputError."""
-    n = int(x)
+    n = as_int(x, name)
     if not 0 <= n <= most:
         raise InputError(f"{name} is {n}: expected 0..={most}")
     return n
@@ -95,11 +86,28 @@ def as_window(window: Any) -> tuple[int, int]:
 
 def as_token_ids(ids: Iterable[int], name: str = "token ids") -> list[int]:
     """Token ids as u32s, else InputError naming the first that is not."""
-    out = [int(t) for t in ids]
+    out = [as_int(t, name) for t in ids]
     bad = next((t for t in out if not 0 <= t <= U32_MAX), None)
     if bad is not None:
         raise InputError(f"{name}: {bad} is not a token id (0..={U32_MAX})")
     return out
+
+
+#: The options of an attention call (``Session.attention``'s keywords besides ``return_lse``).
+OPTIONS = ("plan", "beta", "budget", "scale", "tail", "target_error", "k")
+
+
+def call_options(**given: Any) -> dict:
+    """An attention call's options as the native session takes them: every key of
+    ``OPTIONS``, None for the default, counts checked; an unknown one is an InputError."""
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise InputError(f"unknown option {unknown[0]!r}: expected {', '.join(OPTIONS)}")
+    options = {name: given.get(name) for name in OPTIONS}
+    for name in ("budget", "k"):
+        if options[name] is not None:
+            options[name] = as_count(options[name], name)
+    return options
 
 
 class Progress:
@@ -139,14 +147,21 @@ class Session:
 
     def __init__(self, native: Any, store: "Store"):
         self._native = native
-        self._store = store
+        # The native store, not the Python one: a session outlives its Store's close().
+        self._store_native = store._native
         self._calls = 0
         self._rows = 0
         self._retrieved = 0
         self._estimated_max: float | None = None
         self._scored = 0
         self._plans: dict[str, int] = {}
+        # Attention calls may run from several threads: their counts are summed under it.
+        self._counting = threading.Lock()
         self._shape: dict = native.info()["shape"]
+
+    def __repr__(self) -> str:
+        info = self._native.info()
+        return f"<ctxfs.Session {info['reused_context']!r}: {info['prefix_tokens']} tokens reused, {info['new_tokens']} new>"
 
     @property
     def shape(self) -> dict:
@@ -185,11 +200,13 @@ class Session:
         (default: on for the optimizer's plans and with a target, off for forced ones).
         ``target_error`` asks for an output error at most this, relative to exact attention's,
         instead of a fixed ``beta``: the range is cut per query where it is estimated to meet
-        it (``stats()["estimated_error_max"]`` is the largest estimate seen). ``k`` is how many
+        it (``stats()["estimated_error_max"]`` is the largest estimate seen; a forced
+        ``graph-diprs`` meets it less often than the others: docs/python.md). ``k`` is how many
         tokens the ``topk`` plan retrieves beyond the window (default 100; ``ctxfs query --k``)."""
         layer = as_count(layer, "layer")
-        budget = None if budget is None else as_count(budget, "budget")
-        k = None if k is None else as_count(k, "k")
+        options = call_options(
+            plan=plan, beta=beta, budget=budget, scale=scale, tail=tail, target_error=target_error, k=k
+        )
         a = as_f32(q, "q")
         shape = a.shape
         m = self._shape
@@ -200,29 +217,26 @@ class Session:
                 "with rows ≥ 1"
             )
         rows = 1 if a.ndim == 2 else shape[0]
-        out, lse, reports = self._native.attention(
-            layer,
-            a.reshape(rows, -1),
-            plan=plan,
-            beta=beta,
-            budget=budget,
-            scale=scale,
-            tail=tail,
-            target_error=target_error,
-            k=k,
-        )
-        self._calls += 1
-        self._rows += rows
-        for label, retrieved, scored, estimated in reports:
-            self._plans[label] = self._plans.get(label, 0) + 1
-            self._retrieved += retrieved
-            self._scored += scored
-            if estimated is not None:
-                self._estimated_max = max(self._estimated_max or 0.0, estimated)
+        out, lse, reports = self._native.attention(layer, a.reshape(rows, -1), options)
+        with self._counting:
+            self._calls += 1
+            self._rows += rows
+            for label, retrieved, scored, estimated in reports:
+                self._plans[label] = self._plans.get(label, 0) + 1
+                self._retrieved += retrieved
+                self._scored += scored
+                if estimated is not None:
+                    self._estimated_max = max(self._estimated_max or 0.0, estimated)
         out = out.reshape(shape)
         if a.ndim == 2:
             lse = lse[0]
         return (out, lse) if return_lse else out
+
+    def check_options(self, **options: Any) -> None:
+        """Raises ``InputError`` for options ``attention`` would refuse (an unknown option or
+        plan, a target on a plan with a fixed budget, a budget on ``full``, a non-finite β,
+        ...), before any call runs. ``options`` are ``attention``'s keywords."""
+        self._native.check_options(call_options(**options))
 
     def update(self, layer: int, q: Any, k: Any, v: Any) -> None:
         """Appends tokens to ``layer``: ``k`` and ``v`` ``[kv_heads, t, head_dim]``, ``q``
@@ -245,7 +259,7 @@ class Session:
     def store(self, name: str) -> dict:
         """Persists the session's own tokens as context ``name``, on top of the prefix it
         reused (whose blocks are shared, not copied)."""
-        return self._native.store(self._store._native, name)
+        return self._native.store(self._store_native, name)
 
     def plan(self, layer: int, plan: str | None = None) -> dict:
         """The plan an attention call on ``layer`` runs (``plan`` forces one), and why."""
@@ -261,7 +275,7 @@ class Session:
             estimated_error_max=self._estimated_max,
             keys_scored=self._scored,
             plans=dict(self._plans),
-            pool=self._store.pool_stats(),
+            pool=self._store_native.pool_stats(),
         )
         return info
 
@@ -270,10 +284,33 @@ class Store:
     """A mounted context store: its buffer pool and prefix trie.
 
     ``Store.create`` formats one; ``Store.open`` mounts one (for writing, or with
-    ``read_only=True`` beside a writer in another process)."""
+    ``read_only=True`` beside a writer in another process). A read-only mount sees the
+    contexts committed when it opened: open it again to see later ones. ``close()`` (or
+    leaving a ``with`` block) lets go of it; the store stays open, its writer lock held,
+    while a session opened from it lives."""
 
     def __init__(self, native: Any):
-        self._native = native
+        self._handle = native
+
+    @property
+    def _native(self) -> Any:
+        if self._handle is None:
+            raise InputError("the store is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Lets go of the store: later calls on this object raise ``InputError``. Its pool
+        and writer lock are released once no session opened from it is left."""
+        self._handle = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "<ctxfs.Store closed>" if self._handle is None else f"<ctxfs.Store {self.path!r}>"
 
     @classmethod
     def create(
@@ -389,8 +426,12 @@ class Store:
         ``q_heads`` (the model's query heads) is needed when layer 0 has no ``q`` and the
         model groups its queries (GQA): without either, a head per kv head is recorded.
 
-        Shapes, dtypes, non-finite values, an existing name and a full store are refused; an
-        import that fails leaves nothing behind."""
+        ``progress`` is True for a progress bar on stderr (when it is a terminal), False for
+        none, or a callable told ``(files done, files in all)`` after each vector file; what it
+        raises (a KeyboardInterrupt too) stops the import and is raised again.
+
+        Shapes, dtypes, non-finite values, an existing name, a full store and more layers than
+        ``num_layers`` are refused; an import that fails leaves nothing behind."""
         tokens = as_token_ids(tokens)
         if not tokens:
             raise InputError("a context needs at least one token")
@@ -400,7 +441,11 @@ class Store:
             num_layers = len(layers)  # type: ignore[arg-type]
         elif num_layers is None:
             raise InputError("layers has no length: pass num_layers")
-        if not 1 <= int(num_layers) <= 0xFFFF or (q_heads is not None and not 1 <= int(q_heads) <= 0xFFFF):
+        num_layers = as_int(num_layers, "num_layers")
+        q_heads = None if q_heads is None else as_int(q_heads, "q_heads")
+        if num_layers == 0:
+            raise InputError("layers is empty")
+        if not 1 <= num_layers <= 0xFFFF or (q_heads is not None and not 1 <= q_heads <= 0xFFFF):
             raise InputError(f"num_layers {num_layers} and q_heads {q_heads} must be 1..=65535")
         it = iter(layers)
 
@@ -433,6 +478,9 @@ class Store:
 
         def next_layer(index: int):
             k, v, q = pending.pop(index) if index in pending else unpack(index, next(it, None))
+            # The last layer: an iterator with more would lose them silently.
+            if index == num_layers - 1 and next(it, None) is not None:
+                raise InputError(f"layers yields more than num_layers ({num_layers}) layers")
             if k.shape != (kv_heads, n, head_dim) or v.shape != k.shape:
                 raise InputError(
                     f"layer {index}: k {k.shape} and v {v.shape}, expected {(kv_heads, n, head_dim)} as layer 0"

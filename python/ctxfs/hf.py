@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import InputError, Progress, Session, Store
+from . import InputError, Progress, Session, Store, as_count
 
 #: The attention implementation name: ``model.set_attn_implementation(ATTN)``.
 ATTN = "ctxfs"
@@ -101,6 +101,9 @@ def capture_prefix(
     activations (attention is never materialised over the whole prompt at once)."""
     from transformers import DynamicCache
 
+    chunk = as_count(chunk, "chunk")
+    if chunk == 0:
+        raise InputError("chunk is 0: the prefill feeds at least one token at a time")
     ids = torch.as_tensor(_token_list(input_ids)).unsqueeze(0)
     n = ids.shape[1]
     keep = np.unique(np.linspace(0, n - 1, min(n, train_queries)).round().astype(np.int64))
@@ -242,6 +245,8 @@ class CtxfsCache(Cache):
         self.session, self.prefix = store.create_session(self.tokens, max_reuse=len(self.tokens) - 1)
         self.store_handle = store
         self.options = {"plan": plan, "beta": beta, "budget": budget, "tail": tail, "target_error": target_error}
+        # Refused now, not inside generate().
+        self.session.check_options(**self.options)
         layers = self.session.shape["layers"]
         super().__init__(layers=[CtxfsLayer(self, i) for i in range(layers)])
 
@@ -263,8 +268,9 @@ class CtxfsCache(Cache):
             raise InputError(f"layer {layer}: attention without a cache update")
         k, v = cl.pending
         cl.pending = None
-        _, qh, t, d = query.shape
+        batch, qh, t, d = query.shape
         kvh = k.shape[1]
+        self._check_call(layer, batch, (qh, kvh, d), t)
         q = query[0].float().transpose(0, 1).contiguous()  # [t, qh, d]
         out, lse = self.session.attention(layer, q, scale=scaling, return_lse=True, **self.options)
         out, lse = torch.from_numpy(out), torch.from_numpy(lse)  # [t, qh, d], [t, qh]
@@ -282,6 +288,29 @@ class CtxfsCache(Cache):
         self.session.update(layer, query[0], k[0], v[0])
         cl.length += t
         return merged.unsqueeze(0).to(query.dtype)
+
+    def _check_call(self, layer: int, batch: int, heads: tuple[int, int, int], t: int) -> None:
+        """Refuses a call this cache would answer wrongly: more than one sequence (beams), a
+        model of another shape than the stored context's, or a first call (the prefill of
+        the prompt's unreused tokens) of another length than the prompt it was made for."""
+        if batch != 1:
+            raise InputError(
+                f"attention for {batch} sequences: a CtxfsCache serves one (no beam search, one return sequence)"
+            )
+        m = self.session.shape
+        stored = (m["q_heads"], m["kv_heads"], m["head_dim"])
+        if heads != stored:
+            raise InputError(
+                f"layer {layer} has (q heads, kv heads, head dim) {heads}, but the stored context "
+                f"{self.session.stats()['reused_context']!r} was imported from a model with {stored}: "
+                "a context serves the model it was imported from"
+            )
+        unreused = len(self.tokens) - self.prefix
+        if self.layers[layer].length == self.prefix and t != unreused:
+            raise InputError(
+                f"generate() fed {t} new tokens, but this CtxfsCache was made for a prompt of {len(self.tokens)} "
+                f"tokens, {self.prefix} of them stored: pass generate() the input_ids the cache was made for"
+            )
 
     def store(self, name: str, sequences: Any) -> dict:
         """Persists the tokens this cache added (the prompt's unreused tokens and generated

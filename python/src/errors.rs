@@ -1,36 +1,22 @@
-//! The Python exceptions: `ctxfs.Error` and one subclass per kind of failure, each carrying
-//! the Rust message.
+//! The Python exception each failure raises, carrying the Rust message (the classes are
+//! `ctxfs/errors.py`'s).
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::import_exception;
 use pyo3::prelude::*;
 
-create_exception!(ctxfs, Error, PyException, "A ctxfs operation failed.");
-create_exception!(
-    ctxfs,
-    InputError,
-    Error,
-    "Bad input (shape, dtype, non-finite value, unknown layer or plan); nothing was written."
-);
-create_exception!(
-    ctxfs,
-    StoreFullError,
-    Error,
-    "The store lacks the space an import or store needs; nothing was written."
-);
-create_exception!(ctxfs, ExistsError, Error, "A context with that name already exists.");
-create_exception!(ctxfs, NotFoundError, Error, "No context with that name.");
-create_exception!(ctxfs, CorruptError, Error, "A block or stream failed verification; the message names the block.");
-create_exception!(ctxfs, LockedError, Error, "Another writer holds the store.");
-create_exception!(ctxfs, ReadOnlyError, Error, "The store is open read-only.");
-create_exception!(ctxfs, NotAStoreError, Error, "The path holds no ctxfs store (or one this build cannot read).");
-create_exception!(ctxfs, IoError, Error, "The device failed an I/O.");
-create_exception!(
-    ctxfs,
-    OverBudgetError,
-    Error,
-    "Serving the context would hold more of its index resident than the store's resident_budget allows."
-);
+// Defined in Python (`ctxfs/errors.py`), so each can also derive from the built-in exception
+// a caller would catch for its kind (`InputError` is a `ValueError`, ...): a class made here
+// has one base.
+import_exception!(ctxfs.errors, InputError);
+import_exception!(ctxfs.errors, StoreFullError);
+import_exception!(ctxfs.errors, ExistsError);
+import_exception!(ctxfs.errors, NotFoundError);
+import_exception!(ctxfs.errors, CorruptError);
+import_exception!(ctxfs.errors, LockedError);
+import_exception!(ctxfs.errors, ReadOnlyError);
+import_exception!(ctxfs.errors, NotAStoreError);
+import_exception!(ctxfs.errors, IoError);
+import_exception!(ctxfs.errors, OverBudgetError);
 
 /// A failure of any layer below, as one type for `?` in the binding.
 #[derive(Debug, thiserror::Error)]
@@ -71,20 +57,4 @@ pub fn to_py(e: Failure) -> PyErr {
         Failure::Attention(A::Buffer(_)) => IoError::new_err,
     };
     make(e.to_string())
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("Error", py.get_type::<Error>())?;
-    m.add("InputError", py.get_type::<InputError>())?;
-    m.add("StoreFullError", py.get_type::<StoreFullError>())?;
-    m.add("ExistsError", py.get_type::<ExistsError>())?;
-    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
-    m.add("CorruptError", py.get_type::<CorruptError>())?;
-    m.add("LockedError", py.get_type::<LockedError>())?;
-    m.add("ReadOnlyError", py.get_type::<ReadOnlyError>())?;
-    m.add("NotAStoreError", py.get_type::<NotAStoreError>())?;
-    m.add("IoError", py.get_type::<IoError>())?;
-    m.add("OverBudgetError", py.get_type::<OverBudgetError>())?;
-    Ok(())
 }

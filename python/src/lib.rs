@@ -171,11 +171,11 @@ impl Store {
             let mut done = 0u64;
             self.db.import(name, &source, |_| {
                 done += 1;
-                if let Some(p) = &progress {
-                    Python::attach(|py| {
-                        // A failing progress callback must not fail the import.
-                        let _ = p.call1(py, (done, total));
-                    });
+                match &progress {
+                    // What the callback raises (a KeyboardInterrupt too) stops the import
+                    // before its commit and is raised again below.
+                    Some(p) => Python::attach(|py| p.call1(py, (done, total)).map(drop)).map_err(|e| source.raised(e)),
+                    None => Ok(()),
                 }
             })
         });
@@ -190,8 +190,17 @@ impl Store {
     /// tokens). Returns the session and how many tokens it reuses.
     #[pyo3(signature = (tokens, max_reuse=None))]
     fn create_session(&self, py: Python<'_>, tokens: Vec<u32>, max_reuse: Option<usize>) -> PyResult<(Session, usize)> {
+        if tokens.is_empty() {
+            return Err(errors::InputError::new_err("a session needs the prompt's token ids: none were given"));
+        }
         let cap = max_reuse.unwrap_or(tokens.len()).min(tokens.len());
-        let (mut session, _) = py.detach(|| self.db.create_session(&tokens[..cap])).map_err(|e| to_py(e.into()))?;
+        let (mut session, _) = py.detach(|| self.db.create_session(&tokens[..cap])).map_err(|e| match cap {
+            0 => errors::InputError::new_err(
+                "max_reuse is 0: the session reuses no stored prefix, and a session without one needs a model shape \
+                 this store does not configure",
+            ),
+            _ => to_py(e.into()),
+        })?;
         let reused = session.prefix_tokens() as usize;
         session.append_tokens(&tokens[cap..]);
         Ok((Session::new(session), reused))
@@ -213,6 +222,38 @@ impl Store {
     /// `None` without a GPU.
     fn gpu_codes_bytes(&self, py: Python<'_>) -> Option<(u64, u64)> {
         py.detach(|| self.db.gpu_codes_bytes())
+    }
+}
+
+/// An attention call's options, a dict of every key as `ctxfs.Session` passes them (`None`:
+/// the default): `plan` forces a plan; `beta`, `budget` and `scale` override the optimizer's;
+/// `tail` turns the tail estimate on or off; `target_error` asks for an output error instead
+/// of a fixed β; `k` is how many tokens top-k retrieves.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct CallOptions {
+    plan: Option<String>,
+    beta: Option<f32>,
+    budget: Option<usize>,
+    scale: Option<f32>,
+    tail: Option<bool>,
+    target_error: Option<f32>,
+    k: Option<usize>,
+}
+
+impl CallOptions {
+    fn attention_options(&self) -> PyResult<AttentionOptions> {
+        let defaults = AttentionOptions::default();
+        Ok(AttentionOptions {
+            plan: self.plan.as_deref().map(|p| p.parse::<Plan>().map_err(errors::InputError::new_err)).transpose()?,
+            beta: self.beta,
+            budget: self.budget,
+            scale: self.scale,
+            tail: self.tail,
+            target_error: self.target_error,
+            k: self.k.unwrap_or(defaults.k),
+            ..defaults
+        })
     }
 }
 
@@ -281,35 +322,15 @@ type AttentionOut<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>, 
 #[pymethods]
 impl Session {
     /// Attention of `rows` decode queries `[rows, q_heads * head_dim]` over `layer`, each row
-    /// on its own (as one decode step). `plan` forces a plan; `beta`, `budget` and `scale`
-    /// override the optimizer's; `tail` turns the tail estimate on or off; `target_error`
-    /// asks for an output error instead of a fixed β; `k` is how many tokens top-k retrieves.
-    #[pyo3(signature = (layer, q, plan=None, beta=None, budget=None, scale=None, tail=None, target_error=None, k=None))]
+    /// on its own (as one decode step), with `options` ([`CallOptions`]).
     fn attention<'py>(
         &self,
         py: Python<'py>,
         layer: usize,
         q: PyReadonlyArrayDyn<'py, f32>,
-        plan: Option<&str>,
-        beta: Option<f32>,
-        budget: Option<usize>,
-        scale: Option<f32>,
-        tail: Option<bool>,
-        target_error: Option<f32>,
-        k: Option<usize>,
+        options: CallOptions,
     ) -> PyResult<AttentionOut<'py>> {
-        let mut opts = AttentionOptions::default();
-        if let Some(k) = k {
-            opts.k = k;
-        }
-        if let Some(p) = plan {
-            opts.plan = Some(p.parse::<Plan>().map_err(errors::InputError::new_err)?);
-        }
-        opts.beta = beta;
-        opts.budget = budget;
-        opts.scale = scale;
-        opts.tail = tail;
-        opts.target_error = target_error;
+        let opts = options.attention_options()?;
         let shape = self.shape;
         let width = shape.q_heads as usize * shape.head_dim as usize;
         let q = slice("q", &q)?;
@@ -341,6 +362,11 @@ impl Session {
         let out = out.into_pyarray(py).reshape([rows, width])?;
         let lse = lse.into_pyarray(py).reshape([rows, shape.q_heads as usize])?;
         Ok((out, lse, reports))
+    }
+
+    /// Refuses what `attention` would refuse of `options`, before any call runs.
+    fn check_options(&self, options: CallOptions) -> PyResult<()> {
+        options.attention_options()?.validate().map_err(|e| to_py(e.into()))
     }
 
     /// Appends tokens to `layer`: k and v float32 `[kv_heads, t, head_dim]`, q float32
@@ -402,6 +428,5 @@ impl Session {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<Session>()?;
-    errors::register(m)?;
     Ok(())
 }

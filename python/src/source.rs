@@ -37,6 +37,14 @@ impl PyLayers {
         self.raised.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
+    /// Keeps `e`, which a Python callback of the import raised, to raise again once the
+    /// import stops, and returns the error that stops it.
+    pub fn raised(&self, e: PyErr) -> Error {
+        let msg = e.to_string();
+        *self.raised.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        Error::Input(msg)
+    }
+
     /// Runs `f` on layer `layer`, fetching it from Python first when it is not the one held.
     fn with_layer<T>(&self, layer: usize, f: impl FnOnce(&Layer) -> T) -> Result<T> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
@@ -62,11 +70,7 @@ impl PyLayers {
             });
             let (keys, values, q) = match got {
                 Ok(t) => t,
-                Err(e) => {
-                    let msg = format!("layer {layer}: {e}");
-                    *self.raised.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                    return Err(Error::Input(msg));
-                }
+                Err(e) => return Err(self.raised(e)),
             };
             for (name, x) in [("k", &keys), ("v", &values)] {
                 if x.len() != kv * n * d {
@@ -87,9 +91,12 @@ impl PyLayers {
                     q
                 }
             };
-            for (name, x) in [("k", &keys), ("v", &values), ("q", &queries)] {
+            for (name, x, heads) in [("k", &keys, kv), ("v", &values, kv), ("q", &queries, qh)] {
                 if let Some((i, why)) = first_unstorable(x, s.dtype) {
-                    return Err(Error::Input(format!("layer {layer}: {name}[{i}] {why}")));
+                    // [head, row, dim] of the flat index, as the caller's array is shaped.
+                    let rows = x.len() / (heads * d);
+                    let (head, row, dim) = (i / (rows * d), i / d % rows, i % d);
+                    return Err(Error::Input(format!("layer {layer}: {name}[{head}, {row}, {dim}] {why}")));
                 }
             }
             Ok(Layer { index: layer, keys, values, queries })

@@ -202,6 +202,51 @@ def test_shapes_numbers_and_pools_are_checked_before_use(store, store_path):
     assert sorted(names) == ["doc", "gqa"]
 
 
+def test_python_conventions_callbacks_and_closing(store, store_path):
+    # Each error is also the built-in exception a caller would catch for its kind.
+    assert issubclass(ctxfs.InputError, ValueError) and issubclass(ctxfs.NotFoundError, LookupError)
+    with pytest.raises(OSError, match="missing"):
+        ctxfs.Store.open(store_path + ".missing")
+    with pytest.raises(LookupError):
+        store.open_session("missing")
+    session = store.open_session("doc")
+    q = np.zeros((QH, D), np.float32)
+    # Full attention attends every token: a budget would cut it, so it is refused; the options
+    # a CtxfsCache passes to every call are checked before any runs.
+    with pytest.raises(ctxfs.InputError, match="every token"):
+        session.attention(1, q, plan="full", budget=10)
+    with pytest.raises(ctxfs.InputError, match="fixed budget"):
+        session.check_options(plan="quest", target_error=0.01)
+    session.check_options(plan="flat", target_error=0.01)
+    # A layer is an integer, not a float or a string made into one.
+    for layer in (0.9, "1"):
+        with pytest.raises(ctxfs.InputError, match="integer"):
+            session.attention(layer, q)
+    # What a progress callback raises stops the import before its commit and is raised again;
+    # an iterator with more layers than num_layers is refused, not cut short.
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        store.import_kv("stopped", kv_layers(1), range(N), progress=interrupt)
+    with pytest.raises(ctxfs.InputError, match="more than num_layers"):
+        store.import_kv("extra", iter(kv_layers(1)), range(N), num_layers=1, progress=False)
+    assert [c["name"] for c in store.contexts()] == ["doc"]
+    assert store.fsck()["exit_code"] == 0
+    # A closed store refuses calls; its sessions go on, and the writer lock goes with the last.
+    store.close()
+    with pytest.raises(ctxfs.InputError, match="closed"):
+        store.contexts()
+    assert session.attention(1, q).shape == (QH, D) and session.stats()["attention_calls"] == 1
+    with pytest.raises(ctxfs.LockedError):
+        ctxfs.Store.open(store_path)
+    del session
+    with ctxfs.Store.open(store_path) as reopened:
+        assert [c["name"] for c in reopened.contexts()] == ["doc"]
+    with pytest.raises(ctxfs.InputError, match="closed"):
+        reopened.contexts()
+
+
 def test_errors_carry_the_rust_message(store, store_path):
     with pytest.raises(ctxfs.LockedError, match="open for writing"):
         ctxfs.Store.open(store_path)

@@ -110,3 +110,21 @@ def test_attention_that_is_not_plain_softmax_over_every_token_is_refused(store_p
     with pytest.raises(ctxfs.InputError, match="sliding window of 200 tokens, shorter than the 303"):
         through_ctxfs(mistral, prompt, hf.CtxfsCache(store, prompt), 2)
     assert [c["name"] for c in store.contexts()] == ["doc"]
+
+
+def test_a_cache_refuses_calls_it_would_answer_wrongly(doc_store, tiny_model):
+    """A CtxfsCache serves the prompt it was made for, one sequence of it, with options any
+    attention call takes: anything else is refused, never answered as if it were."""
+    store, doc, _, g = doc_store
+    prompt = torch.cat([doc, torch.randint(0, 256, (1, 6), generator=g)], 1)
+    with pytest.raises(ctxfs.InputError, match="fixed budget"):
+        hf.CtxfsCache(store, prompt, plan="quest", target_error=0.01)
+    with pytest.raises(ctxfs.InputError, match="unknown plan"):
+        hf.CtxfsCache(store, prompt, plan="nope")
+    other = torch.cat([doc, torch.randint(0, 256, (1, 9), generator=g)], 1)
+    with pytest.raises(ctxfs.InputError, match="made for a prompt of"):
+        through_ctxfs(tiny_model, other, hf.CtxfsCache(store, prompt), 2)
+    with pytest.raises(ctxfs.InputError, match="serves one"):
+        tiny_model.generate(prompt, cache=hf.CtxfsCache(store, prompt), max_new_tokens=2, num_beams=2, do_sample=False)
+    with pytest.raises(ctxfs.InputError, match="chunk"):
+        hf.capture_prefix(tiny_model, doc, chunk=0, progress=False)

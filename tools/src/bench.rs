@@ -69,6 +69,9 @@ pub fn scratch_name(bench: &str) -> String {
 
 const SCRATCH_PREFIX: &str = "bench-";
 
+/// The benchmarks that write a scratch context ([`scratch_name`]).
+pub const SCRATCH_BENCHES: [&str; 2] = ["io", "buffer"];
+
 /// The process that made `name`, when it is the scratch context of `bench` ([`scratch_name`]).
 pub fn scratch_pid(name: &str, bench: &str) -> Option<u32> {
     let pid = name.strip_prefix(SCRATCH_PREFIX)?.strip_prefix(bench)?.strip_prefix('-')?;
@@ -79,7 +82,7 @@ pub fn scratch_pid(name: &str, bench: &str) -> Option<u32> {
 /// behind. Only a store's one writer runs a benchmark, so none of them is in use. Returns
 /// their names.
 pub fn sweep_scratch(store: &Store) -> Result<Vec<String>> {
-    let is_scratch = |name: &str| ["io", "buffer"].iter().any(|bench| scratch_pid(name, bench).is_some());
+    let is_scratch = |name: &str| SCRATCH_BENCHES.iter().any(|bench| scratch_pid(name, bench).is_some());
     let stale: Vec<String> = store.snapshot().contexts().map(|c| c.name.clone()).filter(|n| is_scratch(n)).collect();
     for name in &stale {
         drop_scratch(store, name)?;

@@ -26,8 +26,10 @@ pub struct Args {
     /// Threads for the hot-hit measurement (at most 256).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
+    /// Rounds of (buffer, raw) measurements; medians are reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
     rounds: u64,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }

@@ -34,12 +34,14 @@ pub struct Args {
     /// Tokens of the generated head; the choice is also timed over its first 131,072.
     #[arg(long, default_value_t = 1_048_576)]
     tokens: usize,
+    /// Head dimension of the generated keys.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     /// Tokens each query takes (a compact step takes `Rules::codes_budget`, 768, beyond the
     /// window, and the window's; the default times a larger choice).
     #[arg(long, default_value_t = 1024)]
     best: usize,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -88,12 +90,19 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     outln!("each of {GROUP} queries' best {} of d = {d} codes on one core ({} subspaces)", args.best, pq.params().m)?;
     outln!("{:>10}  {:>14}  {:>14}  {:>7}  same tokens", "tokens", "every score", "kept", "ratio")?;
     for s in v["scans"].as_array().into_iter().flatten() {
+        // Where the sample's cut did not hold, the kept scan gave up at once: its time is no
+        // choice's, and the ratio none.
+        let (kept, ratio) = match s["sampled_cut_held"].as_bool() == Some(true) {
+            true => (
+                format!("{:>11.3} ms", s["kept_seconds"].as_f64().unwrap_or(0.0) * 1e3),
+                format!("{:>6.2}×", s["speedup"].as_f64().unwrap_or(0.0)),
+            ),
+            false => (format!("{:>14}", "cut failed"), format!("{:>7}", "n/a")),
+        };
         outln!(
-            "{:>10}  {:>11.3} ms  {:>11.3} ms  {:>6.2}×  {}/{GROUP}",
+            "{:>10}  {:>11.3} ms  {kept}  {ratio}  {}/{GROUP}",
             s["tokens"],
             s["every_score_seconds"].as_f64().unwrap_or(0.0) * 1e3,
-            s["kept_seconds"].as_f64().unwrap_or(0.0) * 1e3,
-            s["speedup"].as_f64().unwrap_or(0.0),
             s["queries_identical"],
         )?;
     }
@@ -160,7 +169,7 @@ fn time_choices(
             "tokens": lim,
             "every_score_seconds": every_seconds,
             "kept_seconds": kept_seconds,
-            "speedup": every_seconds / kept_seconds,
+            "speedup": few.is_some().then(|| every_seconds / kept_seconds),
             "sampled_cut_held": few.is_some(),
             "queries_identical": identical,
         }));

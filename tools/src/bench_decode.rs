@@ -42,14 +42,16 @@ pub struct Args {
     /// same context is reused.
     #[arg(long, default_value = "./ctxfs-bench-decode")]
     dir: PathBuf,
+    /// Tokens of the generated context.
     #[arg(long, default_value_t = 131072)]
     tokens: usize,
     /// Layers built and measured (the model has 32; the rest are extrapolated). The baselines
     /// and the quality replay take the first two.
     #[arg(long, default_value_t = 2)]
     layers: usize,
-    /// Decode steps (one query per q head each, at consecutive positions).
-    #[arg(long, default_value_t = 16)]
+    /// Decode steps (one query per q head each, at consecutive positions; the first is the
+    /// cold one, the others the steady steps, so at least 2).
+    #[arg(long, default_value_t = 16, value_parser = at_least_two)]
     steps: usize,
     /// Data-block cache as a share of the data blocks.
     #[arg(long, default_value_t = 0.10)]
@@ -68,6 +70,7 @@ pub struct Args {
     /// top): at 1M tokens on 2 cores those take minutes, the steps seconds.
     #[arg(long)]
     steps_only: bool,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -85,9 +88,16 @@ const RAW_OP: usize = 1 << 20;
 /// 1/sqrt(head_dim).
 const SCALE: f32 = 0.088_388_35;
 
+fn at_least_two(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 2 => Ok(n),
+        _ => Err(format!("{s:?}: expected at least 2 steps, a cold one and a steady one")),
+    }
+}
+
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let (n, layers, steps) = (args.tokens, args.layers, args.steps);
-    ensure!(n >= 4096 && (1..=MODEL_LAYERS).contains(&layers) && steps > 0, "--tokens ≥ 4096, --layers 1..=32");
+    ensure!(n >= 4096 && (1..=MODEL_LAYERS).contains(&layers), "--tokens ≥ 4096, --layers 1..=32");
     ctxfs_vfs::device::check_block_size(args.block_size).map_err(|e| anyhow::anyhow!("--block-size: {e}"))?;
     std::fs::create_dir_all(&args.dir)?;
     let path = args.dir.join("store.ctxfs");
@@ -98,7 +108,8 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
             let sh = c.record().shape;
             c.token_count() == n as u64 && sh.layers as usize == layers && sh.kv_heads as usize == KV_HEADS
         }) && s.device().block_size() == args.block_size
-    }) && book.with_extension("queries.safetensors").exists();
+    }) && DecodeQueries::read(&book.with_extension("queries.safetensors"), layers, Q_HEADS, HEAD_DIM)
+        .is_ok_and(|q| q.steps >= steps);
     let mut import = None;
     if !reusable {
         format_path(&path, Some(kv_bytes * 3 + (256 << 20)), args.block_size, true, choice)?;
@@ -120,7 +131,13 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         source.check_values(|_| {})?;
         let bar = progress::bar(kv_bytes, "import");
         crate::bench::reset_peak_rss();
-        import = Some((db.import(NAME, &source, |b| bar.inc(b))?, crate::bench::peak_rss_bytes()));
+        import = Some((
+            db.import(NAME, &source, |b| {
+                bar.inc(b);
+                Ok(())
+            })?,
+            crate::bench::peak_rss_bytes(),
+        ));
         bar.finish_and_clear();
         // The generated file is only needed for its decode queries from here on.
     }

@@ -34,10 +34,13 @@ pub struct Args {
     /// Window tokens per layer.
     #[arg(long, default_value_t = 640)]
     window: usize,
+    /// Query heads per layer.
     #[arg(long, default_value_t = 32)]
     q_heads: usize,
+    /// Key-value heads per layer.
     #[arg(long, default_value_t = 8)]
     kv_heads: usize,
+    /// Head dimension.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     /// The Python with PyTorch that runs the SDPA baseline.
@@ -66,6 +69,7 @@ pub struct Args {
     /// Skip the PQ part.
     #[arg(long)]
     no_pq: bool,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }

@@ -2,7 +2,7 @@ use crate::bench::{drop_scratch, ensure_free, median, ratio, scratch_name, sweep
 use crate::progress;
 use crate::raw_uring::{Dir, RawFile};
 use crate::scratch_files::{check_interrupt, defer_interrupts};
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use ctxfs_vfs::{max_payload, DType, DeviceChoice, FileStream, ModelShape, SplitMix64, Store};
 use serde_json::json;
 use std::os::unix::fs::FileTypeExt;
@@ -13,14 +13,15 @@ use std::time::Instant;
 pub struct Args {
     store: PathBuf,
     /// Scratch data written and read, in MiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     mib: u64,
     /// Random 4 KiB reads to time, in batches of the queue depth.
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = 32768, value_parser = clap::value_parser!(u64).range(1..))]
     random_reads: u64,
     /// Rounds of (ctxfs, raw) measurements; medians are reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
     rounds: u64,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -60,9 +61,7 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     sweep_scratch(&store)?;
     let bs = store.device().block_size();
     let blocks = (args.mib << 20) / bs as u64;
-    if blocks == 0 || args.random_reads == 0 {
-        bail!("--mib and --random-reads must be positive");
-    }
+    ensure!(blocks > 0, "--mib {} holds no block of {bs} bytes", args.mib);
     ensure_free(&store, blocks + 64)?;
     let name = scratch_name("io");
     let raw_path = args.store.with_extension("bench-raw");

@@ -57,6 +57,7 @@ pub struct Args {
     /// Tokens per head.
     #[arg(long, default_value_t = 131072)]
     tokens: usize,
+    /// Head dimension of the generated heads.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     /// kv heads generated per seed (each with its own sparsity).
@@ -80,12 +81,13 @@ pub struct Args {
     /// The output error the target rows ask for (against exact attention): the flat scan
     /// and DIPRS choose β per query to meet it, and each is compared with the oracle, the
     /// fewest best-scoring tokens that meet it.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = crate::values::positive::<f32>)]
     target_error: f32,
     /// The reference DIPR range, in units of √d: the range the DIPRS rows find and their
     /// recall is measured on (√d·ln 100, AlayaDB's, is 4.61).
-    #[arg(long, default_value_t = 5.0, value_parser = positive_units)]
+    #[arg(long, default_value_t = 5.0, value_parser = crate::values::positive::<f32>)]
     beta: f32,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -371,12 +373,6 @@ impl RowNames {
     }
 }
 
-fn positive_units(s: &str) -> Result<f32, String> {
-    match s.parse::<f32>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-        _ => Err(format!("expected a positive number of √d, got {s:?}")),
-    }
-}
 /// The rows that choose β per query to meet `--target-error`.
 const FLAT_TARGET_ROW: &str = "flat target";
 const GRAPH_TARGET_ROW: &str = "graph diprs target";

@@ -11,6 +11,7 @@ pub struct Args {
     store: PathBuf,
     /// The context to delete.
     name: String,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }

@@ -32,17 +32,23 @@ pub struct Args {
     #[arg(long, default_value = "./ctxfs-demo")]
     dir: PathBuf,
     /// The store to format and use instead of DIR/store.ctxfs: a file, a block device, or an
-    /// SPDK bdev (`spdk:CONFIG.json#BDEV`, with the `spdk` feature). Its contents are replaced.
+    /// SPDK bdev (`spdk:CONFIG.json#BDEV`, with the `spdk` feature). One that holds a store or
+    /// any data is replaced only with --force, as `ctxfs mkfs` does.
     #[arg(long)]
     store: Option<PathBuf>,
+    /// Replace what --store holds.
+    #[arg(long, requires = "store")]
+    force: bool,
     /// Tokens of the generated book.
     #[arg(long, default_value_t = 65536)]
     tokens: usize,
+    /// Layers of the generated book.
     #[arg(long, default_value_t = 2)]
     layers: usize,
     /// Decode steps run.
     #[arg(long, default_value_t = 16)]
     steps: usize,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -76,8 +82,9 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let kv_bytes = (n * layers * KV_HEADS * HEAD_DIM * 2 * 2) as u64;
     let size = (kv_bytes * 3 + (64 << 20)).max(256 << 20);
     let t = Instant::now();
-    // The demo owns this store; a previous run's copy is replaced.
-    format_path(&path, (!whole).then_some(size), 4096, true, choice)?;
+    // The demo owns DIR/store.ctxfs: a previous run's copy is replaced. Another path is the
+    // user's.
+    format_path(&path, (!whole).then_some(size), 4096, args.store.is_none() || args.force, choice)?;
     let mkfs_s = t.elapsed().as_secs_f64();
 
     let t = Instant::now();
@@ -101,7 +108,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let source = SafetensorsKv::open(&book, DType::F16)?;
     source.check_values(|_| {})?;
     let bar = progress::bar(kv_bytes, "import");
-    let import = db.import("demo-book", &source, |b| bar.inc(b))?;
+    let import = db.import("demo-book", &source, |b| {
+        bar.inc(b);
+        Ok(())
+    })?;
     bar.finish_and_clear();
     drop(db);
 

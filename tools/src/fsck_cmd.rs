@@ -1,4 +1,4 @@
-use crate::bench::scratch_pid;
+use crate::bench::{scratch_pid, SCRATCH_BENCHES};
 use crate::units::count;
 use ctxfs_attention::{Db, DbConfig};
 use ctxfs_vfs::format::Superblock;
@@ -19,6 +19,7 @@ pub struct Args {
     /// With --repair: also drop contexts whose blocks are unreadable.
     #[arg(long, requires = "repair")]
     drop_damaged: bool,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -72,14 +73,15 @@ fn check_indexes(args: &Args, choice: DeviceChoice, report: &mut Report) {
     }
 }
 
-/// `ctxfs bench buffer`'s scratch context holds test bytes in its index stream, not an index:
-/// while its benchmark runs that is no problem, and one that a killed run left is named as
-/// such, once, with how to remove it.
+/// `ctxfs bench io`'s and `bench buffer`'s scratch contexts hold test bytes in their index
+/// streams, not an index: while their benchmark runs that is no problem, and one that a
+/// killed run left is named as such, once, with how to remove it.
 fn explain_bench_scratch(report: &mut Report) {
     let mut named = std::collections::BTreeSet::new();
     report.problems.retain_mut(|p| {
-        let Some((name, pid)) =
-            p.context.clone().filter(|_| p.kind == "index").and_then(|c| Some((c.clone(), scratch_pid(&c, "buffer")?)))
+        let scratch = |c: &String| SCRATCH_BENCHES.iter().find_map(|&b| Some((b, scratch_pid(c, b)?)));
+        let Some((name, (bench, pid))) =
+            p.context.clone().filter(|_| p.kind == "index").and_then(|c| Some((c.clone(), scratch(&c)?)))
         else {
             return true;
         };
@@ -88,7 +90,7 @@ fn explain_bench_scratch(report: &mut Report) {
         }
         p.block = None;
         p.message = format!(
-            "the scratch context of a `ctxfs bench buffer` (process {pid}) that did not finish: its index stream \
+            "the scratch context of a `ctxfs bench {bench}` (process {pid}) that did not finish: its index stream \
              holds test bytes, not an index; `ctxfs delete STORE {name}` or the next `ctxfs bench io` or `bench \
              buffer` on this store removes it"
         );
@@ -112,13 +114,9 @@ fn check(args: &Args, choice: DeviceChoice) -> Result<Report, Error> {
     // slot the path never held a store, and there is nothing to check.
     let block_size = match probe_block_size(&args.store) {
         Ok(bs) => bs,
-        Err(Error::NotAStore(_)) => {
-            if !Superblock::magic_in(&device::read_prefix(&args.store, 2 * device::MAX_BLOCK_SIZE)?) {
-                return Err(Error::NotAStore(format!(
-                    "{}: no ctxfs superblock magic in either slot",
-                    args.store.display()
-                )));
-            }
+        Err(Error::NotAStore(_))
+            if Superblock::magic_in(&device::read_prefix(&args.store, 2 * device::MAX_BLOCK_SIZE)?) =>
+        {
             4096
         }
         Err(e) => return Err(e),
@@ -156,7 +154,7 @@ fn print(args: &Args, r: &Report) -> Result<(), crate::OutputLost> {
         outln!("{at}: {} (owner {}{ctx}): {}{fix}", p.kind, p.owner, p.message)?;
     }
     let generation =
-        r.active_generation.map(|g| format!("generation {g}")).unwrap_or_else(|| "no valid superblock".into());
+        r.active_generation.map(|g| format!("generation {g}")).unwrap_or_else(|| "no usable superblock".into());
     let verdict = match r.exit_code() {
         fsck::EXIT_CLEAN => "clean".to_string(),
         fsck::EXIT_CORRECTED => "errors corrected".to_string(),

@@ -13,14 +13,19 @@ use std::path::PathBuf;
 pub struct Args {
     /// Output file; the decode queries go to OUT.queries.safetensors beside it.
     pub out: PathBuf,
+    /// Tokens of the context.
     #[arg(long)]
     pub tokens: usize,
+    /// Layers.
     #[arg(long, default_value_t = 2)]
     pub layers: usize,
+    /// Query heads per layer.
     #[arg(long, default_value_t = 8)]
     pub q_heads: usize,
+    /// Key-value heads per layer (q heads are grouped over them).
     #[arg(long, default_value_t = 2)]
     pub kv_heads: usize,
+    /// Head dimension.
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
     /// Prefill queries per q head (they train the index). Default: tokens / 4, at most 4096.
@@ -29,11 +34,13 @@ pub struct Args {
     /// Held-out decode queries per q head, at consecutive decode steps.
     #[arg(long, default_value_t = 16)]
     pub decode_queries: usize,
+    /// Generator seed: the same seed and sizes give the same file.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Replace OUT and its query file when they exist (regular files only).
     #[arg(long)]
     pub force: bool,
+    /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
 }

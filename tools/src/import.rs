@@ -14,6 +14,7 @@ use std::path::PathBuf;
 pub struct Args {
     store: PathBuf,
     input: PathBuf,
+    /// The new context's name.
     #[arg(long)]
     name: String,
     /// Element type stored: f16, or bf16 for magnitudes beyond f16's range.
@@ -23,6 +24,7 @@ pub struct Args {
     /// cannot say; without it such a file is taken as one per kv head.
     #[arg(long)]
     q_heads: Option<usize>,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -40,7 +42,10 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let s = source.shape();
     let n = source.token_count();
     let bar = progress::bar((s.files() * n * s.head_dim as usize * 4) as u64, "import");
-    let report = db.import(&args.name, &source, |b| bar.inc(b))?;
+    let report = db.import(&args.name, &source, |b| {
+        bar.inc(b);
+        Ok(())
+    })?;
     bar.finish_and_clear();
     let mib = (s.files() * n * s.head_dim as usize * 4) as f64 / (1 << 20) as f64;
     let phases = report.phases_per_head();

@@ -12,9 +12,12 @@ use std::sync::Arc;
 pub struct Args {
     store: PathBuf,
     /// Describe one vector file of this context (with --layer and --head).
+    #[arg(requires_all = ["layer", "head"])]
     context: Option<String>,
+    /// The vector file's layer.
     #[arg(long, requires = "context")]
     layer: Option<u16>,
+    /// The vector file's kv head.
     #[arg(long, requires = "context")]
     head: Option<u16>,
     /// List every live block with its kind and owner.
@@ -25,8 +28,9 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["context", "blocks"])]
     buffer: bool,
     /// Buffer pool budget for --buffer.
-    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size, requires = "buffer")]
+    #[arg(long, default_value = "256M", value_parser = crate::values::positive_size, requires = "buffer")]
     budget: u64,
+    /// Print JSON instead of text (with --blocks, one array).
     #[arg(long)]
     json: bool,
 }

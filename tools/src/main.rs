@@ -50,6 +50,7 @@ mod raw_uring;
 mod scratch_files;
 mod st_write;
 mod units;
+mod values;
 
 use clap::{Parser, Subcommand};
 use ctxfs_vfs::DeviceChoice;

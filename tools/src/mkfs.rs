@@ -15,9 +15,10 @@ pub struct Args {
     /// Block size in bytes: a power of two from 4096 to 65536.
     #[arg(long, default_value_t = 4096)]
     block_size: usize,
-    /// Overwrite an existing ctxfs store.
+    /// Overwrite an existing ctxfs store, or a file or device that holds any other data.
     #[arg(long)]
     force: bool,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }

@@ -22,13 +22,16 @@ fn parse_mode(s: &str) -> Result<Mode, String> {
     if s == "auto" {
         Ok(Mode(None))
     } else {
-        s.parse().map(|p| Mode(Some(p)))
+        s.parse().map(|p| Mode(Some(p))).map_err(|_: String| {
+            format!("unknown mode {s:?} (expected auto, full, flat, diprs, graph-diprs, topk, quest, infllm or pq)")
+        })
     }
 }
 
 #[derive(clap::Args)]
 pub struct Args {
     store: PathBuf,
+    /// The stored context to answer from.
     #[arg(long)]
     context: String,
     /// A safetensors file of `layers.{l}.q` (with `--decode`, `layers.{l}.decode_q`), shape
@@ -44,13 +47,13 @@ pub struct Args {
     mode: Mode,
     /// DIPR range below the best inner product, in inner-product units (default: ln(97 /
     /// 0.02) / scale, 8.49 logits: 67.9 at head dim 64, 96.0 at 128)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::non_negative::<f32>)]
     beta: Option<f32>,
     /// Tokens top-k retrieves.
     #[arg(long, default_value_t = 100)]
     k: usize,
     /// Only tokens below this reused prefix length take part.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     prefix: Option<u32>,
     /// Window: INIT,RECENT tokens attended exactly.
     #[arg(long, default_value = "128,512", value_parser = parse_window)]
@@ -61,7 +64,7 @@ pub struct Args {
     #[arg(long)]
     budget: Option<usize>,
     /// Softmax scale (default 1/sqrt(head_dim)).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive::<f32>)]
     scale: Option<f32>,
     /// on|off: estimate the softmax over the tokens a DIPR plan left out from the index's
     /// seed sample (default: on for `--mode auto` and for a forced mode with --target-error,
@@ -72,17 +75,17 @@ pub struct Args {
     /// --beta: the range is cut per query where the mass it leaves out meets E, the answer's
     /// error is estimated (`estimated_error` in --json) and the range widened while the
     /// estimate misses (at most 6 times). `--mode auto` serves it with the flat scan.
-    #[arg(long, value_name = "E")]
+    #[arg(long, value_name = "E", value_parser = crate::values::positive::<f32>)]
     target_error: Option<f32>,
     /// Buffer pool budget.
-    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size)]
+    #[arg(long, default_value = "256M", value_parser = crate::values::positive_size)]
     pool: u64,
     /// The most the context may hold resident per byte of its KV cache (0.125: an eighth).
     /// When its whole index exceeds it, it is served compact: its PQ codes and seed table
     /// are held, and `--mode auto` answers from the codes (plan `pq`): with an output error
     /// target up to --scan-context tokens, beyond it the codes' best 768 with the tail
     /// estimate. A context that does not fit even so is refused.
-    #[arg(long, value_name = "F")]
+    #[arg(long, value_name = "F", value_parser = crate::values::positive::<f64>)]
     resident_budget: Option<f64>,
     /// The longest context `--mode auto` serves with an error target (the flat scan, or a
     /// compact context's codes); beyond it, graph DIPRS or the codes' best within their budget
@@ -93,6 +96,7 @@ pub struct Args {
     /// queries of a capture file (`python -m ctxfs.capture`), answered in order.
     #[arg(long)]
     decode: bool,
+    /// Print one JSON object per answer (a layer, q head and query), a line each, instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -168,12 +172,17 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         detail: true,
         ..Default::default()
     };
-    let out = std::io::stdout();
-    let mut out = std::io::BufWriter::new(out.lock());
+    // Every layer's queries are checked (shape, finite values) before the first answer is
+    // written: a bad query file fails with nothing on standard output.
     for &l in &layers {
         if l >= shape.layers as usize {
             bail!("layer {l} does not exist: the context has {}", crate::units::count(shape.layers, "layer"));
         }
+        file.layer(l, shape.q_heads as usize, d).map_err(at)?;
+    }
+    let out = std::io::stdout();
+    let mut out = std::io::BufWriter::new(out.lock());
+    for &l in &layers {
         let queries = file.layer(l, shape.q_heads as usize, d).map_err(at)?;
         for qi in 0..queries.steps {
             let a = session.attention_with(l, &queries.step(qi), &opts)?;

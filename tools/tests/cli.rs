@@ -677,7 +677,8 @@ fn import_then_query_matches_exact_attention() {
     assert!(met * 10 >= targeted.len() * 9, "met on {met} of {}", targeted.len());
     assert!(sparse.iter().all(|r| r["estimated_error"].is_null()), "no target, no estimate");
     let bad_target = ctxfs(&[&base[..], &["--target-error", "0"]].concat());
-    assert!(String::from_utf8_lossy(&bad_target.stderr).contains("error target"));
+    assert_eq!(bad_target.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&bad_target.stderr).contains("--target-error"));
     // --resident-budget below the whole index: served compact, from the PQ codes, with the
     // target met as by the scan; below even the codes, refused with the context named. (At
     // 3,000 tokens the codes' centroids weigh as much as the codes: a quarter, not an
@@ -716,9 +717,24 @@ fn import_then_query_matches_exact_attention() {
         }
     }
     let bad_mode = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--mode", "hnsw"]);
-    assert!(String::from_utf8_lossy(&bad_mode.stderr).contains("unknown plan"));
+    assert!(String::from_utf8_lossy(&bad_mode.stderr).contains("unknown mode \"hnsw\" (expected auto,"));
     let bad = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&queries), "--layer", "7"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("layer 7"), "{}", String::from_utf8_lossy(&bad.stderr));
+    // A NaN in layer 1's queries is found before layer 0 is answered: nothing on stdout.
+    let poisoned = dir.path().join("poisoned.queries.safetensors");
+    let mut bytes = std::fs::read(&queries).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let meta: Value = serde_json::from_slice(&bytes[8..8 + header]).unwrap();
+    let at = 8 + header + meta["layers.1.q"]["data_offsets"][0].as_u64().unwrap() as usize;
+    match meta["layers.1.q"]["dtype"].as_str().unwrap() {
+        "F32" => bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes()),
+        "F16" => bytes[at..at + 2].copy_from_slice(&0x7e00u16.to_le_bytes()),
+        other => panic!("a query tensor of {other}"),
+    }
+    std::fs::write(&poisoned, &bytes).unwrap();
+    let out = ctxfs(&["query", p(&store), "--context", "book", "--queries", p(&poisoned), "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    assert!(out.stdout.is_empty() && stderr_of(&out).contains("layers.1.q"), "{}", stderr_of(&out));
 }
 
 #[test]
@@ -1308,7 +1324,8 @@ fn bench_search_measures_captured_attention_beside_the_generator() {
     assert!((0.5..=1.0).contains(&recall), "{recall}");
     assert!(real["ratios"]["graph_diprs_vs_flat_speedup"].as_f64().unwrap() > 0.0);
     let refused = ctxfs(&["bench", "search", "--beta", "0"]);
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("positive number of √d"), "{refused:?}");
+    assert_eq!(refused.status.code(), Some(2), "a usage error: {refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a positive number"), "{refused:?}");
     // The target rows: the share of queries that met --target-error (default 0.01), and the
     // tokens retrieved against the oracle's (the fewest best-scoring tokens that meet it).
     for name in ["flat target", "graph diprs target", "pq target"] {
@@ -1428,35 +1445,41 @@ fn a_pipe_given_as_an_input_file_is_refused_at_once() {
     }
 }
 
-/// `bench buffer`'s scratch context holds test bytes in its index stream: fsck leaves it out
-/// while the benchmark that made it runs, and names one a killed run left, once.
+/// `bench buffer`'s scratch context holds test bytes in its index stream, `bench io`'s in its
+/// data stream beside an empty index: fsck leaves them out while the benchmark that made
+/// them runs, and names one a killed run left, once, with its benchmark.
 #[test]
-fn fsck_names_a_killed_bench_buffers_scratch_context_and_skips_a_running_ones() {
+fn fsck_names_a_killed_benchs_scratch_context_and_skips_a_running_ones() {
     let dir = tmp();
     let (_, store) = small_store(dir.path(), "64M", "a");
-    let scratch = |pid: u32| {
-        let name = format!("bench-buffer-{pid}");
+    let scratch = |bench: &str, pid: u32| {
+        let name = format!("bench-{bench}-{pid}");
         let s = ctxfs_vfs::Store::open_path(&store, ctxfs_vfs::DeviceChoice::Auto).unwrap();
         let shape =
             ctxfs_vfs::ModelShape { layers: 1, q_heads: 1, kv_heads: 1, head_dim: 128, dtype: ctxfs_vfs::DType::F16 };
+        let stream = if bench == "io" { ctxfs_vfs::FileStream::Data } else { ctxfs_vfs::FileStream::Index };
         let mut txn = s.begin().unwrap();
         txn.create_context(&name, shape, &[]).unwrap();
         for _ in 0..4 {
-            txn.append_block(&name, 0, 0, ctxfs_vfs::FileStream::Index, &[0x5a; 4000]).unwrap();
+            txn.append_block(&name, 0, 0, stream, &[0x5a; 4000]).unwrap();
         }
         txn.commit().unwrap();
         name
     };
-    // This test's process stands for the running benchmark.
-    scratch(std::process::id());
+    // This test's process stands for the running benchmarks.
+    scratch("buffer", std::process::id());
+    scratch("io", std::process::id());
     assert_eq!(ctxfs(&["fsck", p(&store)]).status.code(), Some(0));
-    // Beyond the largest pid Linux hands out: no process has it.
-    let left = scratch(4_194_305);
+    // Beyond the largest pid Linux hands out: no process has them.
+    let left = [scratch("buffer", 4_194_305), scratch("io", 4_194_306)];
     let out = ctxfs(&["fsck", p(&store), "--json"]);
     assert_eq!(out.status.code(), Some(4), "{}", stderr_of(&out));
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let problems = report["problems"].as_array().unwrap();
-    assert_eq!(problems.len(), 1, "{problems:?}");
-    assert_eq!(problems[0]["context"], left.as_str());
-    assert!(problems[0]["message"].as_str().unwrap().contains("did not finish"), "{problems:?}");
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    for (problem, (name, bench)) in problems.iter().zip(left.iter().zip(["buffer", "io"])) {
+        assert_eq!(problem["context"], name.as_str());
+        let message = problem["message"].as_str().unwrap();
+        assert!(message.contains("did not finish") && message.contains(&format!("bench {bench}`")), "{problems:?}");
+    }
 }

@@ -1067,6 +1067,11 @@ pub fn probe_block_size(path: &Path) -> Result<usize> {
         }
         bs *= 2;
     }
+    // Without a block magic in either slot the path never held a store: what each slot's
+    // decode found wrong would only say that at length.
+    if !Superblock::magic_in(&prefix) {
+        return Err(Error::NotAStore(format!("{}: no ctxfs superblock magic in either slot", path.display())));
+    }
     Err(Error::NotAStore(format!("{}: no valid superblock ({})", path.display(), errors.join("; "))))
 }
 

@@ -345,6 +345,18 @@ impl<'s> Txn<'s> {
         })
     }
 
+    /// Gives back the blocks the streams of vector file (layer, kv head) reserved and did not
+    /// write. A writer done with a file calls it, so that an import of many files holds one
+    /// file's spare reservation at a time, not every file's until its commit (up to 255
+    /// blocks a stream: on a nearly full store those were the blocks the next file lacked).
+    /// Appending to the file after it only reserves anew.
+    pub fn finish_file(&mut self, name: &str, layer: u16, head: u16) -> Result<()> {
+        self.in_file(name, layer, head, |streams, alloc, _, _, _| {
+            streams.iter_mut().for_each(|s| s.unreserve(alloc));
+            Ok(())
+        })
+    }
+
     /// Runs `f` on the index and data streams of vector file (layer, kv head) of context
     /// `name`, with the transaction's allocator, write queue, device and generation.
     fn in_file<R>(

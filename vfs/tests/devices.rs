@@ -97,6 +97,29 @@ fn bad_input_is_refused_and_nothing_is_written() {
     assert!(fsck::check(mem.as_ref()).unwrap().is_clean());
 }
 
+/// A stream reserves blocks in runs that double up to 256; a writer done with a file gives
+/// back what its streams reserved and did not write, and the next file of the same commit
+/// gets it: an import of many files does not run out of space with every file's spare
+/// reservation held.
+#[test]
+fn a_finished_files_spare_reservation_is_free_for_the_next_file() {
+    let fill = |finish: bool| {
+        let (_, store) = mem_store(256);
+        let mut txn = store.begin().unwrap();
+        txn.create_context("c", shape(1, 2), &[]).unwrap();
+        // Runs of 4, 8, 16 and 32 blocks: 33 written leave 27 of the last run reserved.
+        for _ in 0..33 {
+            txn.append_block("c", 0, 0, FileStream::Data, &[1; 100]).unwrap();
+        }
+        if finish {
+            txn.finish_file("c", 0, 0).unwrap();
+        }
+        (0..1000).take_while(|_| txn.append_block("c", 0, 1, FileStream::Data, &[2; 100]).is_ok()).count()
+    };
+    let (held, given_back) = (fill(false), fill(true));
+    assert_eq!(given_back, held + 27, "the second file wrote {held} blocks beside the held reservation");
+}
+
 #[test]
 fn fsck_reports_progress_up_to_every_allocated_block() {
     let (mem, store) = mem_store(1024);

@@ -166,7 +166,7 @@ impl DeviceChoice {
     /// and the CLI can be run on either real device.
     pub fn from_env() -> Result<Self, String> {
         match std::env::var("CTXFS_DEVICE") {
-            Ok(v) if !v.is_empty() => v.parse(),
+            Ok(v) if !v.is_empty() => v.parse().map_err(|e| format!("CTXFS_DEVICE: {e}")),
             _ => Ok(DeviceChoice::Auto),
         }
     }
