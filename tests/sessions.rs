@@ -707,19 +707,23 @@ fn an_answer_that_retrieves_every_seed_has_an_empty_tail() {
     let q = b.decode_step(1, 0);
     let want = exact_layer(&b, 1, &q, &all, None);
     let mut empty_with_target = 0;
-    for plan in [Plan::Flat, Plan::Diprs, Plan::Pq] {
-        for target_error in [None, Some(1e-9)] {
-            let opts = AttentionOptions { tail: Some(true), target_error, budget: Some(N), ..opts(plan, 1e9) };
-            let a = session.attention_with(1, &q, &opts).unwrap();
-            for (h, head) in a.heads.iter().enumerate() {
-                let why = format!("{plan:?} target {target_error:?} head {h}");
-                // A range wide enough for every token leaves no seed out.
-                assert!(target_error.is_some() || head.tail_seeds == 0, "{why}");
-                empty_with_target += usize::from(target_error.is_some() && head.tail_seeds == 0);
-                let span = h * d..(h + 1) * d;
-                let err = rel_err(&a.output[span.clone()], &want[span]);
-                assert!(err < 1e-3, "{why}: {err}");
-            }
+    // (A forced pq with the tail and no target is the codes' best, which does not read its
+    // negligible candidates: it retrieves every seed only with a target.)
+    let answers = [Plan::Flat, Plan::Diprs, Plan::Pq]
+        .into_iter()
+        .flat_map(|plan| [None, Some(1e-9)].map(|target_error| (plan, target_error)))
+        .filter(|&(plan, target_error)| plan != Plan::Pq || target_error.is_some());
+    for (plan, target_error) in answers {
+        let opts = AttentionOptions { tail: Some(true), target_error, budget: Some(N), ..opts(plan, 1e9) };
+        let a = session.attention_with(1, &q, &opts).unwrap();
+        for (h, head) in a.heads.iter().enumerate() {
+            let why = format!("{plan:?} target {target_error:?} head {h}");
+            // A range wide enough for every token leaves no seed out.
+            assert!(target_error.is_some() || head.tail_seeds == 0, "{why}");
+            empty_with_target += usize::from(target_error.is_some() && head.tail_seeds == 0);
+            let span = h * d..(h + 1) * d;
+            let err = rel_err(&a.output[span.clone()], &want[span]);
+            assert!(err < 1e-3, "{why}: {err}");
         }
     }
     assert!(empty_with_target > 0, "no answer with a target retrieved every seed");
@@ -757,9 +761,23 @@ fn an_error_target_is_met_on_real_attention() {
         assert!(err.to_string().contains("takes a fixed budget"), "{plan:?}: {err}");
     }
     // Full attention attends every token: a budget would make it a top-k, so it is refused.
+    let q = vec![0.1; session.shape().q_heads as usize * d];
     let capped = AttentionOptions { plan: Some(Plan::Full), budget: Some(100), ..Default::default() };
-    let err = session.attention_with(0, &vec![0.1; session.shape().q_heads as usize * d], &capped).unwrap_err();
+    let err = session.attention_with(0, &q, &capped).unwrap_err();
     assert!(err.to_string().contains("attends every token exactly"), "{err}");
+    // The tail asked of a forced pq makes it the compact plan's selection, the seeds left out
+    // estimating the rest; the plans that make no tail estimate refuse it.
+    let tailed = AttentionOptions { plan: Some(Plan::Pq), tail: Some(true), budget: Some(16), ..Default::default() };
+    let bare = AttentionOptions { tail: None, ..tailed.clone() };
+    let (tailed, bare) =
+        (session.attention_with(0, &q, &tailed).unwrap(), session.attention_with(0, &q, &bare).unwrap());
+    assert!(tailed.heads.iter().all(|h| h.tail_seeds > 0), "{:?}", tailed.heads.iter().map(|h| h.tail_seeds));
+    assert!(bare.heads.iter().all(|h| h.tail_seeds == 0));
+    for plan in [Plan::Full, Plan::Topk, Plan::Quest, Plan::Infllm] {
+        let asked = AttentionOptions { plan: Some(plan), tail: Some(true), ..Default::default() };
+        let err = session.attention_with(0, &q, &asked).unwrap_err();
+        assert!(err.to_string().contains("estimates no tail"), "{plan:?}: {err}");
+    }
     drop((session, db));
 
     // Under a resident budget of about an eighth of the KV, the context is served compact: only

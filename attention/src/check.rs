@@ -30,20 +30,29 @@ impl Db {
     /// blocks: one to four blocks a file) and adds a problem to `report` for each file whose
     /// index cannot serve its context: unreadable, or of another token count, head dimension
     /// or element type than the record says. Repair does not fix these; dropping the context
-    /// does.
+    /// does. A file whose blocks the block walk already found bad is left out: the walk named
+    /// the block, and reading the file would only fail on it again.
     pub fn check_indexes(&self, report: &mut Report) {
         let snap = self.inner.store.snapshot();
         let pool = &self.inner.pool;
+        // The files with a block the walk found damaged (what dropping the context repairs), not
+        // those a leaked block merely names.
+        let walked: std::collections::HashSet<String> =
+            report.problems.iter().filter(|p| p.fix == Fix::DropContext).map(|p| p.owner.clone()).collect();
         let names = snap.contexts().map(|r| (r, Some(r.name.clone())));
         for (rec, name) in names.chain(snap.retired_contexts().map(|r| (r, None))) {
             let shape = rec.shape;
             for layer in 0..shape.layers {
                 for head in 0..shape.kv_heads {
+                    let owner = Owner::file(rec.id, layer, head).to_string();
+                    if walked.contains(&owner) {
+                        continue;
+                    }
                     let mut problem = |block: Option<u64>, message: String| {
                         report.problems.push(Problem {
                             block,
                             kind: "index".into(),
-                            owner: Owner::file(rec.id, layer, head).to_string(),
+                            owner: owner.clone(),
                             context: name.clone(),
                             message,
                             fix: Fix::None,

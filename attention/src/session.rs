@@ -113,8 +113,10 @@ pub struct AttentionOptions {
     /// and value, as indexes are written): each such seed stands for its stride's tokens. A
     /// diffuse head holds most of its attention outside any range a search can retrieve;
     /// without this, that mass is lost. `None`: the optimizer's plans estimate it, a forced
-    /// plan gives the bare DIPR answer (an error target keeps it on). Indexes stored before
-    /// layout 4 have no seed values: no estimate.
+    /// plan gives the bare DIPR answer (an error target keeps it on). `Some(true)` on a
+    /// forced `pq` makes it the compact plan's selection: the codes' best within the budget,
+    /// the seeds scored beside them, and the tail; `full`, `topk`, `quest` and `infllm`
+    /// refuse it. Indexes stored before layout 4 have no seed values: no estimate.
     pub tail: Option<bool>,
     /// Ask for an output error at most this (relative to exact attention's output norm)
     /// instead of a fixed β: the range is cut per query where the softmax mass left out meets
@@ -132,7 +134,7 @@ pub struct AttentionOptions {
 impl AttentionOptions {
     /// Refuses options no plan can honour: a non-positive or non-finite target, scale or
     /// β; an error target on a plan with a fixed budget; a budget on `full`, which attends
-    /// every token. [`Session::attention_with`] checks them before anything runs.
+    /// every token; the tail estimate asked of a plan that makes none. [`Session::attention_with`] checks them before anything runs.
     pub fn validate(&self) -> Result<()> {
         if let Some(e) = self.target_error.filter(|e| !(e.is_finite() && *e > 0.0)) {
             return input(format!("the error target must be a positive number, not {e}"));
@@ -153,6 +155,13 @@ impl AttentionOptions {
                 "plan full attends every token exactly: a budget ({b} tokens) applies to the plans that retrieve \
                  (flat, diprs, graph-diprs, topk, quest, infllm, pq)"
             )),
+            (Some(p @ (Plan::Full | Plan::Topk | Plan::Quest | Plan::Infllm)), ..) if self.tail == Some(true) => {
+                input(format!(
+                    "plan {} estimates no tail: the tail estimate is the DIPR plans' and the codes' (flat, diprs, \
+                     graph-diprs, pq)",
+                    p.name()
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -467,7 +476,7 @@ impl Session {
         let s = self.shape;
         let (kv, qh, d) = (s.kv_heads as usize, s.q_heads as usize, s.head_dim as usize);
         if layer >= s.layers as usize {
-            return input(format!("layer {layer} does not exist: the model has {} layers", s.layers));
+            return input(format!("layer {layer} does not exist: the model's layers are 0 to {}", s.layers - 1));
         }
         if k.is_empty() || !k.len().is_multiple_of(kv * d) || v.len() != k.len() {
             return input(format!(
@@ -537,7 +546,7 @@ impl Session {
         let s = self.shape;
         let (kv, qh, d) = (s.kv_heads as usize, s.q_heads as usize, s.head_dim as usize);
         if layer >= s.layers as usize {
-            return input(format!("layer {layer} does not exist: the model has {} layers", s.layers));
+            return input(format!("layer {layer} does not exist: the model's layers are 0 to {}", s.layers - 1));
         }
         if q.len() != qh * d {
             return input(format!("attention of layer {layer}: q has {} elements, expected {qh} × {d}", q.len()));
@@ -801,13 +810,13 @@ impl Session {
             // The codes' approximate scores, which the candidates of an error target, of the
             // optimizer's budget or of a range come from. Choosing the best within a budget,
             // only the best are needed; finding a range, only those above its floor.
-            Plan::Pq | Plan::Diprs if codes_choose(choice) => {
+            Plan::Pq | Plan::Diprs if codes_choose(choice, opts) => {
                 let budget = self.retrieval_budget(choice, opts, false);
                 let own_max: Vec<f32> = own_z.iter().map(|(w, f)| OwnScores { win_z: w, fresh_z: f }.max()).collect();
                 readers
                     .iter()
                     .map(|r| {
-                        let want = if codes_best(choice) {
+                        let want = if codes_best(choice, opts) {
                             CodesWant::Best(self.selection_size(budget, &r.seg))
                         } else if codes_range(choice) {
                             CodesWant::Above { beta: self.beta(opts), own_max: &own_max }
@@ -900,7 +909,7 @@ impl Session {
                     rounds += 1;
                 }
             }
-            if codes_best(choice) {
+            if codes_best(choice, opts) {
                 // The codes' best within a budget: of its candidates, now scored exactly,
                 // those whose attention is negligible are not read.
                 drop_negligible(
@@ -1562,7 +1571,7 @@ impl Session {
                 Plan::Quest | Plan::Infllm => {
                     self.coarse(r, plan, q, scanned.get(si).map(|s| s.all()), budget, stats)?
                 }
-                Plan::Pq if !codes_choose(choice) => {
+                Plan::Pq if !codes_choose(choice, opts) => {
                     self.coarse(r, plan, q, scanned.get(si).map(|s| s.all()), budget, stats)?
                 }
                 Plan::Pq | Plan::Diprs => {
@@ -1621,7 +1630,7 @@ impl Session {
             Plan::Pq if target.is_some() => budget,
             // The codes' best chose its candidates within the budget (`codes_select`); the
             // other tokens of their blocks came with them.
-            Plan::Pq if codes_best(choice) => None,
+            Plan::Pq if codes_best(choice, opts) => None,
             Plan::Quest | Plan::Infllm | Plan::Pq => Some(budget.unwrap_or(COARSE_BUDGET)),
             _ => budget,
         };
@@ -2140,17 +2149,18 @@ struct Tail {
 /// Whether `choice` estimates the tail under `opts`: DIPR plans only, by default when the
 /// optimizer chose them or the caller gave an error target.
 fn estimates_tail(choice: Choice, opts: &AttentionOptions) -> bool {
-    (matches!(choice.plan, Plan::GraphDiprs | Plan::Flat) || codes_choose(choice))
+    (matches!(choice.plan, Plan::GraphDiprs | Plan::Flat) || codes_choose(choice, opts))
         && opts.tail.unwrap_or(!choice.forced || choice.error_target.is_some())
 }
 
 /// The pq plan chooses by the codes' approximate scores with the seeds scored beside them
-/// (as a DIPR plan does, with a tail estimate) for an error target and for the optimizer's
-/// compact plans; forced without a target it is PQCache's selection of a budget. DIPRS
-/// always chooses so once [`Session::on_stored_index`] has kept it (its segments have codes).
-fn codes_choose(choice: Choice) -> bool {
+/// (as a DIPR plan does, with a tail estimate) for an error target, for the optimizer's
+/// compact plans and where the caller asks for the tail; forced without either it is
+/// PQCache's selection of a budget. DIPRS always chooses so once
+/// [`Session::on_stored_index`] has kept it (its segments have codes).
+fn codes_choose(choice: Choice, opts: &AttentionOptions) -> bool {
     match choice.plan {
-        Plan::Pq => choice.error_target.is_some() || !choice.forced,
+        Plan::Pq => choice.error_target.is_some() || !choice.forced || opts.tail == Some(true),
         Plan::Diprs => true,
         _ => false,
     }
@@ -2164,8 +2174,8 @@ fn codes_range(choice: Choice) -> bool {
 
 /// Whether the codes choose the best within a budget (the optimizer's `pq` plan without an
 /// error target): only each query's best of the codes' scores are needed.
-fn codes_best(choice: Choice) -> bool {
-    choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice)
+fn codes_best(choice: Choice, opts: &AttentionOptions) -> bool {
+    choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice, opts)
 }
 
 /// A coarse index that contradicts itself, named by context and plan.

@@ -291,8 +291,10 @@ class CtxfsCache(Cache):
 
     def _check_call(self, layer: int, batch: int, heads: tuple[int, int, int], t: int) -> None:
         """Refuses a call this cache would answer wrongly: more than one sequence (beams), a
-        model of another shape than the stored context's, or a first call (the prefill of
-        the prompt's unreused tokens) of another length than the prompt it was made for."""
+        model of another shape than the stored context's, or a first call that feeds more
+        tokens than the prompt it was made for has beyond its stored prefix (``generate()``
+        given a longer prompt; a caller may feed the prompt's tokens in smaller pieces, so a
+        shorter prompt cannot be told from those)."""
         if batch != 1:
             raise InputError(
                 f"attention for {batch} sequences: a CtxfsCache serves one (no beam search, one return sequence)"
@@ -306,7 +308,7 @@ class CtxfsCache(Cache):
                 "a context serves the model it was imported from"
             )
         unreused = len(self.tokens) - self.prefix
-        if self.layers[layer].length == self.prefix and t != unreused:
+        if self.layers[layer].length == self.prefix and t > unreused:
             raise InputError(
                 f"generate() fed {t} new tokens, but this CtxfsCache was made for a prompt of {len(self.tokens)} "
                 f"tokens, {self.prefix} of them stored: pass generate() the input_ids the cache was made for"

@@ -405,8 +405,8 @@ impl Session {
         let forced = plan.map(|p| p.parse::<Plan>().map_err(errors::InputError::new_err)).transpose()?;
         if layer >= self.shape.layers as usize {
             return Err(errors::InputError::new_err(format!(
-                "layer {layer} does not exist: the model has {} layers",
-                self.shape.layers
+                "layer {layer} does not exist: the model's layers are 0 to {}",
+                self.shape.layers - 1
             )));
         }
         let c = py.detach(|| self.read().choice(layer, Request { forced, error_target: None }));

@@ -82,7 +82,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
         ratio_cold
     )?;
     outln!("{:<44} {:>12.0}", "hot hits/s, 1 thread", hot1)?;
-    outln!("{:<44} {:>12.0}", format!("hot hits/s per thread, {} threads", args.threads), hot_n)?;
+    outln!(
+        "{:<44} {:>12.0}",
+        format!("hot hits/s per thread, {}", crate::units::count(args.threads, "thread")),
+        hot_n
+    )?;
     out!("{}", stats_text(&stats))?;
     Ok(())
 }

@@ -57,7 +57,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.10)]
     data_cache: f64,
     /// Block size of the bench store, in bytes (a store of another block size is rebuilt).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = crate::values::block_size)]
     block_size: usize,
     /// Serve under a resident budget (`DbConfig::resident_budget`, e.g. 0.125): the context
     /// is served compact from its PQ codes, and the pool holds the budget plus the data cache's
@@ -98,7 +98,6 @@ fn at_least_two(s: &str) -> Result<usize, String> {
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let (n, layers, steps) = (args.tokens, args.layers, args.steps);
     ensure!(n >= 4096 && (1..=MODEL_LAYERS).contains(&layers), "--tokens ≥ 4096, --layers 1..=32");
-    ctxfs_vfs::device::check_block_size(args.block_size).map_err(|e| anyhow::anyhow!("--block-size: {e}"))?;
     std::fs::create_dir_all(&args.dir)?;
     let path = args.dir.join("store.ctxfs");
     let book = args.dir.join("book.safetensors");
@@ -369,11 +368,15 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     outln!("{:<44} {:>12.4}", "ctxfs, cold (first step)", cold)?;
     outln!("{:<44} {:>12.4}", "ctxfs, steady state (median)", steady)?;
     if let Some(from_base) = steady_from_base {
-        outln!("{:<44} {:>12.4}", format!("  the same extrapolated from {base} layers"), from_base)?;
+        outln!(
+            "{:<44} {:>12.4}",
+            format!("  the same extrapolated from {}", crate::units::count(base as u64, "layer")),
+            from_base
+        )?;
     }
     outln!(
         "{:<44} {:>12.4}",
-        format!("  its CPU time ÷ {} threads (no wait on the disk)", attention_threads()),
+        format!("  its CPU time ÷ {} (no wait on the disk)", crate::units::count(attention_threads() as u64, "thread")),
         cpu_bound
     )?;
     if let Some(b) = &baselines {

@@ -61,10 +61,10 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     /// kv heads generated per seed (each with its own sparsity).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = crate::values::at_least_one)]
     heads: usize,
     /// Decode steps per kv head (each a query for every one of its 4 q heads).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::values::at_least_one)]
     queries: usize,
     /// Generator seeds, comma-separated. The search's defaults were tuned on seed 1; the
     /// others are data they never saw.
@@ -996,13 +996,14 @@ fn reference(all: &[f32], values: &[f16], d: usize, scale: f32, p_len: usize, wi
 }
 
 pub fn run(a: Args) -> Result<()> {
-    ensure!(a.queries > 0, "--queries must be at least 1");
     let mut sources = Vec::new();
     if !a.no_generator {
+        let least = 5 * (WINDOW.0 + WINDOW.1) + 1;
         ensure!(
-            a.tokens > 5 * (WINDOW.0 + WINDOW.1) && a.heads > 0 && !a.seeds.is_empty(),
-            "--tokens must exceed five 640-token windows (the 20% prefix holds one); --heads and --seeds must be given"
+            a.tokens >= least,
+            "--tokens must be at least {least}: more than five 640-token windows (the 20% prefix holds one)"
         );
+        ensure!(!a.seeds.is_empty(), "--seeds must name at least one seed");
         ensure!(a.head_dim >= 2, "--head-dim must be at least 2: the generator pairs dimensions");
         sources.push(Source::Generator {
             seeds: a.seeds.clone(),

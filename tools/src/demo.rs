@@ -265,7 +265,11 @@ pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     row("mkfs", format!("{:.2} s ({} MiB)", mkfs_s, size >> 20))?;
     row(
         "generate book",
-        format!("{:.1} s ({n} tokens × {layers} layers × {KV_HEADS} kv heads, {Q_HEADS} q heads, d={HEAD_DIM})", gen_s),
+        format!(
+            "{:.1} s ({n} tokens × {} × {KV_HEADS} kv heads, {Q_HEADS} q heads, d={HEAD_DIM})",
+            gen_s,
+            crate::units::count(layers as u64, "layer")
+        ),
     )?;
     row(
         "import (check, index, write, commit)",

@@ -13,7 +13,7 @@ pub struct Args {
     #[arg(long, value_parser = parse_size)]
     size: Option<u64>,
     /// Block size in bytes: a power of two from 4096 to 65536.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = crate::values::block_size)]
     block_size: usize,
     /// Overwrite an existing ctxfs store, or a file or device that holds any other data.
     #[arg(long)]

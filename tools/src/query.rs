@@ -68,7 +68,8 @@ pub struct Args {
     scale: Option<f32>,
     /// on|off: estimate the softmax over the tokens a DIPR plan left out from the index's
     /// seed sample (default: on for `--mode auto` and for a forced mode with --target-error,
-    /// off for a forced mode without it).
+    /// off for a forced mode without it). `--mode pq --tail on` is the compact plan's
+    /// selection; full, topk, quest and infllm refuse it.
     #[arg(long, value_parser = parse_on_off)]
     tail: Option<bool>,
     /// Ask for an output error at most E (relative to exact attention's) instead of a fixed

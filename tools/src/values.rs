@@ -21,6 +21,21 @@ fn number<T: FromStr + Into<f64> + Copy>(s: &str, ok: impl Fn(f64) -> bool, what
     }
 }
 
+/// A store's block size: a power of two from 4096 to 65536
+/// ([`ctxfs_vfs::device::check_block_size`]).
+pub fn block_size(s: &str) -> Result<usize, String> {
+    let n = s.trim().parse::<usize>().map_err(|e| format!("{s:?}: {e}"))?;
+    ctxfs_vfs::device::check_block_size(n).map(|()| n)
+}
+
+/// A count of at least 1.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?}: expected a whole number of at least 1")),
+    }
+}
+
 /// A size in bytes above 0 ([`crate::units::parse_size`]).
 pub fn positive_size(s: &str) -> Result<u64, String> {
     match crate::units::parse_size(s)? {

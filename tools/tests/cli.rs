@@ -177,6 +177,17 @@ fn fsck_exit_codes_follow_e2fsck() {
     // Damage one data block: found, named, exit 4; repair without --drop-damaged leaves it.
     let blocks = json(&["inspect", p(&store), "--blocks", "--json"]);
     let victim = blocks.as_array().unwrap().iter().find(|b| b["kind"] == "data").unwrap()["block"].as_u64().unwrap();
+    // A damaged index block is one problem: the index check leaves out a file the block walk
+    // already found bad, where it would fail on the same block again.
+    let index = blocks.as_array().unwrap().iter().find(|b| b["kind"] == "index").unwrap()["block"].as_u64().unwrap();
+    let copy = dir.path().join("index-damaged.ctxfs");
+    std::fs::copy(&store, &copy).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&copy).unwrap().write_all_at(&[0xFF; 64], index * 4096 + 100).unwrap();
+    let out = ctxfs(&["fsck", p(&copy), "--json"]);
+    let problems = serde_json::from_slice::<Value>(&out.stdout).unwrap()["problems"].clone();
+    assert_eq!(problems.as_array().unwrap().len(), 1, "{problems}");
+    assert_eq!(problems[0]["block"].as_u64(), Some(index), "{problems}");
+    std::fs::remove_file(&copy).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(&store).unwrap();
     f.write_all_at(&[0xFF; 64], victim * 4096 + 100).unwrap();
     f.sync_all().unwrap();

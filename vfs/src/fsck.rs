@@ -814,7 +814,8 @@ fn repair_inner(
                     .map_err(|source| Error::BlockIo { block: revived.slot(), source })?;
                 dev.flush()?;
                 repaired.push(format!(
-                    "fell back to generation {} (as generation {}): generation {} had unreadable metadata",
+                    "fell back to generation {} (as generation {}): generation {} had unreadable metadata, and what \
+                     it committed is undone (a context it imported or stored is gone, one it deleted is back)",
                     older.generation, revived.generation, active.generation
                 ));
                 // What the revived state still has wrong (a damaged context, space to free)
