@@ -167,7 +167,11 @@ fn report(a: &Args, per_head: &[Generated]) -> Result<(), crate::OutputLost> {
         crate::units::count(a.kv_heads as u64, "kv head"),
         a.decode_queries
     )?;
-    outln!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys")?;
+    match mean_ratio.is_finite() {
+        true => outln!("Mahalanobis distance of queries to the key distribution: {mean_ratio:.1}× that of the keys")?,
+        // Too few keys to have a spread to measure the queries' distance in.
+        false => outln!("Mahalanobis distance of queries to the key distribution: n/a (too few keys)")?,
+    }
     outln!("{:>6} {:>8} {:>10} {:>22} {:>10}", "layer", "kv head", "sharpness", "tokens for 90% mass", "sink mass")?;
     for h in per_head {
         outln!(

@@ -126,6 +126,14 @@ fn main() -> ExitCode {
             // there means "corrected, reboot").
             if subcommand().as_deref() == Some("fsck") && e.use_stderr() {
                 let _ = e.print();
+                // fsck prints an error object with --json, whatever the error.
+                if std::env::args().any(|a| a == "--json") {
+                    // clap's message up to its usage line, on one line.
+                    let text = e.render().to_string();
+                    let message = text.split("\n\n").next().unwrap_or_default().trim_start_matches("error: ");
+                    let error = message.split_whitespace().collect::<Vec<_>>().join(" ");
+                    println!("{}", serde_json::json!({"exit_code": fsck_cmd::EXIT_USAGE, "error": error}));
+                }
                 return ExitCode::from(fsck_cmd::EXIT_USAGE);
             }
             e.exit();

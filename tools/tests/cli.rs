@@ -173,6 +173,12 @@ fn fsck_exit_codes_follow_e2fsck() {
     let v = json(&["fsck", p(&store), "--json"]);
     assert_eq!(v["clean"], true);
     assert_eq!(v["exit_code"], 0);
+    // A usage error is e2fsck's 16, and with --json an error object too.
+    let usage = ctxfs(&["fsck", p(&store), "--drop-damaged", "--json"]);
+    assert_eq!(usage.status.code(), Some(16));
+    let v: Value = serde_json::from_slice(&usage.stdout).unwrap();
+    assert_eq!(v["exit_code"], 16);
+    assert!(v["error"].as_str().unwrap().contains("--repair"), "{v}");
 
     // Damage one data block: found, named, exit 4; repair without --drop-damaged leaves it.
     let blocks = json(&["inspect", p(&store), "--blocks", "--json"]);
