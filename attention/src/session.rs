@@ -134,7 +134,8 @@ pub struct AttentionOptions {
 impl AttentionOptions {
     /// Refuses options no plan can honour: a non-positive or non-finite target, scale or
     /// β; an error target on a plan with a fixed budget; a budget on `full`, which attends
-    /// every token; the tail estimate asked of a plan that makes none. [`Session::attention_with`] checks them before anything runs.
+    /// every token; the tail estimate asked of a plan that makes none.
+    /// [`Session::attention_with`] checks them before anything runs.
     pub fn validate(&self) -> Result<()> {
         if let Some(e) = self.target_error.filter(|e| !(e.is_finite() && *e > 0.0)) {
             return input(format!("the error target must be a positive number, not {e}"));
