@@ -32,6 +32,9 @@ pub enum Plan {
 }
 
 impl Plan {
+    /// Every plan's name, as an error message lists them.
+    pub const NAMES: &'static str = "full, flat, diprs, graph-diprs, topk, quest, infllm or pq";
+
     pub fn name(self) -> &'static str {
         match self {
             Plan::Full => "full",
@@ -63,9 +66,7 @@ impl std::str::FromStr for Plan {
             "infllm" => Ok(Plan::Infllm),
             "graph-diprs" => Ok(Plan::GraphDiprs),
             "pq" => Ok(Plan::Pq),
-            _ => {
-                Err(format!("unknown plan {s:?} (expected full, flat, diprs, graph-diprs, topk, quest, infllm or pq)"))
-            }
+            _ => Err(format!("unknown plan {s:?} (expected {})", Plan::NAMES)),
         }
     }
 }

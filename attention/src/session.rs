@@ -272,7 +272,11 @@ struct SegmentReader<'a> {
     seed_spread: OnceCell<f64>,
 }
 
-impl SegmentReader<'_> {
+impl<'a> SegmentReader<'a> {
+    fn new(seg: Segment, index: PagedIndex<'a>, file: &'a FileBlocks) -> SegmentReader<'a> {
+        SegmentReader { seg, index, file, seed_spread: OnceCell::new() }
+    }
+
     /// Every how many tokens the segment's seeds are: its index's seed table's stride, which
     /// its codes' samples share (one writer wrote both).
     fn seed_stride(&self) -> u32 {
@@ -772,14 +776,7 @@ impl Session {
         let readers = segments
             .iter()
             .zip(&files)
-            .map(|(s, f)| {
-                Ok(SegmentReader {
-                    seg: *s,
-                    index: self.open_index(f, s, layer, h)?,
-                    file: f,
-                    seed_spread: OnceCell::new(),
-                })
-            })
+            .map(|(s, f)| Ok(SegmentReader::new(*s, self.open_index(f, s, layer, h)?, f)))
             .collect::<Result<Vec<_>>>()?;
         // Each q head's scores of the window and of the session's own tokens, before the scans:
         // their best bounds a range's.
@@ -1132,12 +1129,7 @@ impl Session {
         }
         for s in self.reuse.as_ref().map_or(&[][..], |r| &r.segments) {
             let file = self.db.inner.file(&self.snap, s.context, layer as u16, 0)?;
-            let r = SegmentReader {
-                seg: *s,
-                index: self.open_index(&file, s, layer, 0)?,
-                file: &file,
-                seed_spread: OnceCell::new(),
-            };
+            let r = SegmentReader::new(*s, self.open_index(&file, s, layer, 0)?, &file);
             if self.stored_run(&r, CoarseKind::Pq, choice.plan)?.is_none() {
                 return Ok(Choice { plan: Plan::GraphDiprs, ..choice });
             }
@@ -2174,7 +2166,8 @@ fn codes_range(choice: Choice) -> bool {
 }
 
 /// Whether the codes choose the best within a budget (the optimizer's `pq` plan without an
-/// error target): only each query's best of the codes' scores are needed.
+/// error target, or a forced one asked for the tail): only each query's best of the codes'
+/// scores are needed.
 fn codes_best(choice: Choice, opts: &AttentionOptions) -> bool {
     choice.plan == Plan::Pq && choice.error_target.is_none() && codes_choose(choice, opts)
 }

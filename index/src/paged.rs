@@ -583,8 +583,9 @@ impl<'p> PagedIndex<'p> {
         }))
     }
 
-    /// The spread of the seed values ([`crate::target::ValueSpread`]). A tail estimate that rests on few seeds errs by about this over their effective
-    /// number ([`crate::target::estimate`]). `None` when the stream has no seed values.
+    /// The spread of the seed values ([`crate::target::ValueSpread`]). A tail estimate that
+    /// rests on few seeds errs by about this over their effective number
+    /// ([`crate::target::estimate`]). `None` when the stream has no seed values.
     pub fn seed_value_spread(&self, stats: &mut SearchStats) -> Option<Result<f64, BufferError>> {
         let l = &self.layout;
         if !l.seed_values || l.seed_rows() == 0 {

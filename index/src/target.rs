@@ -291,13 +291,27 @@ impl TailVariance {
     /// Adds a segment's left-out seeds: their `weights` (0 for the others) and their values'
     /// spread, asked for only where they weigh anything.
     pub fn add<E>(&mut self, weights: &[f32], spread: impl FnOnce() -> Result<f64, E>) -> Result<(), E> {
+        if weights.iter().any(|&w| w > 0.0) {
+            self.add_known(weights, spread()?);
+        }
+        Ok(())
+    }
+
+    /// The variance of one segment's tail: its left-out seeds' `weights` and their values'
+    /// `spread`, already known.
+    pub fn of(weights: &[f32], spread: f64) -> f64 {
+        let mut variance = TailVariance::default();
+        variance.add_known(weights, spread);
+        variance.value()
+    }
+
+    fn add_known(&mut self, weights: &[f32], spread: f64) {
         let w: f64 = weights.iter().map(|&w| f64::from(w)).sum();
         if w > 0.0 {
-            self.spread += w * spread()?;
+            self.spread += w * spread;
             self.squares += weights.iter().map(|&w| f64::from(w) * f64::from(w)).sum::<f64>();
             self.sum += w;
         }
-        Ok(())
     }
 
     pub fn value(&self) -> f64 {

@@ -161,7 +161,8 @@ class Session:
 
     def __repr__(self) -> str:
         info = self._native.info()
-        return f"<ctxfs.Session {info['reused_context']!r}: {info['prefix_tokens']} tokens reused, {info['new_tokens']} new>"
+        reused, new = info["prefix_tokens"], info["new_tokens"]
+        return f"<ctxfs.Session {info['reused_context']!r}: {reused} tokens reused, {new} new>"
 
     @property
     def shape(self) -> dict:

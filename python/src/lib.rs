@@ -194,8 +194,9 @@ impl Store {
             return Err(errors::InputError::new_err("a session needs the prompt's token ids: none were given"));
         }
         let cap = max_reuse.unwrap_or(tokens.len()).min(tokens.len());
-        let (mut session, _) = py.detach(|| self.db.create_session(&tokens[..cap])).map_err(|e| match cap {
-            0 => errors::InputError::new_err(
+        let (mut session, _) = py.detach(|| self.db.create_session(&tokens[..cap])).map_err(|e| match (cap, &e) {
+            // No prefix to reuse and no shape to start from: say why there was none.
+            (0, ctxfs_attention::Error::Input(_)) => errors::InputError::new_err(
                 "max_reuse is 0: the session reuses no stored prefix, and a session without one needs a model shape \
                  this store does not configure",
             ),

@@ -51,7 +51,7 @@ pub struct Args {
     layers: usize,
     /// Decode steps (one query per q head each, at consecutive positions; the first is the
     /// cold one, the others the steady steps, so at least 2).
-    #[arg(long, default_value_t = 16, value_parser = at_least_two)]
+    #[arg(long, default_value_t = 16, value_parser = crate::values::at_least::<2>)]
     steps: usize,
     /// Data-block cache as a share of the data blocks.
     #[arg(long, default_value_t = 0.10)]
@@ -87,13 +87,6 @@ const RAW_QUEUE_DEPTH: usize = 32;
 const RAW_OP: usize = 1 << 20;
 /// 1/sqrt(head_dim).
 const SCALE: f32 = 0.088_388_35;
-
-fn at_least_two(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n >= 2 => Ok(n),
-        _ => Err(format!("{s:?}: expected at least 2 steps, a cold one and a steady one")),
-    }
-}
 
 pub fn run(args: Args, choice: DeviceChoice) -> Result<()> {
     let (n, layers, steps) = (args.tokens, args.layers, args.steps);

@@ -22,9 +22,9 @@ fn parse_mode(s: &str) -> Result<Mode, String> {
     if s == "auto" {
         Ok(Mode(None))
     } else {
-        s.parse().map(|p| Mode(Some(p))).map_err(|_: String| {
-            format!("unknown mode {s:?} (expected auto, full, flat, diprs, graph-diprs, topk, quest, infllm or pq)")
-        })
+        s.parse()
+            .map(|p| Mode(Some(p)))
+            .map_err(|_: String| format!("unknown mode {s:?} (expected auto, {})", Plan::NAMES))
     }
 }
 

@@ -28,11 +28,11 @@ pub fn block_size(s: &str) -> Result<usize, String> {
     ctxfs_vfs::device::check_block_size(n).map(|()| n)
 }
 
-/// A count of at least 1.
-pub fn at_least_one(s: &str) -> Result<usize, String> {
+/// A count of at least `MIN`.
+pub fn at_least<const MIN: usize>(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("{s:?}: expected a whole number of at least 1")),
+        Ok(n) if n >= MIN => Ok(n),
+        _ => Err(format!("{s:?}: expected a whole number of at least {MIN}")),
     }
 }
 
@@ -59,6 +59,8 @@ mod tests {
         for bad in ["-0.5", "NaN", "1e40"] {
             assert!(non_negative::<f32>(bad).is_err(), "{bad}");
         }
+        assert_eq!((at_least::<2>("2"), at_least::<1>(" 5 ")), (Ok(2), Ok(5)));
+        assert!(at_least::<2>("1").is_err() && at_least::<1>("0").is_err() && at_least::<1>("-1").is_err());
         assert_eq!(positive_size("1K"), Ok(1024));
         assert!(positive_size("0").is_err() && positive_size("0.1").is_err());
     }
